@@ -1,0 +1,65 @@
+"""One error hierarchy; each class carries the exit code the CLI maps it to.
+
+Exit-code contract shared by every command:
+
+    0  success, or nothing to do
+    1  a check mode found work to do
+    2  bad usage or unusable input (missing file, not an ONNX model, invalid model)
+    3  the numerics check failed
+    4  an internal error in fuser or in a rule
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_WORK_FOUND = 1
+EXIT_USAGE = 2
+EXIT_MISMATCH = 3
+EXIT_INTERNAL = 4
+
+
+class FuserError(Exception):
+    """Base of every error fuser reports; `str(error)` is the one-line message."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class UsageError(FuserError):
+    """The user asked for something that cannot be done as asked."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(FuserError):
+    """The input model is missing, unreadable, not ONNX, or invalid."""
+
+    exit_code = EXIT_USAGE
+
+
+class UnsafePathError(InputError):
+    """An external-data reference points outside the model's folder."""
+
+
+class NumericsMismatch(FuserError):
+    """The optimized model disagrees with the original beyond tolerance."""
+
+    exit_code = EXIT_MISMATCH
+
+
+class RuleError(FuserError):
+    """A rule crashed or broke an invariant; this is a bug in fuser or the rule."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, rule_name: str, message: str):
+        self.rule_name = rule_name
+        super().__init__(
+            f"rule '{rule_name}' failed: {message} "
+            "(this is a bug in the rule; please report it with the model attached)"
+        )
+
+
+class RewriteLimitExceeded(FuserError):
+    """The rewrite loop did not reach a fixed point, usually two rules undoing each other."""
+
+    exit_code = EXIT_INTERNAL

@@ -1,0 +1,512 @@
+"""An ONNX graph held in a networkx multigraph, convertible back to ONNX without loss.
+
+Every ONNX node is a networkx node of kind "op". Graph inputs, initializers and
+tensors captured from an enclosing scope are source nodes; every graph output is a
+sink node. An edge runs from the node that produces a tensor to each consumer and
+carries the tensor's name and the consumer's input slot (slot -1 marks a tensor a
+subgraph reads from this scope). A multigraph, because Mul(x, x) consumes one tensor twice.
+
+This module is the only one that knows networkx. Nodes nobody rewrote keep their
+original NodeProto objects, so converting back is lossless for them; output order is
+a topological order keyed by the original positions, so an untouched graph comes back
+in its original order and the same input always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import onnx
+from google.protobuf.message import Message
+from onnx import AttributeProto, GraphProto, NodeProto, TensorProto, ValueInfoProto
+
+from fuser.errors import FuserError
+from fuser.tensors import TensorStore
+
+OP = "op"
+GRAPH_INPUT = "input"
+INITIALIZER = "initializer"
+OUTER = "outer"
+GRAPH_OUTPUT = "output"
+
+SUBGRAPH_SLOT = -1
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+class Names:
+    """Every node and tensor name used anywhere in a model, so new names never collide."""
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+        self._counters: dict[str, itertools.count] = {}
+
+    def add(self, name: str) -> None:
+        if name:
+            self._used.add(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._used
+
+    def fresh(self, base: str) -> str:
+        base = base or "fuser"
+        if base not in self._used:
+            self._used.add(base)
+            return base
+        counter = self._counters.setdefault(base, itertools.count(1))
+        while True:
+            candidate = f"{base}__{next(counter)}"
+            if candidate not in self._used:
+                self._used.add(candidate)
+                return candidate
+
+
+@dataclass
+class NodeInfo:
+    """What a rule or the engine may read about one op node."""
+
+    id: int
+    proto: NodeProto
+    subgraphs: dict[str, list["Graph"]] = field(default_factory=dict)
+
+    @property
+    def op_type(self) -> str:
+        return self.proto.op_type
+
+    @property
+    def domain(self) -> str:
+        return self.proto.domain
+
+    @property
+    def name(self) -> str:
+        return self.proto.name
+
+    @property
+    def inputs(self) -> list[str]:
+        return list(self.proto.input)
+
+    @property
+    def outputs(self) -> list[str]:
+        return list(self.proto.output)
+
+    def attr(self, name: str, default=None):
+        for attribute in self.proto.attribute:
+            if attribute.name == name:
+                return onnx.helper.get_attribute_value(attribute)
+        return default
+
+    def attrs(self) -> dict:
+        return {
+            a.name: onnx.helper.get_attribute_value(a)
+            for a in self.proto.attribute
+            if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+        }
+
+
+class Graph:
+    """One ONNX graph scope (the main graph, or an If/Loop/Scan body)."""
+
+    def __init__(
+        self,
+        proto: GraphProto,
+        *,
+        names: Names,
+        tensors: TensorStore,
+        opsets: dict[str, int],
+        outer: Graph | None = None,
+    ) -> None:
+        self._shell = _graph_shell(proto)
+        self.names = names
+        self.tensors = tensors
+        self.opsets = opsets
+        self.outer = outer
+        self.nx = nx.MultiDiGraph()
+        self.modified = False
+        self._ids = itertools.count()
+        self._producer: dict[str, tuple[int, int]] = {}
+        self._by_op: dict[tuple[str, str], dict[int, None]] = {}
+        self._initializers: dict[str, TensorProto] = {}
+        self._value_info = list(proto.value_info)
+        self._inputs = list(proto.input)
+        self._outputs = list(proto.output)
+        self._constant_cache: dict[str, np.ndarray | None] = {}
+        self._build(proto)
+
+    # ----------------------------------------------------------------- building
+
+    def _build(self, proto: GraphProto) -> None:
+        for value in itertools.chain(proto.input, proto.output, proto.value_info):
+            self.names.add(value.name)
+        for position, value in enumerate(proto.input):
+            self._add_source(GRAPH_INPUT, value.name, (-2, position))
+        for position, tensor in enumerate(proto.initializer):
+            self.names.add(tensor.name)
+            self._initializers[tensor.name] = tensor
+            # Since IR 4 an initializer that is also a graph input is only a default
+            # the caller may override, so the input is what produces the tensor.
+            if tensor.name not in self._producer:
+                self._add_source(INITIALIZER, tensor.name, (-1, position))
+        for tensor in proto.sparse_initializer:
+            self.names.add(tensor.values.name)
+            if tensor.values.name not in self._producer:
+                self._add_source(INITIALIZER, tensor.values.name, (-1, -1))
+
+        pending = []
+        for position, node in enumerate(proto.node):
+            node_id = self._register_node(node, (position,))
+            pending.append(node_id)
+        for node_id in pending:
+            self._connect_inputs(node_id)
+        for position, value in enumerate(proto.output):
+            sink = next(self._ids)
+            self.nx.add_node(sink, kind=GRAPH_OUTPUT, tensor=value.name, key=(float("inf"), position))
+            self._connect(value.name, sink, position)
+
+    def _add_source(self, kind: str, tensor: str, key: tuple) -> int:
+        node_id = next(self._ids)
+        self.nx.add_node(node_id, kind=kind, tensor=tensor, key=key)
+        self._producer[tensor] = (node_id, 0)
+        return node_id
+
+    def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
+        node_id = next(self._ids)
+        subgraphs: dict[str, list[Graph]] = {}
+        for attribute in proto.attribute:
+            if attribute.type == AttributeProto.GRAPH:
+                subgraphs[attribute.name] = [self._subgraph(attribute.g)]
+            elif attribute.type == AttributeProto.GRAPHS:
+                subgraphs[attribute.name] = [self._subgraph(g) for g in attribute.graphs]
+        info = NodeInfo(node_id, proto, subgraphs)
+        self.nx.add_node(node_id, kind=OP, info=info, key=key, provenance=provenance)
+        self.names.add(proto.name)
+        for index, output in enumerate(proto.output):
+            if output:
+                self.names.add(output)
+                self._producer[output] = (node_id, index)
+        self._by_op.setdefault((proto.domain, proto.op_type), {})[node_id] = None
+        return node_id
+
+    def _subgraph(self, proto: GraphProto) -> Graph:
+        return Graph(proto, names=self.names, tensors=self.tensors, opsets=self.opsets, outer=self)
+
+    def _connect_inputs(self, node_id: int) -> None:
+        info: NodeInfo = self.nx.nodes[node_id]["info"]
+        for slot, tensor in enumerate(info.proto.input):
+            if tensor:
+                self._connect(tensor, node_id, slot)
+        captured = {
+            name for graphs in info.subgraphs.values() for g in graphs for name in g.captured()
+        }
+        for tensor in sorted(captured):
+            self._connect(tensor, node_id, SUBGRAPH_SLOT)
+
+    def _connect(self, tensor: str, consumer: int, slot: int) -> None:
+        if tensor not in self._producer:
+            # Not defined in this scope: read from an enclosing graph.
+            self._add_source(OUTER, tensor, (-3, 0))
+        producer, _ = self._producer[tensor]
+        self.nx.add_edge(producer, consumer, tensor=tensor, slot=slot)
+
+    # ------------------------------------------------------------------ queries
+
+    def captured(self) -> list[str]:
+        """Names this graph (or a graph nested in it) reads from enclosing scopes."""
+        return [
+            data["tensor"]
+            for _, data in self.nx.nodes(data=True)
+            if data["kind"] == OUTER and self.nx.out_degree(_) > 0
+        ]
+
+    def node(self, node_id: int) -> NodeInfo:
+        return self.nx.nodes[node_id]["info"]
+
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self.nx and self.nx.nodes[node_id]["kind"] == OP
+
+    def nodes(self) -> Iterator[NodeInfo]:
+        for _, data in self.nx.nodes(data=True):
+            if data["kind"] == OP:
+                yield data["info"]
+
+    def node_count(self) -> int:
+        return sum(len(ids) for ids in self._by_op.values())
+
+    def nodes_of_type(self, op_type: str, domain: str = "") -> list[int]:
+        domains = _DEFAULT_DOMAINS if domain in _DEFAULT_DOMAINS else (domain,)
+        found: list[int] = []
+        for d in domains:
+            found.extend(self._by_op.get((d, op_type), ()))
+        return found
+
+    def sort_key(self, node_id: int) -> tuple:
+        return self.nx.nodes[node_id]["key"]
+
+    def provenance(self, node_id: int) -> str | None:
+        return self.nx.nodes[node_id].get("provenance")
+
+    def producer(self, tensor: str) -> int | None:
+        """The op node producing `tensor` in this scope, or None for inputs, constants, captures."""
+        entry = self._producer.get(tensor)
+        if entry is None or self.nx.nodes[entry[0]]["kind"] != OP:
+            return None
+        return entry[0]
+
+    def defines(self, tensor: str) -> bool:
+        return tensor in self._producer and self.nx.nodes[self._producer[tensor][0]]["kind"] != OUTER
+
+    def consumers(self, tensor: str) -> list[tuple[int, int]]:
+        """(node id, input slot) for each use of `tensor`; graph outputs are sink nodes, slot = position."""
+        entry = self._producer.get(tensor)
+        if entry is None:
+            return []
+        return [
+            (consumer, data["slot"])
+            for _, consumer, data in self.nx.out_edges(entry[0], data=True)
+            if data["tensor"] == tensor
+        ]
+
+    def op_consumers(self, tensor: str) -> list[int]:
+        return [c for c, _ in self.consumers(tensor) if self.nx.nodes[c]["kind"] == OP]
+
+    def is_graph_output(self, tensor: str) -> bool:
+        return any(self.nx.nodes[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
+
+    def is_graph_input(self, tensor: str) -> bool:
+        entry = self._producer.get(tensor)
+        return entry is not None and self.nx.nodes[entry[0]]["kind"] == GRAPH_INPUT
+
+    def initializer(self, tensor: str) -> TensorProto | None:
+        entry = self._producer.get(tensor)
+        if entry is None or self.nx.nodes[entry[0]]["kind"] != INITIALIZER:
+            if entry is not None and self.nx.nodes[entry[0]]["kind"] == OUTER and self.outer:
+                return self.outer.initializer(tensor)
+            return None
+        return self._initializers.get(tensor)
+
+    def is_constant(self, tensor: str) -> bool:
+        """True when the tensor's value is fixed by the model (initializer or Constant node)."""
+        return self.constant_value(tensor) is not None
+
+    def constant_value(self, tensor: str, max_bytes: int = 256 << 20) -> np.ndarray | None:
+        """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand.
+
+        Values above `max_bytes` are not materialized; None means "not a known constant".
+        """
+        if tensor in self._constant_cache:
+            return self._constant_cache[tensor]
+        value = self._evaluate_constant(tensor, max_bytes)
+        self._constant_cache[tensor] = value
+        return value
+
+    def _evaluate_constant(self, tensor: str, max_bytes: int) -> np.ndarray | None:
+        from fuser.constants import evaluate_node, is_foldable
+
+        entry = self._producer.get(tensor)
+        if entry is None:
+            return None
+        node_id, index = entry
+        kind = self.nx.nodes[node_id]["kind"]
+        if kind == INITIALIZER:
+            proto = self._initializers.get(tensor)
+            if proto is None:  # sparse initializers stay opaque
+                return None
+            return self.tensors.value(proto, max_bytes)
+        if kind == OUTER:
+            return self.outer.constant_value(tensor, max_bytes) if self.outer else None
+        if kind != OP:
+            return None
+        info = self.node(node_id)
+        if not is_foldable(info):
+            return None
+        inputs = []
+        for name in info.proto.input:
+            if not name:
+                inputs.append(None)
+                continue
+            value = self.constant_value(name, max_bytes)
+            if value is None:
+                return None
+            inputs.append(value)
+        outputs = evaluate_node(info.proto, inputs, self.opsets, max_bytes)
+        if outputs is None:
+            return None
+        for name, value in zip(info.proto.output, outputs):
+            if name:
+                self._constant_cache[name] = value
+        return outputs[index] if index < len(outputs) else None
+
+    def value_info(self, tensor: str) -> ValueInfoProto | None:
+        for value in itertools.chain(self._inputs, self._outputs, self._value_info):
+            if value.name == tensor:
+                return value
+        return None
+
+    def opset(self, domain: str = "") -> int | None:
+        return self.opsets.get("" if domain in _DEFAULT_DOMAINS else domain)
+
+    # ---------------------------------------------------------------- rewriting
+
+    def add_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
+        """Add a node whose output names are fresh; connect its inputs."""
+        for output in proto.output:
+            if output and output in self._producer:
+                raise FuserError(f"tensor '{output}' would be produced twice")
+        node_id = self._register_node(proto, key, provenance)
+        self._connect_inputs(node_id)
+        self.modified = True
+        return node_id
+
+    def remove_node(self, node_id: int) -> None:
+        info = self.node(node_id)
+        for output in info.proto.output:
+            if output and self._producer.get(output, (None,))[0] == node_id:
+                del self._producer[output]
+                self._constant_cache.pop(output, None)
+        del self._by_op[(info.domain, info.op_type)][node_id]
+        self.nx.remove_node(node_id)
+        self.modified = True
+
+    def redirect(self, old: str, new: str) -> None:
+        """Make every consumer of tensor `old` (not graph outputs) read `new` instead."""
+        for consumer, slot in self.consumers(old):
+            if self.nx.nodes[consumer]["kind"] != OP:
+                continue
+            info = self.node(consumer)
+            if slot == SUBGRAPH_SLOT:
+                raise FuserError(f"tensor '{old}' is read inside a subgraph and cannot be renamed")
+            info.proto.input[slot] = new
+            producer = self._producer[old][0]
+            for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
+                if data["tensor"] == old and data["slot"] == slot:
+                    self.nx.remove_edge(producer, consumer, key)
+            self._connect(new, consumer, slot)
+        self.modified = True
+
+    def add_initializer(self, tensor: TensorProto) -> None:
+        if tensor.name in self._producer:
+            raise FuserError(f"initializer '{tensor.name}' already exists")
+        self.names.add(tensor.name)
+        self._initializers[tensor.name] = tensor
+        self._add_source(INITIALIZER, tensor.name, (-1, len(self._initializers)))
+        self.modified = True
+
+    def remove_if_unused(self, tensor: str) -> None:
+        """Drop an initializer or a Constant-like producer that a rewrite left without consumers."""
+        entry = self._producer.get(tensor)
+        if entry is None or self.consumers(tensor):
+            return
+        node_id = entry[0]
+        kind = self.nx.nodes[node_id]["kind"]
+        if kind == INITIALIZER:
+            self._initializers.pop(tensor, None)
+            del self._producer[tensor]
+            self.nx.remove_node(node_id)
+            self._constant_cache.pop(tensor, None)
+            self.modified = True
+        elif kind == OP:
+            info = self.node(node_id)
+            if any(self.consumers(o) for o in info.proto.output if o):
+                return
+            from fuser.constants import is_foldable
+
+            if not is_foldable(info):
+                return
+            inputs = [i for i in info.proto.input if i]
+            self.remove_node(node_id)
+            for name in inputs:
+                self.remove_if_unused(name)
+
+    def mark_modified(self) -> None:
+        self.modified = True
+
+    # --------------------------------------------------------------- conversion
+
+    def topological_order(self) -> list[int]:
+        """Op nodes in a deterministic topological order: ties broken by original position."""
+        graph = self.nx
+        indegree: dict[int, int] = {}
+        heap: list[tuple[tuple, int]] = []
+        for node_id, data in graph.nodes(data=True):
+            if data["kind"] != OP:
+                continue
+            degree = sum(1 for p, _ in graph.in_edges(node_id) if graph.nodes[p]["kind"] == OP)
+            indegree[node_id] = degree
+            if degree == 0:
+                heap.append((data["key"], node_id))
+        heapq.heapify(heap)
+        order: list[int] = []
+        while heap:
+            _, node_id = heapq.heappop(heap)
+            order.append(node_id)
+            for _, consumer in graph.out_edges(node_id):
+                if consumer in indegree:
+                    indegree[consumer] -= 1
+                    if indegree[consumer] == 0:
+                        heapq.heappush(heap, (graph.nodes[consumer]["key"], consumer))
+        if len(order) != len(indegree):
+            raise FuserError("the graph has a cycle")
+        return order
+
+    def is_modified(self) -> bool:
+        return self.modified or any(
+            g.is_modified() for info in self.nodes() for gs in info.subgraphs.values() for g in gs
+        )
+
+    def to_proto(self) -> GraphProto:
+        graph = GraphProto()
+        graph.CopyFrom(self._shell)
+        graph.node.extend(self._node_proto(self.node(i)) for i in self.topological_order())
+        graph.initializer.extend(self._initializers.values())
+        live = set(self._producer)
+        graph.value_info.extend(v for v in self._value_info if v.name in live)
+        return graph
+
+    def _node_proto(self, info: NodeInfo) -> NodeProto:
+        if not any(g.is_modified() for gs in info.subgraphs.values() for g in gs):
+            return info.proto
+        node = NodeProto()
+        node.CopyFrom(info.proto)
+        for attribute in node.attribute:
+            if attribute.name not in info.subgraphs:
+                continue
+            graphs = info.subgraphs[attribute.name]
+            if attribute.type == AttributeProto.GRAPH:
+                attribute.g.CopyFrom(graphs[0].to_proto())
+            else:
+                del attribute.graphs[:]
+                attribute.graphs.extend(g.to_proto() for g in graphs)
+        return node
+
+    def all_graphs(self) -> Iterable[Graph]:
+        """This graph and every graph nested in it, outermost first."""
+        yield self
+        for info in list(self.nodes()):
+            for graphs in info.subgraphs.values():
+                for g in graphs:
+                    yield from g.all_graphs()
+
+
+def _graph_shell(proto: GraphProto) -> GraphProto:
+    """Everything of a GraphProto except the parts fuser rebuilds (nodes, initializers, value_info)."""
+    shell = GraphProto()
+    copy_fields_except(proto, shell, {"node", "initializer", "value_info"})
+    return shell
+
+
+def copy_fields_except(source: Message, target: Message, skipped: set[str]) -> None:
+    """Copy every set field of `source` into `target`, except the named ones (never copied)."""
+    for descriptor, value in source.ListFields():
+        if descriptor.name in skipped:
+            continue
+        field_value = getattr(target, descriptor.name)
+        if isinstance(value, Message):
+            field_value.CopyFrom(value)
+        elif hasattr(value, "extend") and not isinstance(value, (str, bytes)):
+            field_value.extend(value)
+        else:
+            setattr(target, descriptor.name, value)
