@@ -119,7 +119,11 @@ class Graph:
         tensors: TensorStore,
         opsets: dict[str, int],
         outer: Graph | None = None,
+        constant_initializer_inputs: bool = False,
     ) -> None:
+        # Before IR 4 every initializer had to be listed as a graph input too, and such
+        # inputs hold the model's weights: they are constants, not values to feed.
+        self.constant_initializer_inputs = constant_initializer_inputs
         self._shell = _graph_shell(proto)
         self.names = names
         self.tensors = tensors
@@ -142,8 +146,12 @@ class Graph:
     def _build(self, proto: GraphProto) -> None:
         for value in itertools.chain(proto.input, proto.output, proto.value_info):
             self.names.add(value.name)
+        constant_inputs = (
+            {t.name for t in proto.initializer} if self.constant_initializer_inputs else set()
+        )
         for position, value in enumerate(proto.input):
-            self._add_source(GRAPH_INPUT, value.name, (-2, position))
+            if value.name not in constant_inputs:
+                self._add_source(GRAPH_INPUT, value.name, (-2, position))
         for position, tensor in enumerate(proto.initializer):
             self.names.add(tensor.name)
             self._initializers[tensor.name] = tensor
@@ -192,7 +200,14 @@ class Graph:
         return node_id
 
     def _subgraph(self, proto: GraphProto) -> Graph:
-        return Graph(proto, names=self.names, tensors=self.tensors, opsets=self.opsets, outer=self)
+        return Graph(
+            proto,
+            names=self.names,
+            tensors=self.tensors,
+            opsets=self.opsets,
+            outer=self,
+            constant_initializer_inputs=self.constant_initializer_inputs,
+        )
 
     def _connect_inputs(self, node_id: int) -> None:
         info: NodeInfo = self.nx.nodes[node_id]["info"]
@@ -387,6 +402,40 @@ class Graph:
             self._connect(new, consumer, slot)
         self.modified = True
 
+    def replace_nodes(
+        self,
+        removed: list[int],
+        nodes: list[NodeProto],
+        initializers: list[TensorProto],
+        key: tuple,
+        provenance: str,
+    ) -> list[int]:
+        """Swap `removed` for `nodes`; consumers of removed outputs that the new nodes
+        produce again (same names) are reconnected to them."""
+        removed_set = set(removed)
+        dangling = []
+        inputs = []
+        for node_id in removed:
+            info = self.node(node_id)
+            inputs.extend(i for i in info.proto.input if i)
+            for output in info.proto.output:
+                if output:
+                    dangling.extend(
+                        (output, c, s) for c, s in self.consumers(output) if c not in removed_set
+                    )
+        for node_id in removed:
+            self.remove_node(node_id)
+        for tensor in initializers:
+            self.add_initializer(tensor)
+        created = [self.add_node(proto, key + (j,), provenance) for j, proto in enumerate(nodes)]
+        for tensor, consumer, slot in dangling:
+            if tensor not in self._producer:
+                raise FuserError(f"tensor '{tensor}' is still used but no longer produced")
+            self._connect(tensor, consumer, slot)
+        for tensor in inputs:
+            self.remove_if_unused(tensor)
+        return created
+
     def add_initializer(self, tensor: TensorProto) -> None:
         if tensor.name in self._producer:
             raise FuserError(f"initializer '{tensor.name}' already exists")
@@ -404,6 +453,7 @@ class Graph:
         kind = self.nx.nodes[node_id]["kind"]
         if kind == INITIALIZER:
             self._initializers.pop(tensor, None)
+            self._inputs = [v for v in self._inputs if v.name != tensor]
             del self._producer[tensor]
             self.nx.remove_node(node_id)
             self._constant_cache.pop(tensor, None)
@@ -460,6 +510,7 @@ class Graph:
     def to_proto(self) -> GraphProto:
         graph = GraphProto()
         graph.CopyFrom(self._shell)
+        graph.input.extend(self._inputs)
         graph.node.extend(self._node_proto(self.node(i)) for i in self.topological_order())
         graph.initializer.extend(self._initializers.values())
         live = set(self._producer)
@@ -492,9 +543,9 @@ class Graph:
 
 
 def _graph_shell(proto: GraphProto) -> GraphProto:
-    """Everything of a GraphProto except the parts fuser rebuilds (nodes, initializers, value_info)."""
+    """Everything of a GraphProto except the parts fuser rebuilds."""
     shell = GraphProto()
-    copy_fields_except(proto, shell, {"node", "initializer", "value_info"})
+    copy_fields_except(proto, shell, {"node", "initializer", "value_info", "input"})
     return shell
 
 

@@ -33,7 +33,13 @@ class Model:
         }
         self.names = Names()
         self.tensors = TensorStore(base_dir)
-        self.graph = Graph(proto.graph, names=self.names, tensors=self.tensors, opsets=self.opsets)
+        self.graph = Graph(
+            proto.graph,
+            names=self.names,
+            tensors=self.tensors,
+            opsets=self.opsets,
+            constant_initializer_inputs=proto.ir_version < 4,
+        )
         for g in self.graph.all_graphs():
             for name in g._initializers:
                 self.tensors.check(g._initializers[name])

@@ -1,0 +1,296 @@
+"""The rewrite loop: candidates by root op type, one rewrite at a time, to a fixed point.
+
+The engine knows nothing about particular rules. For each graph scope it keeps a
+worklist of nodes ordered by position; a node is tried against the rules whose pattern
+is rooted at its op type, in rule order, and the first match that passes the engine's
+safety checks, the rule's condition and its build is applied. After a rewrite only the
+touched neighbourhood goes back on the worklist.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fuser.errors import RewriteLimitExceeded, RuleError
+from fuser.graph import OP, SUBGRAPH_SLOT, Graph
+from fuser.match import Decline, Match, TypeInfo, find_matches
+from fuser.model import Model
+from fuser.rule import Builder, Rule, as_outputs
+
+
+@dataclass
+class Rewrite:
+    """One applied rewrite: which rule, where, what it replaced and what it created."""
+
+    index: int
+    rule: str
+    scope: str
+    matched: list[str]
+    created: list[str]
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "rule": self.rule,
+            "scope": self.scope,
+            "matched": self.matched,
+            "created": self.created,
+        }
+
+
+@dataclass
+class Opportunity:
+    """A match a rule would rewrite (check mode)."""
+
+    rule: str
+    scope: str
+    nodes: list[str]
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "scope": self.scope, "nodes": self.nodes}
+
+
+@dataclass
+class Declined:
+    rule: str
+    scope: str
+    node: str
+    reason: str
+
+
+@dataclass
+class EngineResult:
+    rewrites: list[Rewrite] = field(default_factory=list)
+    opportunities: list[Opportunity] = field(default_factory=list)
+    declined: list[Declined] = field(default_factory=list)
+    skipped_rules: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(r.rule for r in self.rewrites))
+
+
+class Engine:
+    def __init__(self, model: Model, rules: list[Rule], *, max_rewrites: int | None = None, trace: bool = False):
+        self.model = model
+        self.trace = trace
+        self.result = EngineResult()
+        opset = model.opsets.get("", 1)
+        self.rules: list[Rule] = []
+        for candidate in rules:
+            if candidate.supports_opset(opset):
+                self.rules.append(candidate)
+            else:
+                low, high = candidate.opsets
+                self.result.skipped_rules[candidate.name] = (
+                    f"the model uses opset {opset}; the rule supports {low} to {high}"
+                )
+        self._by_root: dict[str, list[Rule]] = {}
+        for candidate in self.rules:
+            for op_type in candidate.root_types:
+                self._by_root.setdefault(op_type, []).append(candidate)
+        self._depth = max((r.depth for r in self.rules), default=1)
+        self._types = TypeInfo(model.to_proto)
+        self._max_rewrites = max_rewrites
+
+    # ------------------------------------------------------------------ driving
+
+    def run(self, apply: bool = True) -> EngineResult:
+        started = time.perf_counter()
+        if self._max_rewrites is None:
+            self._max_rewrites = 8 * self.model.node_count() + 1000
+        scopes = [(self.model.graph, "main")]
+        while scopes:
+            graph, scope = scopes.pop(0)
+            self._run_scope(graph, scope, apply)
+            for info in list(graph.nodes()):
+                for attr, graphs in info.subgraphs.items():
+                    for index, sub in enumerate(graphs):
+                        suffix = f"[{index}]" if len(graphs) > 1 else ""
+                        scopes.append((sub, f"{scope}/{info.name or info.op_type}.{attr}{suffix}"))
+        self.result.seconds = time.perf_counter() - started
+        return self.result
+
+    def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
+        heap: list[tuple[tuple, int]] = []
+        queued: set[int] = set()
+
+        def push(node_id: int) -> None:
+            if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
+                queued.add(node_id)
+                heapq.heappush(heap, (graph.sort_key(node_id), node_id))
+
+        for op_type in self._by_root:
+            for node_id in graph.nodes_of_type(op_type):
+                push(node_id)
+        for op_type in {t for r in self.rules for t in r.root_types if r.root_domain}:
+            for candidate in self.rules:
+                if op_type in candidate.root_types and candidate.root_domain:
+                    for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
+                        push(node_id)
+        while heap:
+            _, node_id = heapq.heappop(heap)
+            queued.discard(node_id)
+            if not graph.has_node(node_id):
+                continue
+            touched = self._visit(graph, scope, node_id, apply)
+            for other in touched:
+                push(other)
+
+    def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
+        op_type = graph.node(node_id).op_type
+        for candidate in self._by_root.get(op_type, ()):
+            for bindings in find_matches(graph, candidate.pattern, node_id):
+                match = Match(graph, candidate.pattern, bindings, self._types)
+                try:
+                    keep = self._interior_check(graph, candidate, match)
+                    if candidate.condition is not None:
+                        candidate.condition(match)
+                    builder = Builder(graph, match.root.name or candidate.name)
+                    outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
+                except Decline as decline:
+                    if self.trace:
+                        self.result.declined.append(
+                            Declined(candidate.name, scope, match.root.name, str(decline))
+                        )
+                    continue
+                except RuleError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
+                    raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
+                if not apply:
+                    self.result.opportunities.append(
+                        Opportunity(candidate.name, scope, [n.name for n in match.nodes])
+                    )
+                    return []
+                return self._apply(graph, scope, candidate, match, builder, outputs, keep)
+        return []
+
+    # ----------------------------------------------------------------- applying
+
+    def _interior_check(self, graph: Graph, candidate: Rule, match: Match) -> set[int]:
+        """Matched nodes other than the root must feed only the match; returns nodes to keep."""
+        matched = set(match.node_ids)
+        keep: set[int] = set()
+        for info in match.nodes:
+            if info.id == match.root.id:
+                continue
+            for output in info.outputs:
+                if not output:
+                    continue
+                for consumer, slot in graph.consumers(output):
+                    if consumer in matched and slot != SUBGRAPH_SLOT:
+                        continue
+                    if candidate.shared_interior:
+                        keep.add(info.id)
+                        break
+                    where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
+                    raise Decline(f"'{output}' (output of {info.name or info.op_type}) is {where}")
+        return keep
+
+    def _apply(
+        self,
+        graph: Graph,
+        scope: str,
+        candidate: Rule,
+        match: Match,
+        builder: Builder,
+        outputs: list[str],
+        keep: set[int],
+    ) -> list[int]:
+        root = match.root
+        root_outputs = [o for o in root.outputs if o]
+        produced = {o for node in builder.nodes for o in node.output}
+        rename: dict[str, str] = {}
+        for old, new in zip(root_outputs, outputs):
+            if new in produced and new not in rename:
+                rename[new] = old
+            elif new == old:
+                raise RuleError(candidate.name, f"the replacement returns '{old}' unchanged")
+            elif graph.is_graph_output(old) or any(s == SUBGRAPH_SLOT for _, s in graph.consumers(old)):
+                # The name must survive as it is: copy the value into it.
+                builder.nodes.append(_identity(rename.get(new, new), old, builder, graph))
+            else:
+                graph.redirect(old, new)
+        for node in builder.nodes:
+            for index, name in enumerate(node.input):
+                if name in rename:
+                    node.input[index] = rename[name]
+            for index, name in enumerate(node.output):
+                if name in rename:
+                    node.output[index] = rename[name]
+        removed = [i for i in match.node_ids if i not in keep]
+        self._check_replacement(graph, candidate, removed, builder, root_outputs)
+        for domain, version in candidate.emits.items():
+            self.model.require_opset(domain, version)
+        matched_names = [n.name for n in match.nodes]
+        neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
+        created = graph.replace_nodes(
+            removed, builder.nodes, builder.initializers, graph.sort_key(root.id), candidate.name
+        )
+        self._types.invalidate()
+        rewrite = Rewrite(
+            index=len(self.result.rewrites),
+            rule=candidate.name,
+            scope=scope,
+            matched=matched_names,
+            created=[graph.node(i).name for i in created],
+        )
+        self.result.rewrites.append(rewrite)
+        if len(self.result.rewrites) > self._max_rewrites:
+            recent = Counter(r.rule for r in self.result.rewrites[-50:])
+            names = ", ".join(f"'{n}'" for n, _ in recent.most_common(3))
+            raise RewriteLimitExceeded(
+                f"no fixed point after {self._max_rewrites} rewrites; rules {names} keep rewriting "
+                "each other's output (please report this with the model attached)"
+            )
+        return self._downstream(graph, set(created) | (neighbours & set(graph.nx.nodes)))
+
+    def _check_replacement(
+        self, graph: Graph, candidate: Rule, removed: list[int], builder: Builder, root_outputs: list[str]
+    ) -> None:
+        produced = {o for node in builder.nodes for o in node.output}
+        vanishing = {o for i in removed for o in graph.node(i).outputs if o} - produced
+        known = set(produced) | {t.name for t in builder.initializers}
+        for node in builder.nodes:
+            for name in node.input:
+                if not name or name in known:
+                    continue
+                if name in vanishing:
+                    raise RuleError(candidate.name, f"the replacement reads '{name}', which it removes")
+                if not _visible(graph, name):
+                    raise RuleError(candidate.name, f"the replacement reads '{name}', which does not exist")
+        missing = [o for o in root_outputs if o not in produced and graph.consumers(o)]
+        if missing:
+            raise RuleError(candidate.name, f"the replacement does not produce '{missing[0]}'")
+
+    def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
+        """`start` and the op nodes up to the deepest pattern's depth below it."""
+        seen = set(start)
+        frontier = set(start)
+        for _ in range(self._depth):
+            following = set()
+            for node_id in frontier:
+                for _, consumer in graph.nx.out_edges(node_id):
+                    if consumer not in seen and graph.has_node(consumer):
+                        following.add(consumer)
+            seen |= following
+            frontier = following
+        return sorted(seen, key=graph.sort_key)
+
+
+def _visible(graph: Graph | None, name: str) -> bool:
+    while graph is not None:
+        if graph.defines(name):
+            return True
+        graph = graph.outer
+    return False
+
+
+def _identity(source: str, target: str, builder: Builder, graph: Graph):
+    import onnx
+
+    return onnx.helper.make_node("Identity", [source], [target], name=graph.names.fresh(f"{target}/identity"))

@@ -1,0 +1,289 @@
+"""Matching a pattern at one root node, and what a rule sees of a match."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from fuser.graph import Graph, NodeInfo
+from fuser.pattern import Const, OpPattern, Var
+
+
+class Decline(Exception):
+    """A rule refuses a match; the message is the sentence the trace and report show."""
+
+
+@dataclass
+class Bindings:
+    nodes: dict[str, int] = field(default_factory=dict)
+    tensors: dict[str, str | None] = field(default_factory=dict)
+
+    def copy(self) -> Bindings:
+        return Bindings(dict(self.nodes), dict(self.tensors))
+
+
+def find_matches(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindings]:
+    """Every way `pattern` matches with its root at node `root` (usually zero or one)."""
+    yield from _match_op(graph, pattern, root, Bindings())
+
+
+def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings) -> Iterator[Bindings]:
+    info = graph.node(node_id)
+    if info.op_type not in pattern.op_types:
+        return
+    if (info.domain or "") not in ((pattern.domain,) if pattern.domain else ("", "ai.onnx")):
+        return
+    bound = bindings.nodes.get(pattern.name)
+    if bound is not None:
+        if bound == node_id:
+            yield bindings
+        return
+    if node_id in bindings.nodes.values():
+        return
+    for attr, expected in pattern.attrs:
+        actual = info.attr(attr)
+        if actual is None:
+            actual = _default_attribute(graph, info, attr)
+        if callable(expected):
+            if not expected(actual):
+                return
+        elif actual != expected:
+            return
+    actual_inputs = list(info.proto.input)
+    while actual_inputs and not actual_inputs[-1]:
+        actual_inputs.pop()
+    required = sum(1 for i in pattern.inputs if not getattr(i, "optional", False))
+    if len(actual_inputs) > len(pattern.inputs) or len(actual_inputs) < required:
+        return
+    padded = actual_inputs + [None] * (len(pattern.inputs) - len(actual_inputs))
+    orders = [pattern.inputs]
+    if pattern.commutative:
+        orders.append(tuple(reversed(pattern.inputs)))
+    for order in orders:
+        start = bindings.copy()
+        start.nodes[pattern.name] = node_id
+        yield from _match_inputs(graph, list(order), padded, start)
+
+
+def _match_inputs(graph: Graph, patterns: list, tensors: list, bindings: Bindings) -> Iterator[Bindings]:
+    if not patterns:
+        yield bindings
+        return
+    for partial in _match_input(graph, patterns[0], tensors[0] or None, bindings):
+        yield from _match_inputs(graph, patterns[1:], tensors[1:], partial)
+
+
+def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) -> Iterator[Bindings]:
+    if isinstance(pattern, OpPattern):
+        if tensor is None:
+            return
+        producer = graph.producer(tensor)
+        if producer is None or graph.node(producer).proto.output[pattern.output] != tensor:
+            return
+        yield from _match_op(graph, pattern, producer, bindings)
+        return
+    if tensor is None:
+        if pattern.optional and pattern.name not in bindings.tensors:
+            result = bindings.copy()
+            result.tensors[pattern.name] = None
+            yield result
+        return
+    if pattern.name in bindings.tensors:
+        if bindings.tensors[pattern.name] == tensor:
+            yield bindings
+        return
+    if isinstance(pattern, Const) and not graph.is_constant(tensor):
+        return
+    result = bindings.copy()
+    result.tensors[pattern.name] = tensor
+    yield result
+
+
+def _default_attribute(graph: Graph, info: NodeInfo, attr: str):
+    """The schema default of an attribute, so `training_mode=0` matches when it is absent."""
+    opset = graph.opset(info.domain) or onnx.defs.onnx_opset_version()
+    try:
+        schema = onnx.defs.get_schema(info.op_type, opset, info.domain or "")
+    except Exception:  # noqa: BLE001 - unknown op or domain: no default known
+        return None
+    attribute = schema.attributes.get(attr)
+    if attribute is None or not attribute.default_value.name:
+        return None
+    return onnx.helper.get_attribute_value(attribute.default_value)
+
+
+class Match:
+    """What a rule's function receives: matched nodes, bound tensors, constants, types.
+
+    ``m["x"]`` is the tensor bound to ``var("x")``/``const("x")`` (None if an optional
+    input is absent); ``m.value("w")`` its numpy value (read-only); ``m.node("conv")``
+    the matched node; ``m.attr("conv", "group", 1)`` an attribute with a default.
+    """
+
+    def __init__(self, graph: Graph, pattern: OpPattern, bindings: Bindings, types: TypeInfo):
+        self.graph = graph
+        self.pattern = pattern
+        self._bindings = bindings
+        self._types = types
+        self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
+
+    def __getitem__(self, name: str) -> str | None:
+        if name in self._bindings.tensors:
+            return self._bindings.tensors[name]
+        if name in self._bindings.nodes:
+            return self.node(name).proto.output[0]
+        raise KeyError(f"the pattern binds no tensor or node named '{name}'")
+
+    def has(self, name: str) -> bool:
+        """True when `name` is bound to a tensor (an optional input that is present)."""
+        return self._bindings.tensors.get(name) is not None
+
+    def node(self, name: str) -> NodeInfo:
+        return self.graph.node(self._bindings.nodes[name])
+
+    @property
+    def node_ids(self) -> list[int]:
+        return list(self._bindings.nodes.values())
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        return [self.graph.node(i) for i in self.node_ids]
+
+    def attr(self, node: str, attr: str, default=None):
+        info = self.node(node)
+        value = info.attr(attr)
+        return default if value is None else value
+
+    def attrs(self, node: str) -> dict:
+        return self.node(node).attrs()
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The constant value bound to `name`; None for an absent optional input."""
+        tensor = self[name]
+        if tensor is None:
+            return None
+        value = self.graph.constant_value(tensor)
+        if value is None:
+            raise Decline(f"'{name}' ({tensor}) is not a constant small enough to read")
+        value = value.view()
+        value.flags.writeable = False  # shared with the graph: rules build new tensors
+        return value
+
+    def dtype(self, name_or_tensor: str) -> np.dtype | None:
+        tensor = self._tensor(name_or_tensor)
+        value = self.graph.constant_value(tensor) if tensor is not None else None
+        if value is not None:
+            return value.dtype
+        return self._types.dtype(tensor)
+
+    def shape(self, name_or_tensor: str) -> tuple | None:
+        """Known shape: ints for fixed dims, strings for symbolic ones, None if unknown."""
+        tensor = self._tensor(name_or_tensor)
+        value = self.graph.constant_value(tensor) if tensor is not None else None
+        if value is not None:
+            return value.shape
+        return self._types.shape(tensor)
+
+    def rank(self, name_or_tensor: str) -> int | None:
+        shape = self.shape(name_or_tensor)
+        return None if shape is None else len(shape)
+
+    @property
+    def opset(self) -> int:
+        return self.graph.opset("") or 1
+
+    def opset_of(self, domain: str) -> int | None:
+        return self.graph.opset(domain)
+
+    def consumers(self, name_or_tensor: str) -> int:
+        return len(self.graph.consumers(self._tensor(name_or_tensor)))
+
+    def is_graph_output(self, name_or_tensor: str) -> bool:
+        return self.graph.is_graph_output(self._tensor(name_or_tensor))
+
+    def require(self, condition: bool, reason: str) -> None:
+        """Decline the match with `reason` unless `condition` holds."""
+        if not condition:
+            raise Decline(reason)
+
+    def _tensor(self, name_or_tensor: str) -> str | None:
+        if name_or_tensor in self._bindings.tensors or name_or_tensor in self._bindings.nodes:
+            return self[name_or_tensor]
+        return name_or_tensor
+
+
+class TypeInfo:
+    """Element types and shapes of tensors, from the model's annotations and shape inference."""
+
+    def __init__(self, model_proto_factory):
+        self._factory = model_proto_factory
+        self._table: dict[str, onnx.TypeProto] | None = None
+        self._stale = False
+
+    def invalidate(self) -> None:
+        """The graph changed: tensors created since the last inference are looked up anew."""
+        self._stale = True
+
+    def _entry(self, tensor: str | None) -> onnx.TypeProto | None:
+        if not tensor:
+            return None
+        entry = self._load().get(tensor)
+        if entry is None and self._stale:
+            self._table, self._stale = None, False
+            entry = self._load().get(tensor)
+        return entry
+
+    def _load(self) -> dict[str, onnx.TypeProto]:
+        if self._table is None:
+            model = self._factory()
+            try:
+                model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+            except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
+                pass
+            table: dict[str, onnx.TypeProto] = {}
+            for graph in _graphs(model.graph):
+                for value in list(graph.value_info) + list(graph.input) + list(graph.output):
+                    if value.type.HasField("tensor_type"):
+                        table[value.name] = value.type
+                for tensor in graph.initializer:
+                    proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+                    table.setdefault(tensor.name, proto)
+            self._table = table
+        return self._table
+
+    def dtype(self, tensor: str | None) -> np.dtype | None:
+        entry = self._entry(tensor)
+        if entry is None or not entry.tensor_type.elem_type:
+            return None
+        try:
+            return onnx.helper.tensor_dtype_to_np_dtype(entry.tensor_type.elem_type)
+        except (KeyError, ValueError, TypeError):
+            return None
+
+    def shape(self, tensor: str | None) -> tuple | None:
+        entry = self._entry(tensor)
+        if entry is None or not entry.tensor_type.HasField("shape"):
+            return None
+        dims = []
+        for dim in entry.tensor_type.shape.dim:
+            if dim.HasField("dim_value"):
+                dims.append(dim.dim_value)
+            elif dim.HasField("dim_param"):
+                dims.append(dim.dim_param)
+            else:
+                dims.append("?")
+        return tuple(dims)
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for g in attribute.graphs:
+                    yield from _graphs(g)

@@ -1,0 +1,110 @@
+"""Where rules come from: the built-in `fuser.rules` package, rule files, installed plugins.
+
+A rule file is any Python file; every `Rule` object it defines at module level is
+registered, in definition order. Installed plugins expose rules through the
+`fuser.rules` entry-point group: an entry point may name a Rule, a list of Rules, or a
+module holding Rules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import sys
+import types
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from fuser.errors import UsageError
+from fuser.rule import TARGETS, Rule
+
+ENTRY_POINT_GROUP = "fuser.rules"
+
+
+def rules_in(namespace) -> list[Rule]:
+    if isinstance(namespace, Rule):
+        return [namespace]
+    if isinstance(namespace, (list, tuple)):
+        return [r for item in namespace for r in rules_in(item)]
+    if isinstance(namespace, types.ModuleType):
+        return [v for v in vars(namespace).values() if isinstance(v, Rule)]
+    return []
+
+
+def builtin_rules() -> list[Rule]:
+    """The rules shipped in `fuser.rules`, in the order their modules declare (PRIORITY)."""
+    package = importlib.import_module("fuser.rules")
+    modules = [
+        importlib.import_module(f"fuser.rules.{info.name}")
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.name.startswith("_")
+    ]
+    modules.sort(key=lambda m: (getattr(m, "PRIORITY", 100), m.__name__))
+    return [r for module in modules for r in rules_in(module)]
+
+
+def load_rule_file(path: str | Path) -> list[Rule]:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"rule file {path}: no such file")
+    module_name = f"fuser_user_rules_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"rule file {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - the user's file: report, don't crash
+        raise UsageError(f"rule file {path}: {type(error).__name__}: {error}") from error
+    found = rules_in(module)
+    if not found:
+        raise UsageError(f"rule file {path}: defines no rules (decorate functions with @fuser.rule)")
+    return found
+
+
+def plugin_rules() -> list[Rule]:
+    found: list[Rule] = []
+    for entry in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            found.extend(rules_in(entry.load()))
+        except Exception as error:  # noqa: BLE001 - a broken plugin must not break fuser
+            raise UsageError(f"rule plugin '{entry.name}' failed to load: {error}") from error
+    return found
+
+
+def all_rules(rule_files: list[str | Path] = ()) -> list[Rule]:
+    rules = builtin_rules() + plugin_rules()
+    for path in rule_files:
+        rules.extend(load_rule_file(path))
+    seen: dict[str, Rule] = {}
+    for candidate in rules:
+        if candidate.name in seen and seen[candidate.name] is not candidate:
+            raise UsageError(
+                f"two rules are named '{candidate.name}' ({seen[candidate.name].source} and {candidate.source})"
+            )
+        seen[candidate.name] = candidate
+    return rules
+
+
+def select(
+    rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()
+) -> list[Rule]:
+    """Rules for `target`: the portable ones always, onnxruntime's only for that target."""
+    if target not in TARGETS:
+        raise UsageError(f"unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
+    names = {r.name for r in rules}
+    for name in list(enable) + list(disable):
+        if name not in names:
+            raise UsageError(f"unknown rule '{name}' (see `fuser rules`)")
+    chosen = []
+    for candidate in rules:
+        if candidate.target == "onnxruntime" and target != "onnxruntime":
+            continue
+        on = candidate.enabled_by_default or candidate.name in enable
+        if candidate.name in disable:
+            on = False
+        if on:
+            chosen.append(candidate)
+    return chosen

@@ -1,0 +1,192 @@
+"""Rules: a pattern, a condition, and a function that builds the replacement.
+
+    @rule("conv-bn-fold", pattern=op.BatchNormalization(op.Conv(var("x"), const("w")), ...))
+    def conv_bn_fold(m: Match, b: Builder):
+        '''Conv -> BatchNormalization  =>  Conv with rescaled weights and bias.'''
+        m.require(m.attr("bn", "training_mode", 0) == 0, "BatchNormalization is in training mode")
+        return b.Conv(m["x"], new_weight, new_bias, **m.attrs("conv"))
+
+The function returns the tensor(s) that take the place of the root node's outputs; the
+engine gives them the root's output names, so graph outputs and downstream consumers
+survive. Rules only describe the replacement; the engine alone changes the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import NodeProto, TensorProto, numpy_helper
+
+from fuser.graph import Graph
+from fuser.match import Match
+from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
+
+TARGETS = ("onnx", "onnxruntime")
+_NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclass
+class Rule:
+    """A rewrite rule. Build one with the `rule` decorator."""
+
+    name: str
+    description: str
+    pattern: OpPattern
+    build: Callable
+    condition: Callable[[Match], None] | None = None
+    target: str = "onnx"
+    emits: dict[str, int] = field(default_factory=dict)
+    opsets: tuple[int, int] | None = None
+    exact: bool = False
+    enabled_by_default: bool = True
+    shared_interior: bool = False
+    source: SourceLocation | None = None
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise PatternError(f"rule name '{self.name}' must be kebab-case, like 'conv-bn-fold'")
+        if self.target not in TARGETS:
+            raise PatternError(f"rule '{self.name}': target must be one of {', '.join(TARGETS)}")
+        if not self.description:
+            raise PatternError(f"rule '{self.name}' needs a description (or a docstring)")
+        validate(self.pattern)
+
+    @property
+    def root_types(self) -> tuple[str, ...]:
+        return self.pattern.op_types
+
+    @property
+    def root_domain(self) -> str:
+        return self.pattern.domain
+
+    @property
+    def depth(self) -> int:
+        return self.pattern.depth
+
+    def supports_opset(self, opset: int) -> bool:
+        return self.opsets is None or self.opsets[0] <= opset <= self.opsets[1]
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r})"
+
+
+def rule(
+    name: str,
+    *,
+    pattern: OpPattern,
+    description: str | None = None,
+    condition: Callable[[Match], None] | None = None,
+    target: str = "onnx",
+    emits: dict[str, int] | None = None,
+    opsets: tuple[int, int] | None = None,
+    exact: bool = False,
+    enabled: bool = True,
+    shared_interior: bool = False,
+) -> Callable[[Callable], Rule]:
+    """Declare a rule; the decorated function builds the replacement.
+
+    exact: True for pure rewiring that must give bit-identical outputs; False for
+        folding, which is equal up to rounding (verified with dtype tolerances).
+    target: "onnx" (standard operators only) or "onnxruntime" (may emit com.microsoft ops).
+    emits: opset imports the replacement needs, e.g. {"com.microsoft": 1}.
+    opsets: the default-domain opset range the rule understands; outside it the rule is skipped.
+    shared_interior: allow interior nodes whose outputs have other consumers; they are
+        then kept alongside the replacement instead of the match being declined.
+    """
+    location = caller_location()
+
+    def decorate(function: Callable) -> Rule:
+        doc = (function.__doc__ or "").strip().splitlines()
+        return Rule(
+            name=name,
+            description=description or (doc[0].strip() if doc else ""),
+            pattern=pattern,
+            build=function,
+            condition=condition,
+            target=target,
+            emits=dict(emits or {}),
+            opsets=opsets,
+            exact=exact,
+            enabled_by_default=enabled,
+            shared_interior=shared_interior,
+            source=location,
+        )
+
+    return decorate
+
+
+class Builder:
+    """Creates the replacement's nodes and initializers with names that never collide.
+
+    ``b.Conv(x, w, bias, group=2)`` returns the new node's output tensor name;
+    numpy arrays given as inputs become new initializers; None leaves an optional input empty.
+    """
+
+    def __init__(self, graph: Graph, anchor: str):
+        self._graph = graph
+        self._anchor = anchor
+        self.nodes: list[NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.opsets: dict[str, int] = {}
+
+    def __getattr__(self, op_type: str):
+        if op_type.startswith("_"):
+            raise AttributeError(op_type)
+
+        def make(*inputs, **attrs):
+            return self.op(op_type, *inputs, **attrs)
+
+        return make
+
+    def op(
+        self,
+        op_type: str,
+        *inputs,
+        domain: str = "",
+        outputs: int = 1,
+        **attrs,
+    ) -> str | list[str]:
+        names = self._graph.names
+        input_names = [self._input(value, op_type) for value in inputs]
+        while input_names and input_names[-1] == "":
+            input_names.pop()
+        node_name = names.fresh(f"{self._anchor}/{op_type}")
+        output_names = [names.fresh(f"{node_name}:{i}") for i in range(outputs)]
+        attributes = {k: v for k, v in attrs.items() if v is not None}
+        self.nodes.append(
+            onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain, **attributes)
+        )
+        return output_names[0] if outputs == 1 else output_names
+
+    def constant(self, value: np.ndarray, hint: str = "const") -> str:
+        """A new initializer holding `value`; returns its (fresh) name."""
+        name = self._graph.names.fresh(f"{self._anchor}/{hint}")
+        array = np.asarray(value)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def _input(self, value, op_type: str) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (np.ndarray, np.generic)):
+            return self.constant(value, f"{op_type.lower()}_input")
+        raise TypeError(f"input {value!r} to {op_type} is neither a tensor name, an array nor None")
+
+
+def as_outputs(result, root_outputs: Sequence[str]) -> list[str]:
+    if isinstance(result, str):
+        result = [result]
+    if not isinstance(result, (list, tuple)) or not all(isinstance(r, str) for r in result):
+        raise TypeError("a rule must return the replacement's output tensor name(s)")
+    if len(result) != len([o for o in root_outputs if o]):
+        raise TypeError(
+            f"the rule returned {len(result)} output(s) but the matched root node has "
+            f"{len([o for o in root_outputs if o])}"
+        )
+    return list(result)

@@ -1,0 +1,224 @@
+"""Running the original and the optimized model in onnxruntime and comparing every output.
+
+Sessions run on the CPU with onnxruntime's own graph optimizations disabled, so that its
+fusions neither hide nor cause differences. This is the only module importing onnxruntime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from fuser.errors import InputError
+
+# (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-12),
+    "float32": (1e-4, 1e-5),
+    "float16": (1e-2, 1e-3),
+    "bfloat16": (2e-2, 1e-2),
+}
+DEFAULT_DIM = 1
+INT_RANGE = (0, 10)
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    dtype: str
+    shape: tuple
+    status: str  # "ok", "mismatch", "stabilized"
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    fraction_out_of_tolerance: float = 0.0
+    worst_index: tuple | None = None
+    rtol: float = 0.0
+    atol: float = 0.0
+    stabilized_elements: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "status": self.status,
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "fraction_out_of_tolerance": self.fraction_out_of_tolerance,
+            "worst_index": list(self.worst_index) if self.worst_index is not None else None,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "stabilized_elements": self.stabilized_elements,
+        }
+
+
+@dataclass
+class Verdict:
+    outputs: list[OutputCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(o.status != "mismatch" for o in self.outputs)
+
+    @property
+    def stabilized(self) -> list[str]:
+        return [o.name for o in self.outputs if o.status == "stabilized"]
+
+    def failures(self) -> list[OutputCheck]:
+        return [o for o in self.outputs if o.status == "mismatch"]
+
+
+def session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"onnxruntime cannot load the model: {message}") from error
+
+
+def synthesize_inputs(
+    sess, seed: int = 0, dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
+    ranges: dict[str, tuple[float, float]] | None = None,
+) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input: normal floats, small non-negative ints, random bools."""
+    dims = dims or {}
+    shapes = shapes or {}
+    ranges = ranges or {}
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for spec in sess.get_inputs():
+        if spec.name in shapes:
+            shape = tuple(shapes[spec.name])
+        else:
+            shape = tuple(
+                d if isinstance(d, int) and d >= 0 else dims.get(str(d), DEFAULT_DIM) for d in (spec.shape or [])
+            )
+        dtype = _numpy_dtype(spec.type)
+        if dtype is None:
+            raise InputError(f"input '{spec.name}' has type {spec.type}, which fuser cannot synthesize")
+        if dtype == np.bool_:
+            value = rng.integers(0, 2, size=shape).astype(np.bool_)
+        elif np.issubdtype(dtype, np.integer):
+            low, high = ranges.get(spec.name, INT_RANGE)
+            value = rng.integers(int(low), int(high), size=shape, endpoint=False).astype(dtype)
+        elif spec.name in ranges:
+            low, high = ranges[spec.name]
+            value = rng.uniform(low, high, size=shape).astype(dtype)
+        else:
+            value = rng.standard_normal(size=shape).astype(dtype)
+        feeds[spec.name] = value
+    return feeds
+
+
+def _numpy_dtype(ort_type: str):
+    table = {
+        "tensor(float)": np.float32,
+        "tensor(double)": np.float64,
+        "tensor(float16)": np.float16,
+        "tensor(int64)": np.int64,
+        "tensor(int32)": np.int32,
+        "tensor(int16)": np.int16,
+        "tensor(int8)": np.int8,
+        "tensor(uint8)": np.uint8,
+        "tensor(uint16)": np.uint16,
+        "tensor(uint32)": np.uint32,
+        "tensor(uint64)": np.uint64,
+        "tensor(bool)": np.bool_,
+    }
+    return table.get(ort_type)
+
+
+def run(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def compare(
+    name: str, expected: np.ndarray, actual: np.ndarray, exact: bool,
+    rtol: float | None = None, atol: float | None = None,
+) -> OutputCheck:
+    """Compare one output; NaN/Inf positions compare as values, not as comparison failures."""
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    dtype = str(expected.dtype)
+    check = OutputCheck(name=name, dtype=dtype, shape=expected.shape, status="ok")
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        check.status = "mismatch"
+        check.fraction_out_of_tolerance = 1.0
+        return check
+    if expected.size == 0:
+        return check
+    floating = np.issubdtype(expected.dtype, np.floating) or dtype == "bfloat16"
+    if not floating or exact:
+        default_rtol = default_atol = 0.0
+    else:
+        default_rtol, default_atol = TOLERANCES.get(dtype, TOLERANCES["float32"])
+    check.rtol = default_rtol if rtol is None else rtol
+    check.atol = default_atol if atol is None else atol
+    if not floating:
+        bad = expected != actual
+        check.fraction_out_of_tolerance = float(bad.mean())
+        if bad.any():
+            check.status = "mismatch"
+            check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
+        return check
+
+    e = expected.astype(np.float64)
+    a = actual.astype(np.float64)
+    e_finite, a_finite = np.isfinite(e), np.isfinite(a)
+    stabilized = ~e_finite & a_finite
+    same_special = (np.isnan(e) & np.isnan(a)) | (np.isinf(e) & (e == a))
+    comparable = e_finite & a_finite
+    diff = np.where(comparable, np.abs(e - a), 0.0)
+    rel = np.where(comparable, diff / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
+    within = np.where(comparable, diff <= check.atol + check.rtol * np.abs(e), same_special)
+    bad = ~within & ~stabilized
+    check.max_abs_error = float(diff.max())
+    check.max_rel_error = float(rel.max())
+    check.fraction_out_of_tolerance = float(bad.mean())
+    check.stabilized_elements = int(stabilized.sum())
+    if bad.any():
+        check.status = "mismatch"
+        score = np.where(bad, np.where(comparable, diff, np.inf), -1.0)
+        check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(score), bad.shape))
+    elif stabilized.any():
+        check.status = "stabilized"
+    if check.worst_index is None and diff.size:
+        check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
+    return check
+
+
+def verify(
+    original: onnx.ModelProto, optimized: onnx.ModelProto, *, exact: bool, seed: int = 0, runs: int = 1,
+    dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
+    rtol: float | None = None, atol: float | None = None,
+) -> Verdict:
+    """Run both models on the same seeded inputs and compare every graph output."""
+    before = session(original)
+    after = session(optimized)
+    verdict = Verdict()
+    for run_index in range(runs):
+        feeds = synthesize_inputs(before, seed=seed + run_index, dims=dims, shapes=shapes)
+        expected = run(before, feeds)
+        actual = run(after, feeds)
+        for name, value in expected.items():
+            check = compare(name, value, actual[name], exact, rtol, atol)
+            previous = next((o for o in verdict.outputs if o.name == name), None)
+            if previous is None:
+                verdict.outputs.append(check)
+            elif _severity(check) > _severity(previous) or check.max_abs_error > previous.max_abs_error:
+                verdict.outputs[verdict.outputs.index(previous)] = check
+    return verdict
+
+
+def _severity(check: OutputCheck) -> int:
+    return {"ok": 0, "stabilized": 1, "mismatch": 2}[check.status]
