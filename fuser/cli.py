@@ -1,0 +1,336 @@
+"""The `fuser` command line: a thin layer over fuser.api that maps errors to exit codes.
+
+Messages for people go to stderr; data (JSON) goes to stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+import fuser
+from fuser import api, report as report_module
+from fuser.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, EXIT_WORK_FOUND, FuserError, UsageError
+from fuser.model import Model, write_model
+from fuser.registry import all_rules, select
+
+EXIT_CODES_HELP = """\b
+Exit codes (every command):
+  0  success, or nothing to do
+  1  check mode found work to do
+  2  bad usage or unusable input (missing file, not ONNX, invalid model)
+  3  the numerics check failed
+  4  internal error in fuser or a rule (please report it)
+"""
+
+
+class Context:
+    def __init__(self, debug: bool):
+        self.debug = debug
+
+
+def _say(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        click.echo(message, err=True)
+
+
+def _fail(error: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(error)
+    if isinstance(error, FuserError):
+        click.echo(f"fuser: error: {error}", err=True)
+        return error.exit_code
+    click.echo(
+        f"fuser: internal error: {type(error).__name__}: {error} "
+        "(this is a bug in fuser; please report it, rerun with --debug for details)",
+        err=True,
+    )
+    return EXIT_INTERNAL
+
+
+def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
+    dims = {}
+    for value in values:
+        name, sep, number = value.partition("=")
+        if not sep or not number.strip().isdigit():
+            raise UsageError(f"--dim expects NAME=SIZE, got '{value}'")
+        dims[name.strip()] = int(number)
+    return dims
+
+
+def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
+    shapes = {}
+    for value in values:
+        name, sep, dims = value.rpartition(":")
+        try:
+            shape = tuple(int(d) for d in dims.split(",") if d.strip())
+        except ValueError:
+            shape = None
+        if not sep or not name or shape is None:
+            raise UsageError(f"--input-shape expects NAME:D1,D2,..., got '{value}'")
+        shapes[name] = shape
+    return shapes
+
+
+def _emit_report(data: dict, report_path: str | None, fmt: str) -> None:
+    text = report_module.dumps(data)
+    if report_path:
+        write_text_atomically(Path(report_path), text)
+    if fmt == "json":
+        click.echo(text)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text + "\n")
+    temporary.replace(path)
+
+
+rule_options = [
+    click.option("--target", type=click.Choice(["onnx", "onnxruntime"]), default="onnx", show_default=True,
+                 help="onnx: standard operators only; onnxruntime: may use com.microsoft fused ops."),
+    click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False),
+                 help="A Python file defining extra rules (repeatable)."),
+    click.option("--enable", multiple=True, metavar="RULE", help="Turn on a rule that is off by default."),
+    click.option("--disable", multiple=True, metavar="RULE", help="Turn off a rule."),
+]
+
+
+def with_rule_options(function):
+    for option in reversed(rule_options):
+        function = option(function)
+    return function
+
+
+@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(fuser.__version__, prog_name="fuser")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Fuse operators in ONNX models; every rewrite is checked in onnxruntime."""
+    ctx.obj = Context(debug)
+
+
+@cli.command(epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(dir_okay=True))
+@click.option("-o", "--output", type=click.Path(), help="Where to write (default: MODEL.fused.onnx beside MODEL).")
+@click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+@with_rule_options
+@click.option("--no-check", is_flag=True, help="Skip the onnxruntime numerics check (not recommended).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for synthesized check inputs.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE", help="Value for a symbolic dimension (default 1).")
+@click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2", help="Shape for one input.")
+@click.option("--atol", type=float, help="Absolute tolerance of the numerics check.")
+@click.option("--rtol", type=float, help="Relative tolerance of the numerics check.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: print the report on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="List every rewrite.")
+@click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
+@click.pass_obj
+def optimize(ctx: Context, model, output, force, target, rule_files, enable, disable, no_check, seed, dims,
+             shapes, atol, rtol, report_path, fmt, verbose, quiet):
+    """Optimize MODEL and write the result (the input is never modified)."""
+    source = Path(model)
+    destination = Path(output) if output else source.with_name(_fused_name(source.name))
+    data = {"input": None, "output": None}
+    try:
+        _check_destination(source, destination, force)
+        loaded = Model.load(source)
+        data["input"] = report_module.file_entry(source)
+        if no_check:
+            _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
+        optimized, result = api.optimize(
+            loaded, target=target, enable=enable, disable=disable, rule_files=rule_files,
+            check=not no_check, seed=seed, dims=_parse_dims(dims), shapes=_parse_shapes(shapes),
+            rtol=rtol, atol=atol,
+        )
+        write_model(optimized, destination, source_dir=source.parent)
+        result.output_path = str(destination)
+        body = result.to_dict()
+        body["input"] = data["input"]
+        body["output"] = report_module.file_entry(destination)
+        verdict = "optimized" if result.rewrites else "unchanged"
+        _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
+        if fmt == "text":
+            _print_summary(result, destination, verbose, quiet)
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
+        code = _fail(error, ctx.debug)
+        if report_path or fmt == "json":
+            _emit_report(
+                report_module.envelope("optimize", "error" if code != 3 else "mismatch", code,
+                                       error=str(error), **data),
+                report_path, fmt,
+            )
+        return code
+
+
+def _fused_name(name: str) -> str:
+    stem = name[: -len(".onnx")] if name.endswith(".onnx") else name
+    return f"{stem}.fused.onnx"
+
+
+def _check_destination(source: Path, destination: Path, force: bool) -> None:
+    if destination.exists() and source.exists() and destination.resolve() == source.resolve():
+        raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
+    if destination.exists() and not force:
+        raise UsageError(f"{destination} already exists; pass --force to replace it")
+    if destination.exists() and destination.is_dir():
+        raise UsageError(f"{destination} is a directory")
+
+
+def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: bool) -> None:
+    if quiet:
+        return
+    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
+    if result.counts:
+        width = max(len(n) for n in result.counts)
+        lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
+    else:
+        lines.append("  no rule applied: nothing to fuse")
+    for name, reason in result.engine.skipped_rules.items():
+        lines.append(f"  skipped {name}: {reason}")
+    if result.verdict is not None:
+        stabilized = result.verdict.stabilized
+        status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
+        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
+        lines.append(f"numerics check: {status}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+    elif result.rewrites:
+        lines.append("numerics check: SKIPPED")
+    if verbose:
+        for rewrite in result.rewrites:
+            lines.append(
+                f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
+                f"{', '.join(rewrite.created)}"
+            )
+    lines.append(f"wrote {destination}")
+    _say("\n".join(lines))
+
+
+@cli.command(epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(dir_okay=True))
+@with_rule_options
+@click.option("--exit-zero", is_flag=True, help="Exit 0 even when there is work to do.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("-q", "--quiet", is_flag=True)
+@click.pass_obj
+def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
+    """List the fusions the enabled rules would make in MODEL; write nothing.
+
+    Exits 1 when there is at least one (a gate for "the exported model is fully fused").
+    """
+    try:
+        result = api.find_opportunities(model, target=target, enable=enable, disable=disable,
+                                        rule_files=rule_files)
+        found = result.opportunities
+        code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
+        _emit_report(
+            report_module.envelope(
+                "check", "work-found" if found else "fully-fused", code,
+                input=report_module.file_entry(model), target=target,
+                opportunities=[o.to_dict() for o in found], skipped_rules=result.skipped_rules,
+            ),
+            report_path, fmt,
+        )
+        if fmt == "text" and not quiet:
+            for item in found:
+                _say(f"{model}: {item.rule} [{item.scope}] {', '.join(item.nodes)}")
+            _say(f"{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
+        return code
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
+
+
+@cli.command(epilog=EXIT_CODES_HELP)
+@click.argument("first", type=click.Path(dir_okay=False))
+@click.argument("second", type=click.Path(dir_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE")
+@click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2")
+@click.option("--atol", type=float)
+@click.option("--rtol", type=float)
+@click.option("--exact", is_flag=True, help="Require bit-identical outputs.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def compare(ctx: Context, first, second, seed, dims, shapes, atol, rtol, exact, report_path, fmt):
+    """Run FIRST and SECOND on the same inputs and compare every output."""
+    from fuser.errors import EXIT_MISMATCH
+    from fuser.verify import verify
+
+    try:
+        a, b = Model.load(first), Model.load(second)
+        verdict = verify(a.to_proto(), b.to_proto(), exact=exact, seed=seed, dims=_parse_dims(dims),
+                         shapes=_parse_shapes(shapes), rtol=rtol, atol=atol)
+        code = EXIT_OK if verdict.passed else EXIT_MISMATCH
+        _emit_report(
+            report_module.envelope(
+                "compare", "match" if verdict.passed else "mismatch", code,
+                input=report_module.file_entry(first), output=report_module.file_entry(second),
+                numerics={"passed": verdict.passed, "outputs": [o.to_dict() for o in verdict.outputs]},
+            ),
+            report_path, fmt,
+        )
+        if fmt == "text":
+            for o in verdict.outputs:
+                _say(f"{o.name:<24} {o.status:<10} max abs {o.max_abs_error:.3g}  max rel {o.max_rel_error:.3g}"
+                     f"  out of tolerance {o.fraction_out_of_tolerance:.2%}")
+        return code
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
+
+
+@cli.command(name="rules")
+@click.option("--target", type=click.Choice(["onnx", "onnxruntime"]), default=None,
+              help="Only rules that run for this target.")
+@click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def list_rules(ctx: Context, target, rule_files, fmt):
+    """List the registered rules: name, target, on by default, description."""
+    import json
+
+    try:
+        rules = all_rules(list(rule_files))
+        if target:
+            names = {r.name for r in select(rules, target, enable=[r.name for r in rules])}
+            rules = [r for r in rules if r.name in names]
+        if fmt == "json":
+            click.echo(json.dumps([
+                {"name": r.name, "target": r.target, "default": r.enabled_by_default, "exact": r.exact,
+                 "description": r.description, "source": str(r.source)} for r in rules
+            ], indent=2))
+            return EXIT_OK
+        if not rules:
+            _say("no rules registered")
+        width = max((len(r.name) for r in rules), default=0)
+        for r in rules:
+            default = "on" if r.enabled_by_default else "off"
+            click.echo(f"{r.name:<{width}}  {r.target:<11}  {default:<3}  {r.description}")
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        code = cli.main(args=argv, prog_name="fuser", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        code = done.exit_code
+    except click.ClickException as error:
+        error.show()
+        code = EXIT_USAGE
+    except click.exceptions.Abort:
+        click.echo("fuser: aborted", err=True)
+        code = EXIT_USAGE
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

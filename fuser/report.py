@@ -1,0 +1,145 @@
+"""The JSON report every command can write (`--report FILE`, `--format json`).
+
+The schema is versioned (SCHEMA_VERSION) and described in REPORT_SCHEMA, a JSON Schema
+document; tests validate real reports against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+_OUTPUT_CHECK = {
+    "type": "object",
+    "required": ["name", "dtype", "shape", "status", "max_abs_error", "max_rel_error",
+                 "fraction_out_of_tolerance", "worst_index", "rtol", "atol"],
+    "properties": {
+        "name": {"type": "string"},
+        "dtype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+        "status": {"enum": ["ok", "mismatch", "stabilized"]},
+        "max_abs_error": {"type": "number"},
+        "max_rel_error": {"type": "number"},
+        "fraction_out_of_tolerance": {"type": "number"},
+        "worst_index": {"type": ["array", "null"], "items": {"type": "integer"}},
+        "rtol": {"type": "number"},
+        "atol": {"type": "number"},
+        "stabilized_elements": {"type": "integer"},
+    },
+}
+
+REPORT_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "fuser report",
+    "type": "object",
+    "required": ["schema_version", "command", "verdict", "exit_code", "versions"],
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "command": {"enum": ["optimize", "check", "compare"]},
+        "verdict": {"enum": ["optimized", "unchanged", "work-found", "fully-fused", "match", "mismatch", "error"]},
+        "exit_code": {"type": "integer"},
+        "error": {"type": ["string", "null"]},
+        "versions": {
+            "type": "object",
+            "required": ["fuser", "onnx", "onnxruntime"],
+            "properties": {k: {"type": "string"} for k in ("fuser", "onnx", "onnxruntime")},
+        },
+        "input": {"$ref": "#/$defs/file"},
+        "output": {"$ref": "#/$defs/file"},
+        "target": {"type": "string"},
+        "rules": {"type": "array", "items": {"type": "string"}},
+        "nodes_before": {"type": "integer"},
+        "nodes_after": {"type": "integer"},
+        "rule_counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "rewrites": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "rule", "scope", "matched", "created"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "rule": {"type": "string"},
+                    "scope": {"type": "string"},
+                    "matched": {"type": "array", "items": {"type": "string"}},
+                    "created": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+        "opportunities": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["rule", "scope", "nodes"],
+                "properties": {
+                    "rule": {"type": "string"},
+                    "scope": {"type": "string"},
+                    "nodes": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+        "skipped_rules": {"type": "object", "additionalProperties": {"type": "string"}},
+        "numerics": {
+            "type": ["object", "null"],
+            "required": ["passed", "outputs"],
+            "properties": {
+                "passed": {"type": "boolean"},
+                "outputs": {"type": "array", "items": _OUTPUT_CHECK},
+            },
+        },
+        "timings": {"type": "object", "additionalProperties": {"type": "number"}},
+    },
+    "$defs": {
+        "file": {
+            "type": ["object", "null"],
+            "required": ["path", "sha256"],
+            "properties": {"path": {"type": "string"}, "sha256": {"type": "string"}},
+        }
+    },
+}
+
+
+def versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+
+    import fuser
+
+    return {"fuser": fuser.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def file_entry(path: str | Path | None) -> dict | None:
+    if path is None:
+        return None
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"path": str(path), "sha256": digest.hexdigest()}
+
+
+def envelope(command: str, verdict: str, exit_code: int, **fields) -> dict:
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "verdict": verdict,
+        "exit_code": exit_code,
+        "error": fields.pop("error", None),
+        "versions": versions(),
+    }
+    report.update(fields)
+    return report
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=False, allow_nan=False, default=_plain)
+
+
+def _plain(value):
+    try:
+        return value.item()
+    except AttributeError:
+        return str(value)
