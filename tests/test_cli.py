@@ -1,0 +1,190 @@
+"""The command line as a user meets it: exit codes, one-line errors, nothing overwritten."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from fuser.report import REPORT_SCHEMA
+
+MODELS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models")
+
+
+def fuser_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "fuser.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+@pytest.fixture
+def resnet(tmp_path):
+    path = tmp_path / "resnet_small.onnx"
+    shutil.copy(os.path.join(MODELS, "resnet_small.onnx"), path)
+    return path
+
+
+def test_optimize_writes_beside_the_input_and_never_touches_it(resnet):
+    before = resnet.read_bytes()
+    result = fuser_cli("optimize", str(resnet))
+    assert result.returncode == 0, result.stderr
+    out = resnet.with_name("resnet_small.fused.onnx")
+    assert out.exists()
+    assert resnet.read_bytes() == before
+    assert "conv-bn-fold" in result.stderr and "nodes: 30 -> 22" in result.stderr
+    assert result.stdout == ""
+    optimized = onnx.load(str(out))
+    onnx.checker.check_model(optimized, full_check=True)
+    assert "BatchNormalization" not in {n.op_type for n in optimized.graph.node}
+
+
+def test_existing_output_needs_force(resnet):
+    out = resnet.with_name("resnet_small.fused.onnx")
+    out.write_bytes(b"keep me")
+    result = fuser_cli("optimize", str(resnet))
+    assert result.returncode == 2
+    assert "--force" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert out.read_bytes() == b"keep me"
+    explicit = fuser_cli("optimize", str(resnet), "-o", str(out))
+    assert explicit.returncode == 2 and out.read_bytes() == b"keep me"
+    assert fuser_cli("optimize", str(resnet), "--force").returncode == 0
+    assert out.read_bytes() != b"keep me"
+
+
+def test_the_input_can_never_be_the_output(resnet):
+    before = resnet.read_bytes()
+    result = fuser_cli("optimize", str(resnet), "-o", str(resnet), "--force")
+    assert result.returncode == 2 and "input" in result.stderr
+    assert resnet.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("missing.onnx", None, "no such file"),
+        ("empty.onnx", b"", "empty"),
+        ("random.onnx", bytes(range(256)) * 8, "not an ONNX model"),
+        ("text.onnx", b"this is a text file, not a model\n", "not an ONNX model"),
+    ],
+)
+def test_unusable_input_exits_2_with_one_line_and_writes_nothing(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    result = fuser_cli("optimize", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([name] if content is not None else [])
+
+
+def test_invalid_model_exits_2(tmp_path):
+    model = onnx.load(os.path.join(MODELS, "resnet_small.onnx"))
+    model.graph.node[0].input[0] = "no_such_tensor"
+    path = tmp_path / "invalid.onnx"
+    path.write_bytes(model.SerializeToString())
+    result = fuser_cli("optimize", str(path))
+    assert result.returncode == 2
+    assert "invalid ONNX model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["invalid.onnx"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = fuser_cli("--debug", "optimize", str(tmp_path / "missing.onnx"))
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_bad_usage_exits_2():
+    assert fuser_cli("optimize").returncode == 2
+    assert fuser_cli("no-such-command").returncode == 2
+    assert fuser_cli("optimize", "x.onnx", "--target", "tpu").returncode == 2
+
+
+def test_unknown_rule_name_is_bad_usage(resnet):
+    result = fuser_cli("optimize", str(resnet), "--disable", "no-such-rule")
+    assert result.returncode == 2 and "no-such-rule" in result.stderr
+
+
+def test_version_and_rules():
+    version = fuser_cli("--version")
+    assert version.returncode == 0 and "fuser" in version.stdout
+    listed = fuser_cli("rules", "--format", "json")
+    assert listed.returncode == 0
+    rules = {r["name"]: r for r in json.loads(listed.stdout)}
+    assert rules["conv-bn-fold"]["target"] == "onnx" and rules["conv-bn-fold"]["default"] is True
+
+
+def test_help_documents_exit_codes():
+    result = fuser_cli("optimize", "--help")
+    assert result.returncode == 0 and "Exit codes" in result.stdout and "numerics check failed" in result.stdout
+
+
+def test_check_mode_exit_codes_and_never_writes(resnet, tmp_path):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    found = fuser_cli("check", str(resnet))
+    assert found.returncode == 1 and "conv-bn-fold" in found.stderr
+    assert fuser_cli("check", str(resnet), "--exit-zero").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert fuser_cli("optimize", str(resnet)).returncode == 0
+    clean = fuser_cli("check", str(resnet.with_name("resnet_small.fused.onnx")))
+    assert clean.returncode == 0, clean.stderr
+
+
+def _validate(instance, schema, root=None, path="$"):
+    """A small JSON-Schema subset validator (type, enum, const, required, properties, items, $ref)."""
+    root = root or schema
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].split("/")[-1]]
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        checks = {
+            "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+            "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+            "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "null": lambda v: v is None,
+        }
+        assert any(checks[k](instance) for k in kinds), f"{path}: {instance!r} is not {kinds}"
+    if "const" in schema:
+        assert instance == schema["const"], path
+    if "enum" in schema:
+        assert instance in schema["enum"], f"{path}: {instance!r} not in {schema['enum']}"
+    if isinstance(instance, dict):
+        for key in schema.get("required", []):
+            assert key in instance, f"{path}: missing {key}"
+        for key, value in instance.items():
+            if key in schema.get("properties", {}):
+                _validate(value, schema["properties"][key], root, f"{path}.{key}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _validate(value, schema["additionalProperties"], root, f"{path}.{key}")
+    if isinstance(instance, list) and "items" in schema:
+        for index, item in enumerate(instance):
+            _validate(item, schema["items"], root, f"{path}[{index}]")
+
+
+def test_json_report_matches_its_schema(resnet, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = fuser_cli("optimize", str(resnet), "--report", str(report_path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    on_disk = json.loads(report_path.read_text())
+    assert json.loads(result.stdout) == on_disk
+    _validate(on_disk, REPORT_SCHEMA)
+    assert on_disk["rule_counts"] == {"conv-bn-fold": 8}
+    assert on_disk["numerics"]["passed"] is True
+    assert len(on_disk["rewrites"]) == 8 and on_disk["nodes_before"] == 30 and on_disk["nodes_after"] == 22
+
+
+def test_error_report_matches_its_schema(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = fuser_cli("optimize", str(tmp_path / "missing.onnx"), "--report", str(report_path))
+    assert result.returncode == 2
+    report = json.loads(report_path.read_text())
+    _validate(report, REPORT_SCHEMA)
+    assert report["verdict"] == "error" and report["exit_code"] == 2
