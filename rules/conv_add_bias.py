@@ -1,0 +1,48 @@
+"""Conv -> Add(constant per-channel c)  =>  Conv with bias b + c.
+
+An Add of a constant that broadcasts over the output channels only (shape [C, 1, ...],
+[1, C, 1, ...], a single value, or fewer leading dims) adds the same number to every
+element of a channel, which is what a convolution bias does. Folding it leaves a clean
+Conv chain for BatchNormalization folding and activation fusion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuser import Builder, Match, const, op, rule, var
+
+PRIORITY = 20
+
+
+def per_channel(addend: np.ndarray, output_rank: int, channels: int) -> np.ndarray | None:
+    """The addend as one value per output channel, or None if it varies along another axis."""
+    if addend.ndim > output_rank:
+        return None
+    shape = (1,) * (output_rank - addend.ndim) + addend.shape
+    if shape[0] != 1 or any(d != 1 for d in shape[2:]) or shape[1] not in (1, channels):
+        return None
+    return np.broadcast_to(addend.reshape(-1), (channels,))
+
+
+@rule(
+    "conv-add-bias",
+    pattern=op.Add(
+        (op.Conv | op.ConvTranspose)(var("x"), const("w"), const("b", optional=True), name="conv"),
+        const("c"),
+        name="add",
+    ),
+)
+def conv_add_bias(m: Match, b: Builder):
+    """Conv -> Add(per-channel constant)  =>  Conv whose bias absorbs the constant."""
+    weight, addend = m.value("w"), m.value("c")
+    m.require(weight.dtype in (np.float16, np.float32, np.float64), f"weights are {weight.dtype}, not a float type")
+    m.require(addend.dtype == weight.dtype, f"the added constant is {addend.dtype}, the weights {weight.dtype}")
+    conv = m.node("conv")
+    group = int(m.attr("conv", "group", 1))
+    channels = weight.shape[1] * group if conv.op_type == "ConvTranspose" else weight.shape[0]
+    values = per_channel(addend, weight.ndim, channels)
+    m.require(values is not None, f"the added constant of shape {addend.shape} is not one value per channel")
+    bias = m.value("b")
+    total = values.astype(np.float64) + (0.0 if bias is None else bias.astype(np.float64))
+    return b.op(conv.op_type, m["x"], m["w"], b.constant(total.astype(weight.dtype), "bias"), **conv.attrs())
