@@ -442,6 +442,11 @@ class Graph:
         self.names.add(tensor.name)
         self._initializers[tensor.name] = tensor
         self._add_source(INITIALIZER, tensor.name, (-1, len(self._initializers)))
+        if self.constant_initializer_inputs:
+            # IR < 4 requires every initializer to be listed as a graph input as well.
+            self._inputs.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            )
         self.modified = True
 
     def remove_if_unused(self, tensor: str) -> None:

@@ -59,11 +59,13 @@ def conv_bn_fold(m: Match, b: Builder):
     params = {name: m.value(name) for name in ("scale", "beta", "mean", "var")}
     for name, value in params.items():
         m.require(value.shape == (channels,), f"BatchNormalization {name} has shape {value.shape}, not ({channels},)")
+    epsilon = float(m.attr("bn", "epsilon", 1e-5))
+    m.require(bool(np.all(params["var"].astype(np.float64) + epsilon > 0)), "variance + epsilon is not positive")
     bias = m.value("b")
     m.require(bias is None or bias.shape == (channels,), "the convolution bias does not have one value per channel")
     new_weight, new_bias = fold_conv_bn(
         weight, bias, params["scale"], params["beta"], params["mean"], params["var"],
-        float(m.attr("bn", "epsilon", 1e-5)), transpose=transpose, group=group,
+        epsilon, transpose=transpose, group=group,
     )
     conv = m.node("conv")
     return b.op(conv.op_type, m["x"], b.constant(new_weight, "weight"), b.constant(new_bias, "bias"), **conv.attrs())

@@ -1,4 +1,4 @@
-"""Conv -> Add(residual Z) -> activation  =>  com.microsoft FusedConv(X, W, B, Z, activation).
+"""Conv -> Add or two-input Sum (residual Z) -> activation  =>  com.microsoft FusedConv(X, W, B, Z, activation).
 
 onnxruntime's FusedConv adds its fourth input Z to the convolution before the activation,
 which is exactly a ResNet block's residual Add + Relu. Z must have the convolution
@@ -16,7 +16,7 @@ PRIORITY = 61
 @rule(
     "fused-conv-residual",
     pattern=activation(
-        op.Add(op.Conv(var("x"), var("w"), var("b", optional=True), name="conv"), var("z"), name="add")
+        (op.Add | op.Sum)(op.Conv(var("x"), var("w"), var("b", optional=True), name="conv"), var("z"), name="add")
     ),
     target="onnxruntime",
     emits={"com.microsoft": 1},

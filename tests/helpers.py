@@ -73,11 +73,12 @@ def randomize_constants(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
     rng = np.random.default_rng(seed)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     shapes = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    variances = {n.input[4] for n in model.graph.node if n.op_type == "BatchNormalization"}
     kept = []
     for node in model.graph.node:
         if node.op_type == "ConstantOfShape" and node.input[0] in shapes:
             shape = tuple(int(d) for d in shapes[node.input[0]])
-            is_variance = node.output[0].endswith(("riv_0", "_var", "running_var"))
+            is_variance = node.output[0] in variances
             value = rng.uniform(0.5, 1.5, shape) if is_variance else rng.normal(0, 0.5, shape) / max(1, np.prod(shape[1:]) ** 0.5)
             model.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), node.output[0]))
             if model.ir_version < 4:

@@ -36,7 +36,7 @@ def test_optimize_writes_beside_the_input_and_never_touches_it(resnet):
     out = resnet.with_name("resnet_small.fused.onnx")
     assert out.exists()
     assert resnet.read_bytes() == before
-    assert "conv-bn-fold" in result.stderr and "nodes: 30 -> 22" in result.stderr
+    assert "conv-bn-fold" in result.stderr and "nodes: 30 -> 21" in result.stderr
     assert result.stdout == ""
     optimized = onnx.load(str(out))
     onnx.checker.check_model(optimized, full_check=True)
@@ -176,9 +176,9 @@ def test_json_report_matches_its_schema(resnet, tmp_path):
     on_disk = json.loads(report_path.read_text())
     assert json.loads(result.stdout) == on_disk
     _validate(on_disk, REPORT_SCHEMA)
-    assert on_disk["rule_counts"] == {"conv-bn-fold": 8}
+    assert on_disk["rule_counts"] == {"conv-bn-fold": 8, "matmul-add-gemm": 1}
     assert on_disk["numerics"]["passed"] is True
-    assert len(on_disk["rewrites"]) == 8 and on_disk["nodes_before"] == 30 and on_disk["nodes_after"] == 22
+    assert len(on_disk["rewrites"]) == 9 and on_disk["nodes_before"] == 30 and on_disk["nodes_after"] == 21
 
 
 def test_error_report_matches_its_schema(tmp_path):

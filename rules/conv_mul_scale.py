@@ -1,0 +1,35 @@
+"""Conv -> Mul(constant per-channel s)  =>  Conv with weights W * s and bias b * s.
+
+Scaling a channel of the convolution's output is scaling that channel's filter and
+bias. Exporters write inference BatchNormalization this way (Mul then Add of per-channel
+constants); with conv-add-bias after it, the whole affine folds into the Conv.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuser import Builder, Match, const, op, rule, var
+from fuser.rules.conv_add_bias import per_channel
+
+PRIORITY = 15
+
+
+@rule(
+    "conv-mul-scale",
+    pattern=op.Mul(op.Conv(var("x"), const("w"), const("b", optional=True), name="conv"), const("s"), name="mul"),
+)
+def conv_mul_scale(m: Match, b: Builder):
+    """Conv -> Mul(per-channel constant)  =>  Conv with rescaled weights and bias."""
+    weight, scale = m.value("w"), m.value("s")
+    m.require(weight.dtype in (np.float16, np.float32, np.float64), f"weights are {weight.dtype}, not a float type")
+    m.require(scale.dtype == weight.dtype, f"the scale is {scale.dtype}, the weights {weight.dtype}")
+    channels = weight.shape[0]
+    values = per_channel(scale, weight.ndim, channels)
+    m.require(values is not None, f"the scale of shape {scale.shape} is not one value per channel")
+    factors = values.astype(np.float64)
+    new_weight = weight.astype(np.float64) * factors.reshape((-1,) + (1,) * (weight.ndim - 1))
+    bias = m.value("b")
+    new_bias = None if bias is None else b.constant((bias.astype(np.float64) * factors).astype(weight.dtype), "bias")
+    conv = m.node("conv")
+    return b.Conv(m["x"], b.constant(new_weight.astype(weight.dtype), "weight"), new_bias, **conv.attrs())
