@@ -31,6 +31,11 @@ class Rewrite:
     matched: list[str]
     created: list[str]
 
+    @property
+    def key(self) -> tuple:
+        """Identifies the rewrite across runs of the same rules on the same model."""
+        return (self.rule, self.scope, tuple(self.matched))
+
     def to_dict(self) -> dict:
         return {
             "index": self.index,
@@ -74,9 +79,22 @@ class EngineResult:
 
 
 class Engine:
-    def __init__(self, model: Model, rules: list[Rule], *, max_rewrites: int | None = None, trace: bool = False):
+    def __init__(
+        self,
+        model: Model,
+        rules: list[Rule],
+        *,
+        max_rewrites: int | None = None,
+        trace: bool = False,
+        limit: int | None = None,
+        vetoed: set[tuple] = frozenset(),
+    ):
+        """limit: stop after this many rewrites (a prefix of the full run, for blame);
+        vetoed: keys of rewrites (Rewrite.key) never to apply."""
         self.model = model
         self.trace = trace
+        self.limit = limit
+        self.vetoed = set(vetoed)
         self.result = EngineResult()
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
@@ -103,7 +121,7 @@ class Engine:
         if self._max_rewrites is None:
             self._max_rewrites = 8 * self.model.node_count() + 1000
         scopes = [(self.model.graph, "main")]
-        while scopes:
+        while scopes and not self._limit_reached():
             graph, scope = scopes.pop(0)
             self._run_scope(graph, scope, apply)
             for info in list(graph.nodes()):
@@ -131,7 +149,7 @@ class Engine:
                 if op_type in candidate.root_types and candidate.root_domain:
                     for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
                         push(node_id)
-        while heap:
+        while heap and not self._limit_reached():
             _, node_id = heapq.heappop(heap)
             queued.discard(node_id)
             if not graph.has_node(node_id):
@@ -143,8 +161,13 @@ class Engine:
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
-            for bindings in find_matches(graph, candidate.pattern, node_id):
+            for bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, candidate.pattern, bindings, self._types)
+                if self.vetoed and (candidate.name, scope, tuple(n.name for n in match.nodes)) in self.vetoed:
+                    self.result.declined.append(
+                        Declined(candidate.name, scope, match.root.name, "dropped: it failed the numerics check")
+                    )
+                    continue
                 try:
                     keep = self._interior_check(graph, candidate, match)
                     if candidate.condition is not None:
@@ -166,8 +189,17 @@ class Engine:
                         Opportunity(candidate.name, scope, [n.name for n in match.nodes])
                     )
                     return []
-                return self._apply(graph, scope, candidate, match, builder, outputs, keep)
+                try:
+                    return self._apply(graph, scope, candidate, match, builder, outputs, keep)
+                except Decline as decline:
+                    if self.trace:
+                        self.result.declined.append(
+                            Declined(candidate.name, scope, match.root.name, str(decline))
+                        )
         return []
+
+    def _limit_reached(self) -> bool:
+        return self.limit is not None and len(self.result.rewrites) >= self.limit
 
     # ----------------------------------------------------------------- applying
 
@@ -189,6 +221,15 @@ class Engine:
                         break
                     where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
                     raise Decline(f"'{output}' (output of {info.name or info.op_type}) is {where}")
+        # A kept node still needs the matched nodes it reads from.
+        pending = list(keep)
+        while pending:
+            node_id = pending.pop()
+            for name in graph.node(node_id).inputs:
+                producer = graph.producer(name) if name else None
+                if producer in matched and producer != match.root.id and producer not in keep:
+                    keep.add(producer)
+                    pending.append(producer)
         return keep
 
     def _apply(
@@ -204,12 +245,20 @@ class Engine:
         root = match.root
         root_outputs = [o for o in root.outputs if o]
         produced = {o for node in builder.nodes for o in node.output}
+        removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
+        for old, new in zip(root_outputs, outputs):
+            if new in produced or new in {t.name for t in builder.initializers}:
+                continue
+            if new == old:
+                raise RuleError(candidate.name, f"the replacement returns '{old}' unchanged")
+            if new in removed_outputs:
+                raise RuleError(candidate.name, f"the replacement returns '{new}', which the rewrite removes")
+            if not _visible(graph, new):
+                raise RuleError(candidate.name, f"the replacement returns '{new}', which does not exist")
         rename: dict[str, str] = {}
         for old, new in zip(root_outputs, outputs):
             if new in produced and new not in rename:
                 rename[new] = old
-            elif new == old:
-                raise RuleError(candidate.name, f"the replacement returns '{old}' unchanged")
             elif graph.is_graph_output(old) or any(s == SUBGRAPH_SLOT for _, s in graph.consumers(old)):
                 # The name must survive as it is: copy the value into it.
                 builder.nodes.append(_identity(rename.get(new, new), old, builder, graph))
@@ -223,6 +272,8 @@ class Engine:
                 if name in rename:
                     node.output[index] = rename[name]
         removed = [i for i in match.node_ids if i not in keep]
+        if _signature(builder.nodes) == _signature(graph.node(i).proto for i in removed):
+            raise Decline("the replacement is identical to the match")
         self._check_replacement(graph, candidate, removed, builder, root_outputs)
         for domain, version in candidate.emits.items():
             self.model.require_opset(domain, version)
@@ -280,6 +331,25 @@ class Engine:
             seen |= following
             frontier = following
         return sorted(seen, key=graph.sort_key)
+
+
+def _signature(nodes) -> list:
+    return sorted(
+        (n.domain or "", n.op_type, tuple(n.input), tuple(n.output), tuple(a.SerializeToString() for a in n.attribute))
+        for n in nodes
+    )
+
+
+def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
+    """find_matches, with a crash in the rule's attribute predicates reported as the rule's bug."""
+    matches = find_matches(graph, candidate.pattern, node_id)
+    while True:
+        try:
+            yield next(matches)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001
+            raise RuleError(candidate.name, f"its pattern raised {type(error).__name__}: {error}") from error
 
 
 def _visible(graph: Graph | None, name: str) -> bool:

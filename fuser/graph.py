@@ -129,6 +129,7 @@ class Graph:
         self.tensors = tensors
         self.opsets = opsets
         self.outer = outer
+        self.owner: int | None = None  # the node holding this graph, in `outer`
         self.nx = nx.MultiDiGraph()
         self.modified = False
         self._ids = itertools.count()
@@ -138,7 +139,8 @@ class Graph:
         self._value_info = list(proto.value_info)
         self._inputs = list(proto.input)
         self._outputs = list(proto.output)
-        self._constant_cache: dict[str, np.ndarray | None] = {}
+        self._constant_cache: dict[str, np.ndarray] = {}
+        self._not_constant: set[str] = set()
         self._build(proto)
 
     # ----------------------------------------------------------------- building
@@ -186,9 +188,9 @@ class Graph:
         subgraphs: dict[str, list[Graph]] = {}
         for attribute in proto.attribute:
             if attribute.type == AttributeProto.GRAPH:
-                subgraphs[attribute.name] = [self._subgraph(attribute.g)]
+                subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
             elif attribute.type == AttributeProto.GRAPHS:
-                subgraphs[attribute.name] = [self._subgraph(g) for g in attribute.graphs]
+                subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
         info = NodeInfo(node_id, proto, subgraphs)
         self.nx.add_node(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
@@ -199,8 +201,8 @@ class Graph:
         self._by_op.setdefault((proto.domain, proto.op_type), {})[node_id] = None
         return node_id
 
-    def _subgraph(self, proto: GraphProto) -> Graph:
-        return Graph(
+    def _subgraph(self, proto: GraphProto, owner: int) -> Graph:
+        sub = Graph(
             proto,
             names=self.names,
             tensors=self.tensors,
@@ -208,6 +210,8 @@ class Graph:
             outer=self,
             constant_initializer_inputs=self.constant_initializer_inputs,
         )
+        sub.owner = owner
+        return sub
 
     def _connect_inputs(self, node_id: int) -> None:
         info: NodeInfo = self.nx.nodes[node_id]["info"]
@@ -312,48 +316,94 @@ class Graph:
 
         Values above `max_bytes` are not materialized; None means "not a known constant".
         """
-        if tensor in self._constant_cache:
-            return self._constant_cache[tensor]
-        value = self._evaluate_constant(tensor, max_bytes)
-        self._constant_cache[tensor] = value
+        cached = self._constant_cache.get(tensor)
+        if cached is not None:
+            return cached if cached.nbytes <= max_bytes else None
+        if tensor in self._not_constant:
+            return None
+        order = self._constant_dependencies(tensor)
+        if order is None:
+            return None
+        from fuser.constants import evaluate_node
+
+        for node_id in order:
+            info = self.node(node_id)
+            inputs = []
+            for name in info.proto.input:
+                value = self._leaf_value(name, max_bytes) if name else None
+                if name and value is None:
+                    return None
+                inputs.append(value)
+            outputs = evaluate_node(info.proto, inputs, self.opsets, max_bytes)
+            if outputs is None:
+                return None
+            for name, value in zip(info.proto.output, outputs):
+                if name:
+                    value.flags.writeable = False
+                    self._constant_cache[name] = value
+        return self._leaf_value(tensor, max_bytes)
+
+    def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
+        cached = self._constant_cache.get(tensor)
+        if cached is not None:
+            return cached if cached.nbytes <= max_bytes else None
+        node_id, _ = self._producer[tensor]
+        kind = self.nx.nodes[node_id]["kind"]
+        if kind == OUTER:
+            return self.outer.constant_value(tensor, max_bytes)
+        if kind != INITIALIZER:
+            return None
+        value = self.tensors.value(self._initializers[tensor], max_bytes)
+        if value is not None:
+            value.flags.writeable = False
+            self._constant_cache[tensor] = value
         return value
 
-    def _evaluate_constant(self, tensor: str, max_bytes: int) -> np.ndarray | None:
-        from fuser.constants import evaluate_node, is_foldable
+    def _constant_dependencies(self, tensor: str) -> list[int] | None:
+        """Op nodes to evaluate, inputs first, for `tensor`; None if it is not constant.
 
-        entry = self._producer.get(tensor)
-        if entry is None:
-            return None
-        node_id, index = entry
-        kind = self.nx.nodes[node_id]["kind"]
-        if kind == INITIALIZER:
-            proto = self._initializers.get(tensor)
-            if proto is None:  # sparse initializers stay opaque
-                return None
-            return self.tensors.value(proto, max_bytes)
-        if kind == OUTER:
-            return self.outer.constant_value(tensor, max_bytes) if self.outer else None
-        if kind != OP:
-            return None
-        info = self.node(node_id)
-        if not is_foldable(info):
-            return None
-        inputs = []
-        for name in info.proto.input:
-            if not name:
-                inputs.append(None)
+        Iterative depth-first search: the entries still marked "expanded" on the stack are
+        the ancestors of the current tensor, so when a non-constant input turns up, all of
+        them are recorded as non-constant too and later queries stop at once.
+        """
+        from fuser.constants import is_foldable
+
+        stack: list[tuple[str, bool]] = [(tensor, False)]
+        order: list[int] = []
+        done: set[int] = set()
+        while stack:
+            name, expanded = stack.pop()
+            if expanded:
+                node_id = self._producer[name][0]
+                if node_id not in done:
+                    done.add(node_id)
+                    order.append(node_id)
                 continue
-            value = self.constant_value(name, max_bytes)
-            if value is None:
+            if name in self._constant_cache:
+                continue
+            entry = self._producer.get(name)
+            constant = entry is not None and name not in self._not_constant
+            if constant:
+                node_id = entry[0]
+                kind = self.nx.nodes[node_id]["kind"]
+                if kind == INITIALIZER:
+                    constant = name in self._initializers  # sparse initializers stay opaque
+                    continue_search = False
+                elif kind == OUTER:
+                    constant = self.outer is not None and self.outer.constant_value(name) is not None
+                    continue_search = False
+                elif kind == OP and is_foldable(self.node(node_id)):
+                    continue_search = node_id not in done
+                else:
+                    constant = False
+            if not constant:
+                self._not_constant.add(name)
+                self._not_constant.update(n for n, e in stack if e)
                 return None
-            inputs.append(value)
-        outputs = evaluate_node(info.proto, inputs, self.opsets, max_bytes)
-        if outputs is None:
-            return None
-        for name, value in zip(info.proto.output, outputs):
-            if name:
-                self._constant_cache[name] = value
-        return outputs[index] if index < len(outputs) else None
+            if continue_search:
+                stack.append((name, True))
+                stack.extend((i, False) for i in self.node(node_id).proto.input if i)
+        return order
 
     def value_info(self, tensor: str) -> ValueInfoProto | None:
         for value in itertools.chain(self._inputs, self._outputs, self._value_info):
@@ -382,6 +432,7 @@ class Graph:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
                 self._constant_cache.pop(output, None)
+                self._not_constant.discard(output)
         del self._by_op[(info.domain, info.op_type)][node_id]
         self.nx.remove_node(node_id)
         self.modified = True
@@ -456,7 +507,12 @@ class Graph:
             return
         node_id = entry[0]
         kind = self.nx.nodes[node_id]["kind"]
-        if kind == INITIALIZER:
+        if kind == OUTER:
+            del self._producer[tensor]
+            self.nx.remove_node(node_id)
+            if self.outer is not None and self.owner is not None:
+                self.outer.release_capture(self.owner, tensor)
+        elif kind == INITIALIZER:
             self._initializers.pop(tensor, None)
             self._inputs = [v for v in self._inputs if v.name != tensor]
             del self._producer[tensor]
@@ -475,6 +531,21 @@ class Graph:
             self.remove_node(node_id)
             for name in inputs:
                 self.remove_if_unused(name)
+
+    def release_capture(self, node_id: int, tensor: str) -> None:
+        """A subgraph of `node_id` stopped reading `tensor`: drop the edge if no subgraph reads it."""
+        info = self.node(node_id)
+        if any(tensor in g.captured() for graphs in info.subgraphs.values() for g in graphs):
+            return
+        entry = self._producer.get(tensor)
+        if entry is None:
+            return
+        edges = self.nx.get_edge_data(entry[0], node_id) or {}
+        for key, data in list(edges.items()):
+            if data["tensor"] == tensor and data["slot"] == SUBGRAPH_SLOT:
+                self.nx.remove_edge(entry[0], node_id, key)
+        self.modified = True
+        self.remove_if_unused(tensor)
 
     def mark_modified(self) -> None:
         self.modified = True

@@ -81,7 +81,10 @@ def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) 
         if tensor is None:
             return
         producer = graph.producer(tensor)
-        if producer is None or graph.node(producer).proto.output[pattern.output] != tensor:
+        if producer is None:
+            return
+        outputs = graph.node(producer).proto.output
+        if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
             return
         yield from _match_op(graph, pattern, producer, bindings)
         return

@@ -40,14 +40,17 @@ class Model:
             opsets=self.opsets,
             constant_initializer_inputs=proto.ir_version < 4,
         )
-        for g in self.graph.all_graphs():
-            for name in g._initializers:
-                self.tensors.check(g._initializers[name])
+        self.check_external_data()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Model:
         path = Path(path)
         return cls(read_model(path), base_dir=path.parent, path=path)
+
+    def check_external_data(self) -> None:
+        for g in self.graph.all_graphs():
+            for tensor in g._initializers.values():
+                self.tensors.check(tensor)
 
     def to_proto(self) -> ModelProto:
         model = ModelProto()
@@ -90,8 +93,13 @@ def read_model(path: Path) -> ModelProto:
         raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or IR version in the file)")
+    store = TensorStore(path.parent)
+    for graph in _all_graph_protos(model.graph):
+        for tensor in graph.initializer:
+            store.check(tensor)  # refuse unsafe external-data paths before anything reads them
     try:
-        onnx.checker.check_model(model)
+        # The path form resolves external data against the model's folder and handles >2 GB.
+        onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"{path}: invalid ONNX model: {first_line}") from error

@@ -166,7 +166,7 @@ class Builder:
         """A new initializer holding `value`; returns its (fresh) name."""
         name = self._graph.names.fresh(f"{self._anchor}/{hint}")
         array = np.asarray(value)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.initializers.append(numpy_helper.from_array(np.asarray(array, order="C"), name))
         return name
 
     def _input(self, value, op_type: str) -> str:

@@ -197,27 +197,87 @@ def compare(
     return check
 
 
+def load_inputs(path: str) -> dict[str, np.ndarray]:
+    """Real inputs: an .npz file (arrays named like the graph inputs) or a folder of input_*.pb."""
+    import glob
+    import os
+
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "input_*.pb")), key=lambda p: int(p.rsplit("_", 1)[1][:-3]))
+        if not files:
+            raise InputError(f"{path}: no input_*.pb files in the folder")
+        feeds = {}
+        for index, name in enumerate(files):
+            tensor = onnx.TensorProto()
+            try:
+                with open(name, "rb") as handle:
+                    tensor.ParseFromString(handle.read())
+            except Exception as error:  # noqa: BLE001
+                raise InputError(f"{name}: not a serialized TensorProto") from error
+            feeds[tensor.name or f"#{index}"] = onnx.numpy_helper.to_array(tensor)
+        return feeds
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except FileNotFoundError as error:
+        raise InputError(f"{path}: no such file") from error
+    except Exception as error:  # noqa: BLE001 - numpy raises several types for bad files
+        raise InputError(f"{path}: not a .npz file of arrays ({error})") from error
+
+
+class Checker:
+    """The original model's session, inputs and outputs, reused for every candidate model."""
+
+    def __init__(
+        self, original: onnx.ModelProto, *, seed: int = 0, runs: int = 1,
+        dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
+        ranges: dict[str, tuple[float, float]] | None = None, inputs: dict[str, np.ndarray] | None = None,
+        rtol: float | None = None, atol: float | None = None,
+    ):
+        self.rtol, self.atol = rtol, atol
+        self.session = session(original)
+        if inputs is not None:
+            self.feeds = [self._named(inputs)]
+        else:
+            self.feeds = [
+                synthesize_inputs(self.session, seed=seed + i, dims=dims, shapes=shapes, ranges=ranges)
+                for i in range(runs)
+            ]
+        self.expected = [run(self.session, feeds) for feeds in self.feeds]
+
+    def _named(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        specs = self.session.get_inputs()
+        feeds = {}
+        for index, spec in enumerate(specs):
+            value = inputs.get(spec.name, inputs.get(f"#{index}"))
+            if value is None:
+                raise InputError(f"the given inputs have no value for graph input '{spec.name}'")
+            feeds[spec.name] = value
+        return feeds
+
+    def check(self, candidate: onnx.ModelProto, exact: bool) -> Verdict:
+        after = session(candidate)
+        verdict = Verdict()
+        for feeds, expected in zip(self.feeds, self.expected):
+            actual = run(after, feeds)
+            for name, value in expected.items():
+                check = compare(name, value, actual[name], exact, self.rtol, self.atol)
+                previous = next((o for o in verdict.outputs if o.name == name), None)
+                if previous is None:
+                    verdict.outputs.append(check)
+                elif (_severity(check), check.max_abs_error) > (_severity(previous), previous.max_abs_error):
+                    verdict.outputs[verdict.outputs.index(previous)] = check
+        return verdict
+
+
 def verify(
     original: onnx.ModelProto, optimized: onnx.ModelProto, *, exact: bool, seed: int = 0, runs: int = 1,
     dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
     rtol: float | None = None, atol: float | None = None,
 ) -> Verdict:
     """Run both models on the same seeded inputs and compare every graph output."""
-    before = session(original)
-    after = session(optimized)
-    verdict = Verdict()
-    for run_index in range(runs):
-        feeds = synthesize_inputs(before, seed=seed + run_index, dims=dims, shapes=shapes)
-        expected = run(before, feeds)
-        actual = run(after, feeds)
-        for name, value in expected.items():
-            check = compare(name, value, actual[name], exact, rtol, atol)
-            previous = next((o for o in verdict.outputs if o.name == name), None)
-            if previous is None:
-                verdict.outputs.append(check)
-            elif _severity(check) > _severity(previous) or check.max_abs_error > previous.max_abs_error:
-                verdict.outputs[verdict.outputs.index(previous)] = check
-    return verdict
+    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, rtol=rtol, atol=atol)
+    return checker.check(optimized, exact)
 
 
 def _severity(check: OutputCheck) -> int:

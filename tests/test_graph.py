@@ -1,0 +1,523 @@
+"""The Graph view of a model (queries, constants, rewiring) and Model loading and saving."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import fuser.tensors
+from fuser.errors import InputError, UnsafePathError, UsageError
+from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT
+from fuser.model import Model
+from tests.helpers import make_model
+
+F32 = np.float32
+
+
+def _graph(proto: onnx.ModelProto):
+    return Model(proto).graph
+
+
+def _ids_by_name(graph) -> dict[str, int]:
+    return {info.name: info.id for info in graph.nodes()}
+
+
+# --------------------------------------------------------------------- queries
+
+
+@pytest.fixture
+def small():
+    """x -> Mul(x, x) -> m;  Add(m, w) -> y (output);  Relu(m) -> r (output)."""
+    w = np.arange(6, dtype=F32).reshape(2, 3)
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "w"], ["y"], name="add"),
+        helper.make_node("Relu", ["m"], ["r"], name="relu"),
+    ]
+    proto = make_model(nodes, [("x", F32, [2, 3])], [("y", F32, [2, 3]), ("r", F32, [2, 3])], {"w": w})
+    return proto, _graph(proto), w
+
+
+def test_producer_names_the_op_node_and_none_for_sources(small):
+    _, g, _ = small
+    ids = _ids_by_name(g)
+    assert g.producer("m") == ids["mul"]
+    assert g.producer("y") == ids["add"]
+    assert g.node(g.producer("r")).op_type == "Relu"
+    # graph inputs, initializers and unknown names have no producing op
+    assert g.producer("x") is None
+    assert g.producer("w") is None
+    assert g.producer("no-such-tensor") is None
+
+
+def test_consumers_list_every_slot_including_a_tensor_read_twice(small):
+    _, g, _ = small
+    ids = _ids_by_name(g)
+    assert sorted(g.consumers("x")) == [(ids["mul"], 0), (ids["mul"], 1)]
+    assert sorted(g.consumers("m")) == sorted([(ids["add"], 0), (ids["relu"], 0)])
+    assert g.consumers("w") == [(ids["add"], 1)]
+    assert g.op_consumers("x") == [ids["mul"], ids["mul"]]
+    assert g.consumers("no-such-tensor") == []
+
+
+def test_graph_outputs_are_sink_consumers_with_their_position(small):
+    _, g, _ = small
+    (sink_y, slot_y), = g.consumers("y")
+    (sink_r, slot_r), = g.consumers("r")
+    assert g.nx.nodes[sink_y]["kind"] == GRAPH_OUTPUT and slot_y == 0
+    assert g.nx.nodes[sink_r]["kind"] == GRAPH_OUTPUT and slot_r == 1
+    assert g.op_consumers("y") == []
+
+
+def test_is_graph_output_and_is_graph_input(small):
+    _, g, _ = small
+    assert g.is_graph_output("y") and g.is_graph_output("r")
+    assert not g.is_graph_output("m")
+    assert not g.is_graph_output("x")
+    assert g.is_graph_input("x")
+    assert not g.is_graph_input("w")
+    assert not g.is_graph_input("m")
+
+
+def test_initializers_are_constants_and_op_results_on_inputs_are_not(small):
+    _, g, w = small
+    assert g.is_constant("w")
+    value = g.constant_value("w")
+    np.testing.assert_array_equal(value, w)
+    assert value.dtype == F32
+    assert g.initializer("w") is not None and g.initializer("x") is None
+    for tensor in ("x", "m", "y", "r", "no-such-tensor"):
+        assert not g.is_constant(tensor)
+        assert g.constant_value(tensor) is None
+
+
+def test_node_queries_and_counts(small):
+    _, g, _ = small
+    assert g.node_count() == 3
+    assert [g.node(i).name for i in g.nodes_of_type("Mul")] == ["mul"]
+    assert g.nodes_of_type("Conv") == []
+    assert g.nodes_of_type("Mul", "ai.onnx") == g.nodes_of_type("Mul")
+    assert [g.node(i).name for i in g.topological_order()] == ["mul", "add", "relu"]
+    assert g.opset() == 17
+
+
+def test_untouched_graph_converts_back_byte_identical(small):
+    proto, _, _ = small
+    restored = Model(proto).to_proto()
+    assert restored.SerializeToString(deterministic=True) == proto.SerializeToString(deterministic=True)
+
+
+def test_constant_nodes_of_every_value_kind():
+    tensor = numpy_helper.from_array(np.array([[1.5, -2.0]], dtype=F32), "t")
+    nodes = [
+        helper.make_node("Constant", [], ["c_tensor"], value=tensor),
+        helper.make_node("Constant", [], ["c_float"], value_float=2.5),
+        helper.make_node("Constant", [], ["c_ints"], value_ints=[3, 1, 2]),
+        helper.make_node("Constant", [], ["c_int"], value_int=7),
+        helper.make_node("Constant", [], ["c_floats"], value_floats=[0.5, 0.25]),
+        helper.make_node("Add", ["x", "c_tensor"], ["y"]),
+    ]
+    outputs = [("y", F32, [1, 2]), ("c_float", F32, []), ("c_ints", np.int64, [3]),
+               ("c_int", np.int64, []), ("c_floats", F32, [2])]
+    g = _graph(make_model(nodes, [("x", F32, [1, 2])], outputs))
+
+    value = g.constant_value("c_tensor")
+    np.testing.assert_array_equal(value, [[1.5, -2.0]])
+    assert value.dtype == F32 and value.shape == (1, 2)
+
+    value = g.constant_value("c_float")
+    assert value.dtype == F32 and value.shape == () and float(value) == 2.5
+
+    value = g.constant_value("c_ints")
+    assert value.dtype == np.int64
+    np.testing.assert_array_equal(value, [3, 1, 2])
+
+    value = g.constant_value("c_int")
+    assert value.dtype == np.int64 and int(value) == 7
+
+    np.testing.assert_array_equal(g.constant_value("c_floats"), np.array([0.5, 0.25], F32))
+    assert all(g.is_constant(t) for t in ("c_tensor", "c_float", "c_ints", "c_int", "c_floats"))
+    assert not g.is_constant("y")
+
+
+def _constant_subgraph_model(big: int = 4):
+    """ConstantOfShape(shape) -> filled; Reshape(w, new_shape) -> reshaped; Add(filled, reshaped) -> sum."""
+    w = np.arange(6, dtype=F32)
+    fill = numpy_helper.from_array(np.array([3.0], dtype=F32), "fill")
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=fill, name="cos"),
+        helper.make_node("Reshape", ["w", "new_shape"], ["reshaped"], name="reshape"),
+        helper.make_node("Add", ["filled", "reshaped"], ["sum"], name="sum"),
+        helper.make_node("Add", ["x", "sum"], ["y"], name="use"),
+        helper.make_node("ConstantOfShape", ["big_shape"], ["big"], value=fill, name="big"),
+        helper.make_node("Reshape", ["big", "flat"], ["big_flat"], name="big_reshape"),
+    ]
+    inits = {
+        "w": w,
+        "shape": np.array([2, 3], np.int64),
+        "new_shape": np.array([2, 3], np.int64),
+        "big_shape": np.array([big, 256], np.int64),
+        "flat": np.array([-1], np.int64),
+    }
+    outputs = [("y", F32, [2, 3]), ("big_flat", F32, [big * 256])]
+    return make_model(nodes, [("x", F32, [2, 3])], outputs, inits)
+
+
+def test_constant_subgraph_is_evaluated_on_demand():
+    g = _graph(_constant_subgraph_model())
+    np.testing.assert_array_equal(g.constant_value("filled"), np.full((2, 3), 3.0, F32))
+    np.testing.assert_array_equal(g.constant_value("reshaped"), np.arange(6, dtype=F32).reshape(2, 3))
+    np.testing.assert_array_equal(g.constant_value("sum"), np.arange(6, dtype=F32).reshape(2, 3) + 3)
+    assert g.constant_value("sum").dtype == F32
+    assert g.is_constant("sum")
+    # anything depending on a graph input is not a constant
+    assert g.constant_value("y") is None
+    assert not g.is_constant("y")
+
+
+def test_constant_value_is_none_above_max_bytes():
+    # an initializer of 24 bytes
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("w", max_bytes=8) is None
+    # a ConstantOfShape result of 4 * 256 float32 = 4 KiB, and a Reshape of it
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("big", max_bytes=1024) is None
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("big_flat", max_bytes=1024) is None
+    # a Reshape of a small initializer, limited below its size
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("reshaped", max_bytes=8) is None
+    # with the default limit all of them are known
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("big_flat").shape == (1024,)
+    assert g.constant_value("w").shape == (6,)
+
+
+def test_a_small_max_bytes_query_does_not_hide_the_value_later():
+    """BUG: constant_value caches its answer per tensor whatever max_bytes was: a query
+    with a small limit caches None, and a later query with the default limit says
+    "not a constant" (rules then decline)."""
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("w", max_bytes=8) is None
+    value = g.constant_value("w")
+    assert value is not None, "a small-limit query poisoned the constant cache"
+    np.testing.assert_array_equal(value, np.arange(6, dtype=F32))
+    assert g.constant_value("reshaped", max_bytes=8) is None
+    assert g.is_constant("reshaped"), "a small-limit query poisoned the constant cache"
+
+
+def test_a_cached_value_still_respects_max_bytes():
+    """BUG (same cache): a value cached under the default limit is returned to a later
+    query whose max_bytes it exceeds."""
+    g = _graph(_constant_subgraph_model())
+    assert g.constant_value("big_flat") is not None
+    assert g.constant_value("big_flat", max_bytes=1024) is None, "a cached value ignores max_bytes"
+
+
+def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
+    then_branch = helper.make_graph(
+        [helper.make_node("Relu", ["t"], ["then_out"], name="then_relu")],
+        "then", [], [helper.make_tensor_value_info("then_out", onnx.TensorProto.FLOAT, [2])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["w"], ["else_out"], name="else_neg")],
+        "else", [], [helper.make_tensor_value_info("else_out", onnx.TensorProto.FLOAT, [2])],
+    )
+    nodes = [
+        helper.make_node("Abs", ["x"], ["t"], name="abs"),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch),
+    ]
+    proto = make_model(
+        nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])], {"w": np.ones(2, F32)}
+    )
+    g = _graph(proto)
+    ids = _ids_by_name(g)
+    assert g.consumers("t") == [(ids["if"], SUBGRAPH_SLOT)]
+    assert g.consumers("w") == [(ids["if"], SUBGRAPH_SLOT)]
+    assert sorted(g.consumers("cond")) == [(ids["if"], 0)]
+    (then_graph,) = g.node(ids["if"]).subgraphs["then_branch"]
+    (else_graph,) = g.node(ids["if"]).subgraphs["else_branch"]
+    assert then_graph.outer is g
+    assert then_graph.captured() == ["t"]
+    assert not then_graph.defines("t")
+    # the outer initializer's value is visible from the branch
+    np.testing.assert_array_equal(else_graph.constant_value("w"), np.ones(2, F32))
+    assert not then_graph.is_constant("t")
+    assert then_graph.is_graph_output("then_out")
+    assert len(list(g.all_graphs())) == 3
+    assert Model(proto).to_proto().SerializeToString(deterministic=True) == proto.SerializeToString(
+        deterministic=True
+    )
+
+
+# ---------------------------------------------------------------- rewiring
+
+
+def test_replace_nodes_reconnects_consumers_and_drops_unused_constants():
+    # x -> Relu "a" -> t -> Neg "b" -> y (output); t also read by Abs "c" -> z (output)
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["t"], name="a"),
+        helper.make_node("Neg", ["t"], ["y"], name="b"),
+        helper.make_node("Abs", ["t"], ["z"], name="c"),
+    ]
+    proto = make_model(nodes, [("x", F32, [2])], [("y", F32, [2]), ("z", F32, [2])], {"w": np.ones(2, F32)})
+    model = Model(proto)
+    g = model.graph
+    ids = _ids_by_name(g)
+    # replace Add + Relu by a Sigmoid producing "t" again from x; w loses its only consumer
+    new = helper.make_node("Sigmoid", ["x"], ["t"], name="sig")
+    created = g.replace_nodes([ids["a"], ids["add"]], [new], [], g.sort_key(ids["a"]), "test")
+    assert len(created) == 1 and g.node(created[0]).name == "sig"
+    assert g.producer("t") == created[0]
+    assert sorted(g.consumers("t")) == sorted([(ids["b"], 0), (ids["c"], 0)])
+    assert g.initializer("w") is None and not g.is_constant("w")
+    out = model.to_proto()
+    onnx.checker.check_model(out, full_check=True)
+    assert [n.name for n in out.graph.node] == ["sig", "b", "c"]
+    assert [t.name for t in out.graph.initializer] == []
+
+
+def test_topological_order_repairs_nodes_listed_out_of_order():
+    nodes = [
+        helper.make_node("Neg", ["t"], ["y"], name="second"),
+        helper.make_node("Relu", ["x"], ["t"], name="first"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = _graph(proto)
+    assert [g.node(i).name for i in g.topological_order()] == ["first", "second"]
+    out = Model(proto).to_proto()
+    assert [n.name for n in out.graph.node] == ["first", "second"]
+    onnx.checker.check_model(out, full_check=True)
+
+
+# -------------------------------------------------- initializers listed as inputs
+
+
+def _initializer_as_input(ir_version: int, opset: int):
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+    return make_model(
+        nodes, [("x", F32, [2]), ("w", F32, [2])], [("y", F32, [2])], {"w": np.array([1, 2], F32)},
+        opset=opset, ir_version=ir_version,
+    )
+
+
+def test_before_ir4_initializers_listed_as_inputs_are_constants():
+    proto = _initializer_as_input(ir_version=3, opset=8)
+    g = _graph(proto)
+    assert g.is_constant("w")
+    np.testing.assert_array_equal(g.constant_value("w"), [1, 2])
+    assert not g.is_graph_input("w")
+    assert g.initializer("w") is not None
+    assert g.is_graph_input("x") and not g.is_constant("x")
+    # still listed as an input when written back
+    out = Model(proto).to_proto()
+    assert [i.name for i in out.graph.input] == ["x", "w"]
+    assert out.SerializeToString(deterministic=True) == proto.SerializeToString(deterministic=True)
+
+
+def test_since_ir4_an_initializer_listed_as_input_is_an_overridable_default():
+    proto = _initializer_as_input(ir_version=8, opset=17)
+    g = _graph(proto)
+    assert not g.is_constant("w")
+    assert g.constant_value("w") is None
+    assert g.is_graph_input("w")
+    assert g.initializer("w") is None
+    out = Model(proto).to_proto()
+    assert [t.name for t in out.graph.initializer] == ["w"]
+    assert [i.name for i in out.graph.input] == ["x", "w"]
+
+
+# ------------------------------------------------------------------ external data
+
+
+def _weights_model():
+    w = np.arange(12, dtype=F32).reshape(3, 4)
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+    return make_model(nodes, [("x", F32, [3, 4])], [("y", F32, [3, 4])], {"w": w}), w
+
+
+def _save_external(folder, name="model.onnx"):
+    proto, w = _weights_model()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="w.bin", size_threshold=0)
+    assert (folder / "w.bin").is_file()
+    stored = onnx.load(str(path), load_external_data=False)
+    assert stored.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    return path, w
+
+
+def test_external_data_beside_the_model_is_read(tmp_path, monkeypatch):
+    path, w = _save_external(tmp_path / "m")
+    monkeypatch.chdir(path.parent)
+    model = Model.load(path)
+    np.testing.assert_array_equal(model.graph.constant_value("w"), w)
+
+
+def test_external_data_loads_whatever_the_working_directory(tmp_path, monkeypatch):
+    """BUG: read_model runs onnx.checker on the parsed proto, which resolves external data
+    against the current directory, so a valid model is refused unless cwd is its folder."""
+    path, w = _save_external(tmp_path / "m")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    model = Model.load(path)
+    np.testing.assert_array_equal(model.graph.constant_value("w"), w)
+
+
+def _unsafe_model(tmp_path, kind):
+    """A model folder whose external-data location escapes it; returns (model path, outside file)."""
+    good_path, _ = _save_external(tmp_path / "source")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.bin"
+    secret.write_bytes(np.full(12, 99, F32).tobytes())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if kind == "absolute":
+        location = str(secret)
+    elif kind == "dotdot":
+        location = "../outside/secret.bin"
+    else:
+        os.symlink(secret, folder / "w.bin")
+        location = "w.bin"
+    proto = onnx.load(str(good_path), load_external_data=False)
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = location
+    path = folder / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    return path, secret, proto
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every file fuser's tensor store opens."""
+    paths = []
+    real_open = open
+
+    def spy(file, *args, **kwargs):
+        paths.append(os.path.realpath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(fuser.tensors, "open", spy, raising=False)
+    return paths
+
+
+UNSAFE = ["absolute", "dotdot", "symlink"]
+
+
+@pytest.mark.parametrize("kind", UNSAFE)
+def test_unsafe_external_data_is_refused_without_reading_it(tmp_path, monkeypatch, opened, kind):
+    path, secret, _ = _unsafe_model(tmp_path, kind)
+    monkeypatch.chdir(path.parent)
+    with pytest.raises(InputError) as caught:
+        Model.load(path)
+    assert caught.value.exit_code == 2
+    assert str(secret) not in opened
+
+
+@pytest.mark.parametrize("kind", UNSAFE)
+def test_unsafe_external_data_raises_unsafe_path_error_on_load(tmp_path, monkeypatch, opened, kind):
+    """BUG: onnx.checker (run first in read_model) refuses these with a generic InputError
+    ("invalid ONNX model: ..."), so Model.load never raises UnsafePathError."""
+    path, secret, _ = _unsafe_model(tmp_path, kind)
+    monkeypatch.chdir(path.parent)
+    with pytest.raises(UnsafePathError) as caught:
+        Model.load(path)
+    assert caught.value.exit_code == 2
+    assert str(secret) not in opened
+
+
+@pytest.mark.parametrize("kind", UNSAFE)
+def test_tensor_store_refuses_unsafe_locations(tmp_path, opened, kind):
+    path, secret, proto = _unsafe_model(tmp_path, kind)
+    with pytest.raises(UnsafePathError) as caught:
+        Model(proto, base_dir=path.parent, path=path)
+    assert caught.value.exit_code == 2
+    assert "outside the model's folder" in str(caught.value)
+    assert str(secret) not in opened
+
+
+def test_external_data_without_a_folder_is_refused(tmp_path):
+    path, _ = _save_external(tmp_path / "m")
+    proto = onnx.load(str(path), load_external_data=False)
+    with pytest.raises(UnsafePathError):
+        Model(proto)
+
+
+# ------------------------------------------------------------------------ saving
+
+
+def _rich_model():
+    proto, _ = _weights_model()
+    proto.doc_string = "a model with a story"
+    proto.producer_name = "unit-test"
+    proto.producer_version = "9.9"
+    proto.domain = "org.example"
+    proto.model_version = 42
+    helper.set_model_props(proto, {"author": "me", "license": "none"})
+    proto.graph.doc_string = "graph doc"
+    proto.ir_version = 7
+    return proto
+
+
+def test_save_is_deterministic_and_keeps_model_fields(tmp_path):
+    proto = _rich_model()
+    model = Model(proto)
+    first, second = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    model.save(first)
+    model.save(second)
+    Model(proto).save(tmp_path / "c.onnx")
+    data = first.read_bytes()
+    assert data == second.read_bytes() == (tmp_path / "c.onnx").read_bytes()
+    assert data == proto.SerializeToString(deterministic=True)
+    saved = onnx.load(str(first))
+    assert saved.ir_version == 7
+    assert [(o.domain, o.version) for o in saved.opset_import] == [("", 17)]
+    assert {p.key: p.value for p in saved.metadata_props} == {"author": "me", "license": "none"}
+    assert saved.doc_string == "a model with a story"
+    assert saved.producer_name == "unit-test" and saved.producer_version == "9.9"
+    assert saved.domain == "org.example" and saved.model_version == 42
+    assert saved.graph.doc_string == "graph doc"
+    assert sorted(os.listdir(tmp_path)) == ["a.onnx", "b.onnx", "c.onnx"]  # no temporary left over
+
+
+def test_save_overwrites_atomically(tmp_path, monkeypatch):
+    target = tmp_path / "out.onnx"
+    target.write_bytes(b"previous contents")
+
+    def failing_replace(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        Model(_rich_model()).save(target)
+    assert target.read_bytes() == b"previous contents"
+    assert os.listdir(tmp_path) == ["out.onnx"]
+    monkeypatch.undo()
+
+    Model(_rich_model()).save(target)
+    assert onnx.load(str(target)).producer_name == "unit-test"
+    assert os.listdir(tmp_path) == ["out.onnx"]
+
+
+def test_save_with_external_data_elsewhere_is_refused(tmp_path, monkeypatch):
+    path, _ = _save_external(tmp_path / "m")
+    monkeypatch.chdir(path.parent)
+    model = Model.load(path)
+    with pytest.raises(UsageError):
+        model.save(tmp_path / "other" / "out.onnx")
+    model.save(path.parent / "out.onnx")
+    again = onnx.load(str(path.parent / "out.onnx"), load_external_data=False)
+    assert again.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
