@@ -103,8 +103,9 @@ class Engine:
                 self.rules.append(candidate)
             else:
                 low, high = candidate.opsets
+                supported = f"{low} and later" if high is None else f"{low} to {high}"
                 self.result.skipped_rules[candidate.name] = (
-                    f"the model uses opset {opset}; the rule supports {low} to {high}"
+                    f"the model uses opset {opset}; the rule supports {supported}"
                 )
         self._by_root: dict[str, list[Rule]] = {}
         for candidate in self.rules:

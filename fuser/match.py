@@ -50,7 +50,7 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
         if callable(expected):
             if not expected(actual):
                 return
-        elif actual != expected:
+        elif not _same_attribute(actual, expected):
             return
     actual_inputs = list(info.proto.input)
     while actual_inputs and not actual_inputs[-1]:
@@ -105,6 +105,13 @@ def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) 
     yield result
 
 
+def _same_attribute(actual, expected) -> bool:
+    """Float attributes are stored as float32: compare at that precision, not as Python floats."""
+    if isinstance(expected, float) and isinstance(actual, (float, int)):
+        return np.float32(actual) == np.float32(expected)
+    return actual == expected
+
+
 def _default_attribute(graph: Graph, info: NodeInfo, attr: str):
     """The schema default of an attribute, so `training_mode=0` matches when it is absent."""
     opset = graph.opset(info.domain) or onnx.defs.onnx_opset_version()
@@ -156,9 +163,12 @@ class Match:
         return [self.graph.node(i) for i in self.node_ids]
 
     def attr(self, node: str, attr: str, default=None):
+        """The attribute's value; when absent, `default`, else the ONNX schema's default."""
         info = self.node(node)
         value = info.attr(attr)
-        return default if value is None else value
+        if value is not None:
+            return value
+        return default if default is not None else _default_attribute(self.graph, info, attr)
 
     def attrs(self, node: str) -> dict:
         return self.node(node).attrs()

@@ -40,7 +40,7 @@ class Rule:
     condition: Callable[[Match], None] | None = None
     target: str = "onnx"
     emits: dict[str, int] = field(default_factory=dict)
-    opsets: tuple[int, int] | None = None
+    opsets: tuple[int, int | None] | None = None
     exact: bool = False
     enabled_by_default: bool = True
     shared_interior: bool = False
@@ -68,7 +68,10 @@ class Rule:
         return self.pattern.depth
 
     def supports_opset(self, opset: int) -> bool:
-        return self.opsets is None or self.opsets[0] <= opset <= self.opsets[1]
+        if self.opsets is None:
+            return True
+        low, high = self.opsets
+        return low <= opset and (high is None or opset <= high)
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
@@ -82,7 +85,7 @@ def rule(
     condition: Callable[[Match], None] | None = None,
     target: str = "onnx",
     emits: dict[str, int] | None = None,
-    opsets: tuple[int, int] | None = None,
+    opsets: tuple[int, int | None] | None = None,
     exact: bool = False,
     enabled: bool = True,
     shared_interior: bool = False,
@@ -93,7 +96,8 @@ def rule(
         folding, which is equal up to rounding (verified with dtype tolerances).
     target: "onnx" (standard operators only) or "onnxruntime" (may emit com.microsoft ops).
     emits: opset imports the replacement needs, e.g. {"com.microsoft": 1}.
-    opsets: the default-domain opset range the rule understands; outside it the rule is skipped.
+    opsets: the default-domain opset range (low, high) the rule understands, high None for
+        "and later"; outside it the rule is skipped.
     shared_interior: allow interior nodes whose outputs have other consumers; they are
         then kept alongside the replacement instead of the match being declined.
     """

@@ -26,7 +26,7 @@ def broadcasts_into(c_shape: tuple, m: int | str, n: int | str) -> bool:
 @rule(
     "matmul-add-gemm",
     pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("c"), name="add"),
-    opsets=(11, 10_000),
+    opsets=(11, None),
 )
 def matmul_add_gemm(m: Match, b: Builder):
     """MatMul -> Add(bias)  =>  Gemm, for 2-D operands and a bias Gemm can broadcast."""
