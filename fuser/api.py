@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
-from fuser.engine import Engine, EngineResult
+from fuser.blame import Attempt, find_guilty
+from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.model import Model
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
-from fuser.verify import Verdict, verify
+from fuser.verify import Checker, Verdict
 
 
 @dataclass
@@ -30,6 +32,9 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     input_path: str | None = None
     output_path: str | None = None
+    blamed: list[Rewrite] = field(default_factory=list)
+    dropped: list[Rewrite] = field(default_factory=list)
+    blame_checks: int = 0
 
     @property
     def rewrites(self):
@@ -54,10 +59,9 @@ class Report:
             "rule_counts": self.counts,
             "rewrites": [r.to_dict() for r in self.rewrites],
             "skipped_rules": self.engine.skipped_rules,
-            "numerics": None if self.verdict is None else {
-                "passed": self.verdict.passed,
-                "outputs": [o.to_dict() for o in self.verdict.outputs],
-            },
+            "numerics": None if self.verdict is None else self.verdict.to_dict(),
+            "blamed": [r.to_dict() for r in self.blamed],
+            "dropped": [r.to_dict() for r in self.dropped],
             "timings": self.timings,
         }
 
@@ -89,27 +93,39 @@ def optimize(
     disable=(),
     rule_files=(),
     check: bool = True,
+    on_mismatch: str = "fail",
     seed: int = 0,
+    runs: int = 1,
     dims: dict[str, int] | None = None,
     shapes: dict[str, tuple] | None = None,
+    ranges: dict[str, tuple[float, float]] | None = None,
+    inputs: dict | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     trace: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
     `rules` defaults to every registered rule for `target`; pass a list to use exactly those.
-    Raises NumericsMismatch when the optimized model disagrees with the original.
+    When the check fails, the guilty rewrites are found by bisection; with
+    on_mismatch="fail" NumericsMismatch is raised naming them (its `evidence` holds both
+    models and the verdict), with on_mismatch="drop" they are left out and the rest is
+    verified again and returned, `report.dropped` listing what was left out.
     """
+    if on_mismatch not in ("fail", "drop"):
+        raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
+    say = progress or (lambda message: None)
     timings: dict[str, float] = {}
     started = time.perf_counter()
+    say("loading the model")
     model = load(model_or_path)
     timings["load"] = time.perf_counter() - started
     original = model.to_proto() if check else None
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
-    engine = Engine(model, chosen, trace=trace)
-    result = engine.run(apply=True)
+    say(f"rewriting with {len(chosen)} rules")
+    result = Engine(model, chosen, trace=trace).run(apply=True)
     timings["rewrite"] = result.seconds
     optimized = model.to_proto()
     report = Report(
@@ -121,21 +137,44 @@ def optimize(
         timings=timings,
         input_path=str(model.path) if model.path else None,
     )
-    if check and result.rewrites:
-        started = time.perf_counter()
-        exact = all(r.exact for r in chosen if r.name in report.counts)
-        report.verdict = verify(
-            original, optimized, exact=exact, seed=seed, dims=dims, shapes=shapes, rtol=rtol, atol=atol
-        )
-        timings["verify"] = time.perf_counter() - started
-        if not report.verdict.passed:
-            worst = report.verdict.failures()[0]
-            raise NumericsMismatch(
-                f"output '{worst.name}' differs after optimization: max abs error {worst.max_abs_error:.3g}, "
-                f"{worst.fraction_out_of_tolerance:.1%} of elements out of tolerance "
-                f"(rtol={worst.rtol:g}, atol={worst.atol:g})"
-            )
-    return optimized, report
+    if not (check and result.rewrites):
+        return optimized, report
+    started = time.perf_counter()
+    say(f"checking numerics in onnxruntime ({runs} input set{'s' if runs > 1 else ''})")
+    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs,
+                      rtol=rtol, atol=atol)
+    applied = set(report.counts)
+    exact = all(r.exact for r in chosen if r.name in applied)
+    report.verdict = checker.check(optimized, exact)
+    timings["verify"] = time.perf_counter() - started
+    if report.verdict.passed:
+        return optimized, report
+    started = time.perf_counter()
+    say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
+    first = Attempt(optimized, result, report.verdict)
+    blame = find_guilty(original, model.base_dir, chosen, checker, first, progress=say)
+    timings["blame"] = time.perf_counter() - started
+    report.blamed = blame.guilty
+    report.blame_checks = blame.checks
+    final = blame.final
+    if on_mismatch == "drop" and final.verdict.passed:
+        report.engine = final.result
+        report.dropped = blame.guilty
+        report.verdict = final.verdict
+        report.nodes_after = Model(final.model).node_count()
+        return final.model, report
+    raise NumericsMismatch(
+        _mismatch_message(report.verdict, blame.guilty),
+        evidence={"original": original, "optimized": optimized, "report": report},
+    )
+
+
+def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:
+    if not guilty:
+        return f"{verdict.summary()}; no single rewrite could be blamed"
+    named = "; ".join(f"{r.rule} on {', '.join(r.matched)}" for r in guilty[:5])
+    more = f" and {len(guilty) - 5} more" if len(guilty) > 5 else ""
+    return f"{verdict.summary()}; caused by {len(guilty)} rewrite(s): {named}{more}"
 
 
 def find_opportunities(model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=()):

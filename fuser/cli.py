@@ -13,8 +13,18 @@ import click
 
 import fuser
 from fuser import api, report as report_module
-from fuser.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, EXIT_WORK_FOUND, FuserError, UsageError
+from fuser.errors import (
+    EXIT_INTERNAL,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_USAGE,
+    EXIT_WORK_FOUND,
+    FuserError,
+    NumericsMismatch,
+    UsageError,
+)
 from fuser.model import Model, write_model
+from fuser.config import default_map
 from fuser.registry import all_rules, select
 
 EXIT_CODES_HELP = """\b
@@ -75,10 +85,25 @@ def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
     return shapes
 
 
-def _emit_report(data: dict, report_path: str | None, fmt: str) -> None:
+def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    ranges = {}
+    for value in values:
+        name, sep, bounds = value.rpartition(":")
+        parts = bounds.split(",")
+        try:
+            low, high = (float(p) for p in parts)
+        except ValueError:
+            low = high = None
+        if not sep or not name or low is None or not low < high:
+            raise UsageError(f"--input-range expects NAME:LO,HI with LO < HI, got '{value}'")
+        ranges[name] = (low, high)
+    return ranges
+
+
+def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> None:
     text = report_module.dumps(data)
-    if report_path:
-        write_text_atomically(Path(report_path), text)
+    for path in ([Path(report_path)] if report_path else []) + list(also):
+        write_text_atomically(path, text)
     if fmt == "json":
         click.echo(text)
 
@@ -100,6 +125,43 @@ rule_options = [
 ]
 
 
+check_options = [
+    click.option("--seed", type=int, default=0, show_default=True, help="Seed for synthesized check inputs."),
+    click.option("--check-runs", "runs", type=click.IntRange(1), default=1, show_default=True,
+                 help="Number of input sets to check with."),
+    click.option("--inputs", "inputs_path", type=click.Path(exists=False),
+                 help="Real inputs: a .npz file, or a folder of input_*.pb (onnx test-data layout)."),
+    click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE",
+                 help="Value of a symbolic dimension (default 1)."),
+    click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2", help="Shape of one input."),
+    click.option("--input-range", "ranges", multiple=True, metavar="NAME:LO,HI",
+                 help="Value range of one input (integers default to [0, 10))."),
+    click.option("--atol", type=float, help="Absolute tolerance (default: per dtype)."),
+    click.option("--rtol", type=float, help="Relative tolerance (default: per dtype)."),
+]
+
+
+def with_check_options(function):
+    for option in reversed(check_options):
+        function = option(function)
+    return function
+
+
+def _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol) -> dict:
+    from fuser.verify import load_inputs
+
+    return {
+        "seed": seed,
+        "runs": runs,
+        "inputs": load_inputs(inputs_path) if inputs_path else None,
+        "dims": _parse_dims(dims),
+        "shapes": _parse_shapes(shapes),
+        "ranges": _parse_ranges(ranges),
+        "atol": atol,
+        "rtol": rtol,
+    }
+
+
 def with_rule_options(function):
     for option in reversed(rule_options):
         function = option(function)
@@ -111,8 +173,15 @@ def with_rule_options(function):
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
-    """Fuse operators in ONNX models; every rewrite is checked in onnxruntime."""
+    """Fuse operators in ONNX models; every rewrite is checked in onnxruntime.
+
+    Settings can live in [tool.fuser] of the nearest pyproject.toml; flags override them.
+    """
     ctx.obj = Context(debug)
+    try:
+        ctx.default_map = default_map(Path.cwd())
+    except FuserError as error:
+        ctx.exit(_fail(error, debug))
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -121,53 +190,71 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @with_rule_options
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime numerics check (not recommended).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for synthesized check inputs.")
-@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE", help="Value for a symbolic dimension (default 1).")
-@click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2", help="Shape for one input.")
-@click.option("--atol", type=float, help="Absolute tolerance of the numerics check.")
-@click.option("--rtol", type=float, help="Relative tolerance of the numerics check.")
+@click.option("--on-mismatch", type=click.Choice(["fail", "drop"]), default="fail", show_default=True,
+              help="fail: write nothing, keep the evidence; drop: leave out the guilty rewrites.")
+@with_check_options
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: print the report on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="List every rewrite.")
 @click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
 @click.pass_obj
-def optimize(ctx: Context, model, output, force, target, rule_files, enable, disable, no_check, seed, dims,
-             shapes, atol, rtol, report_path, fmt, verbose, quiet):
+def optimize(ctx: Context, model, output, force, target, rule_files, enable, disable, no_check, on_mismatch,
+             seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, report_path, fmt, verbose, quiet):
     """Optimize MODEL and write the result (the input is never modified)."""
     source = Path(model)
     destination = Path(output) if output else source.with_name(_fused_name(source.name))
-    data = {"input": None, "output": None}
+    data: dict = {"input": None, "output": None}
     try:
         _check_destination(source, destination, force)
         loaded = Model.load(source)
         data["input"] = report_module.file_entry(source)
+        settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         if no_check:
             _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
         optimized, result = api.optimize(
             loaded, target=target, enable=enable, disable=disable, rule_files=rule_files,
-            check=not no_check, seed=seed, dims=_parse_dims(dims), shapes=_parse_shapes(shapes),
-            rtol=rtol, atol=atol,
+            check=not no_check, on_mismatch=on_mismatch, progress=_progress(quiet), **settings,
         )
         write_model(optimized, destination, source_dir=source.parent)
         result.output_path = str(destination)
         body = result.to_dict()
-        body["input"] = data["input"]
-        body["output"] = report_module.file_entry(destination)
+        body.update(input=data["input"], output=report_module.file_entry(destination))
         verdict = "optimized" if result.rewrites else "unchanged"
         _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
         if fmt == "text":
             _print_summary(result, destination, verbose, quiet)
         return EXIT_OK
+    except NumericsMismatch as error:
+        folder = _keep_evidence(error, source)
+        code = _fail(NumericsMismatch(f"{error}; nothing written, evidence kept in {folder}"), ctx.debug)
+        body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
+        body.update(input=data["input"], output=None, evidence=str(folder))
+        _emit_report(report_module.envelope("optimize", "mismatch", code, error=str(error), **body), report_path,
+                     fmt, folder / "report.json")
+        return code
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         code = _fail(error, ctx.debug)
         if report_path or fmt == "json":
-            _emit_report(
-                report_module.envelope("optimize", "error" if code != 3 else "mismatch", code,
-                                       error=str(error), **data),
-                report_path, fmt,
-            )
+            _emit_report(report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt)
         return code
+
+
+def _progress(quiet: bool):
+    """Stage messages on stderr when it is a terminal; silent in CI logs and with -q."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    return lambda message: click.echo(f"fuser: {message}...", err=True)
+
+
+def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"fuser-mismatch-{source.stem}-"))
+    for name in ("original", "optimized"):
+        if name in error.evidence:
+            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=None)
+    return folder
 
 
 def _fused_name(name: str) -> str:
@@ -202,6 +289,8 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines.append(f"numerics check: {status}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")
+    for rewrite in result.dropped:
+        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
     if verbose:
         for rewrite in result.rewrites:
             lines.append(
@@ -250,34 +339,32 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
 @cli.command(epilog=EXIT_CODES_HELP)
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE")
-@click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2")
-@click.option("--atol", type=float)
-@click.option("--rtol", type=float)
+@with_check_options
 @click.option("--exact", is_flag=True, help="Require bit-identical outputs.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
-def compare(ctx: Context, first, second, seed, dims, shapes, atol, rtol, exact, report_path, fmt):
-    """Run FIRST and SECOND on the same inputs and compare every output."""
-    from fuser.errors import EXIT_MISMATCH
-    from fuser.verify import verify
+def compare(ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, exact,
+            report_path, fmt):
+    """Run FIRST and SECOND on the same inputs and compare every output (exit 3 if they differ)."""
+    from fuser.verify import Checker
 
     try:
         a, b = Model.load(first), Model.load(second)
-        verdict = verify(a.to_proto(), b.to_proto(), exact=exact, seed=seed, dims=_parse_dims(dims),
-                         shapes=_parse_shapes(shapes), rtol=rtol, atol=atol)
+        settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        verdict = Checker(a.to_proto(), **settings).check(b.to_proto(), exact)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(
                 "compare", "match" if verdict.passed else "mismatch", code,
                 input=report_module.file_entry(first), output=report_module.file_entry(second),
-                numerics={"passed": verdict.passed, "outputs": [o.to_dict() for o in verdict.outputs]},
+                numerics=verdict.to_dict(),
             ),
             report_path, fmt,
         )
         if fmt == "text":
+            if verdict.load_error:
+                _say(verdict.summary())
             for o in verdict.outputs:
                 _say(f"{o.name:<24} {o.status:<10} max abs {o.max_abs_error:.3g}  max rel {o.max_rel_error:.3g}"
                      f"  out of tolerance {o.fraction_out_of_tolerance:.2%}")

@@ -45,6 +45,10 @@ class NumericsMismatch(FuserError):
 
     exit_code = EXIT_MISMATCH
 
+    def __init__(self, message: str, evidence: dict | None = None):
+        super().__init__(message)
+        self.evidence = evidence or {}
+
 
 class RuleError(FuserError):
     """A rule crashed or broke an invariant; this is a bug in fuser or the rule."""

@@ -75,9 +75,8 @@ def plugin_rules() -> list[Rule]:
 
 
 def all_rules(rule_files: list[str | Path] = ()) -> list[Rule]:
-    rules = builtin_rules() + plugin_rules()
-    for path in rule_files:
-        rules.extend(load_rule_file(path))
+    # The user's own rules come first: for a node several rules could rewrite, theirs win.
+    rules = [r for path in rule_files for r in load_rule_file(path)] + plugin_rules() + builtin_rules()
     seen: dict[str, Rule] = {}
     for candidate in rules:
         if candidate.name in seen and seen[candidate.name] is not candidate:

@@ -54,20 +54,10 @@ REPORT_SCHEMA = {
         "nodes_before": {"type": "integer"},
         "nodes_after": {"type": "integer"},
         "rule_counts": {"type": "object", "additionalProperties": {"type": "integer"}},
-        "rewrites": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "rule", "scope", "matched", "created"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "rule": {"type": "string"},
-                    "scope": {"type": "string"},
-                    "matched": {"type": "array", "items": {"type": "string"}},
-                    "created": {"type": "array", "items": {"type": "string"}},
-                },
-            },
-        },
+        "rewrites": {"type": "array", "items": {"$ref": "#/$defs/rewrite"}},
+        "blamed": {"type": "array", "items": {"$ref": "#/$defs/rewrite"}},
+        "dropped": {"type": "array", "items": {"$ref": "#/$defs/rewrite"}},
+        "evidence": {"type": ["string", "null"]},
         "opportunities": {
             "type": "array",
             "items": {
@@ -86,12 +76,24 @@ REPORT_SCHEMA = {
             "required": ["passed", "outputs"],
             "properties": {
                 "passed": {"type": "boolean"},
+                "load_error": {"type": ["string", "null"]},
                 "outputs": {"type": "array", "items": _OUTPUT_CHECK},
             },
         },
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
     },
     "$defs": {
+        "rewrite": {
+            "type": "object",
+            "required": ["index", "rule", "scope", "matched", "created"],
+            "properties": {
+                "index": {"type": "integer"},
+                "rule": {"type": "string"},
+                "scope": {"type": "string"},
+                "matched": {"type": "array", "items": {"type": "string"}},
+                "created": {"type": "array", "items": {"type": "string"}},
+            },
+        },
         "file": {
             "type": ["object", "null"],
             "required": ["path", "sha256"],

@@ -1,0 +1,80 @@
+"""Finding the rewrites that break numerics, by bisecting the rewrite log.
+
+The engine is deterministic, so "the first k rewrites" names the same model every time.
+If applying all n rewrites fails the check, a binary search over k finds the first
+prefix that fails: its last rewrite is guilty. That rewrite is vetoed (the engine skips
+exactly that match), the prefix before it is known to be good, and the search goes on
+from there until the whole run passes. Each guilty rewrite costs about log2(n) checks,
+all against one onnxruntime session of the original and one set of inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx
+
+from fuser.engine import Engine, EngineResult, Rewrite
+from fuser.model import Model
+from fuser.rule import Rule
+from fuser.verify import Checker, Verdict
+
+
+@dataclass
+class Attempt:
+    model: onnx.ModelProto
+    result: EngineResult
+    verdict: Verdict
+
+
+@dataclass
+class Blame:
+    guilty: list[Rewrite] = field(default_factory=list)
+    final: Attempt | None = None
+    checks: int = 0
+
+
+def rewrite_and_check(
+    original: onnx.ModelProto, base_dir, rules: list[Rule], checker: Checker,
+    limit: int | None, vetoed: set[tuple],
+) -> Attempt:
+    model = Model(original, base_dir=base_dir)
+    result = Engine(model, rules, limit=limit, vetoed=vetoed).run()
+    candidate = model.to_proto()
+    applied = set(result.counts())
+    exact = all(r.exact for r in rules if r.name in applied)
+    return Attempt(candidate, result, checker.check(candidate, exact))
+
+
+def find_guilty(
+    original: onnx.ModelProto, base_dir, rules: list[Rule], checker: Checker, failing: Attempt,
+    progress: Callable[[str], None] | None = None,
+) -> Blame:
+    """Veto guilty rewrites one at a time until the remaining ones pass the check."""
+    blame = Blame()
+    vetoed: set[tuple] = set()
+    known_good = 0  # a prefix of this many rewrites passes
+    attempt = failing
+    while not attempt.verdict.passed:
+        low, high = known_good, len(attempt.result.rewrites)
+        if high == 0:
+            break  # nothing left to blame: the mismatch is not caused by a rewrite
+        while high - low > 1:
+            middle = (low + high) // 2
+            probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed)
+            blame.checks += 1
+            if probe.verdict.passed:
+                low = middle
+            else:
+                high = middle
+        culprit = attempt.result.rewrites[high - 1]
+        if progress:
+            progress(f"blame: rewrite #{culprit.index} ({culprit.rule} on {', '.join(culprit.matched)}) fails")
+        blame.guilty.append(culprit)
+        vetoed.add(culprit.key)
+        known_good = high - 1
+        attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed)
+        blame.checks += 1
+    blame.final = attempt
+    return blame
