@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fuser.errors import RewriteLimitExceeded, RuleError
-from fuser.graph import OP, SUBGRAPH_SLOT, Graph
+from fuser.graph import OP, SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.rule import Builder, Rule, as_outputs
@@ -118,6 +118,10 @@ class Engine:
     # ------------------------------------------------------------------ driving
 
     def run(self, apply: bool = True) -> EngineResult:
+        with paused_gc():
+            return self._run(apply)
+
+    def _run(self, apply: bool) -> EngineResult:
         started = time.perf_counter()
         if self._max_rewrites is None:
             self._max_rewrites = 8 * self.model.node_count() + 1000
@@ -299,7 +303,7 @@ class Engine:
                 f"no fixed point after {self._max_rewrites} rewrites; rules {names} keep rewriting "
                 "each other's output (please report this with the model attached)"
             )
-        return self._downstream(graph, set(created) | (neighbours & set(graph.nx.nodes)))
+        return self._downstream(graph, set(created) | {n for n in neighbours if graph.has_node(n)})
 
     def _check_replacement(
         self, graph: Graph, candidate: Rule, removed: list[int], builder: Builder, root_outputs: list[str]

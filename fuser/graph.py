@@ -14,6 +14,8 @@ in its original order and the same input always gives the same bytes.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
@@ -37,6 +39,23 @@ GRAPH_OUTPUT = "output"
 SUBGRAPH_SLOT = -1
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector during bulk work on many small objects.
+
+    Building or rewriting a graph of 100k+ nodes allocates millions of objects and none of
+    them are garbage yet; the collector's repeated full scans would make the work
+    quadratic. Reference counting still frees everything as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Names:
@@ -141,7 +160,8 @@ class Graph:
         self._outputs = list(proto.output)
         self._constant_cache: dict[str, np.ndarray] = {}
         self._not_constant: set[str] = set()
-        self._build(proto)
+        with paused_gc():
+            self._build(proto)
 
     # ----------------------------------------------------------------- building
 
@@ -584,6 +604,10 @@ class Graph:
         )
 
     def to_proto(self) -> GraphProto:
+        with paused_gc():
+            return self._to_proto()
+
+    def _to_proto(self) -> GraphProto:
         graph = GraphProto()
         graph.CopyFrom(self._shell)
         graph.input.extend(self._inputs)
