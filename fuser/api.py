@@ -59,6 +59,7 @@ class Report:
             "rule_counts": self.counts,
             "rewrites": [r.to_dict() for r in self.rewrites],
             "skipped_rules": self.engine.skipped_rules,
+            "advice": [a.to_dict() for a in self.engine.advice],
             "numerics": None if self.verdict is None else self.verdict.to_dict(),
             "blamed": [r.to_dict() for r in self.blamed],
             "dropped": [r.to_dict() for r in self.dropped],

@@ -282,6 +282,11 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines.append("  no rule applied: nothing to fuse")
     for name, reason in result.engine.skipped_rules.items():
         lines.append(f"  skipped {name}: {reason}")
+    advice = result.engine.advice
+    if advice:
+        lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
+        if verbose:
+            lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
     if result.verdict is not None:
         stabilized = result.verdict.stabilized
         status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")

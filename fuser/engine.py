@@ -59,6 +59,19 @@ class Opportunity:
 
 
 @dataclass
+class Advice:
+    """A pattern an advisory rule found and left alone, with the reason for the user."""
+
+    rule: str
+    scope: str
+    nodes: list[str]
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "scope": self.scope, "nodes": self.nodes, "message": self.message}
+
+
+@dataclass
 class Declined:
     rule: str
     scope: str
@@ -72,6 +85,7 @@ class EngineResult:
     opportunities: list[Opportunity] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     skipped_rules: dict[str, str] = field(default_factory=dict)
+    advice: list[Advice] = field(default_factory=list)
     seconds: float = 0.0
 
     def counts(self) -> dict[str, int]:
@@ -95,6 +109,7 @@ class Engine:
         self.trace = trace
         self.limit = limit
         self.vetoed = set(vetoed)
+        self._advised: set[tuple] = set()
         self.result = EngineResult()
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
@@ -177,6 +192,9 @@ class Engine:
                     keep = self._interior_check(graph, candidate, match)
                     if candidate.condition is not None:
                         candidate.condition(match)
+                    if candidate.advisory:
+                        self._advise(candidate, scope, match)
+                        continue
                     builder = Builder(graph, match.root.name or candidate.name)
                     outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
                 except Decline as decline:
@@ -202,6 +220,17 @@ class Engine:
                             Declined(candidate.name, scope, match.root.name, str(decline))
                         )
         return []
+
+    def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
+        nodes = [n.name for n in match.nodes]
+        key = (candidate.name, scope, match.root.id)  # one note per root, however many ways it matched
+        if key in self._advised:
+            return
+        self._advised.add(key)
+        message = candidate.build(match, None)
+        if not isinstance(message, str):
+            raise RuleError(candidate.name, "an advisory rule must return its message as a string")
+        self.result.advice.append(Advice(candidate.name, scope, nodes, message))
 
     def _limit_reached(self) -> bool:
         return self.limit is not None and len(self.result.rewrites) >= self.limit

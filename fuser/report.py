@@ -71,6 +71,19 @@ REPORT_SCHEMA = {
             },
         },
         "skipped_rules": {"type": "object", "additionalProperties": {"type": "string"}},
+        "advice": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["rule", "scope", "nodes", "message"],
+                "properties": {
+                    "rule": {"type": "string"},
+                    "scope": {"type": "string"},
+                    "nodes": {"type": "array", "items": {"type": "string"}},
+                    "message": {"type": "string"},
+                },
+            },
+        },
         "numerics": {
             "type": ["object", "null"],
             "required": ["passed", "outputs"],

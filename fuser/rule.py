@@ -44,6 +44,7 @@ class Rule:
     exact: bool = False
     enabled_by_default: bool = True
     shared_interior: bool = False
+    advisory: bool = False
     source: SourceLocation | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +90,7 @@ def rule(
     exact: bool = False,
     enabled: bool = True,
     shared_interior: bool = False,
+    advisory: bool = False,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -100,6 +102,8 @@ def rule(
         "and later"; outside it the rule is skipped.
     shared_interior: allow interior nodes whose outputs have other consumers; they are
         then kept alongside the replacement instead of the match being declined.
+    advisory: the rule never rewrites; its function is called as f(m, None) and returns a
+        sentence telling the user why the matched pattern stays as it is (shown in reports).
     """
     location = caller_location()
 
@@ -117,6 +121,7 @@ def rule(
             exact=exact,
             enabled_by_default=enabled,
             shared_interior=shared_interior,
+            advisory=advisory,
             source=location,
         )
 
