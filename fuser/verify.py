@@ -199,8 +199,9 @@ def compare(
     stabilized = ~e_finite & a_finite
     same_special = (np.isnan(e) & np.isnan(a)) | (np.isinf(e) & (e == a))
     comparable = e_finite & a_finite
-    diff = np.where(comparable, np.abs(e - a), 0.0)
-    rel = np.where(comparable, np.minimum(diff / np.maximum(np.abs(e), 1e-30), 1e300), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is masked out below
+        diff = np.where(comparable, np.abs(e - a), 0.0)
+        rel = np.where(comparable, np.minimum(diff / np.maximum(np.abs(e), 1e-30), 1e300), 0.0)
     # atol is relative to the output's scale: a float32 output in the thousands cannot be
     # accurate to 1e-5 in absolute terms, whatever the rewrite.
     scale = max(1.0, float(np.abs(e[e_finite]).max())) if e_finite.any() else 1.0

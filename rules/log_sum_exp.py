@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from fuser import Builder, Match, const, op, rule, var
-from fuser.rules.softmax_decomposed import reduced_axes
+from fuser.rules.softmax_decomposed import is_float, reduced_axes
 
 PRIORITY = 45
 
@@ -24,11 +24,11 @@ PRIORITY = 45
 def log_sum_exp(m: Match, b: Builder):
     """Log(ReduceSum(Exp(x)))  =>  ReduceLogSumExp(x)."""
     dtype = m.dtype("x")
-    m.require(dtype is not None and np.issubdtype(dtype, np.floating), f"x is {dtype}, not a float type")
+    m.require(is_float(dtype), f"x is {dtype}, not a float type")
     keepdims = int(m.attr("sum", "keepdims", 1))
     axes = reduced_axes(m, "sum", "axes")
     noop_when_empty = int(m.attr("sum", "noop_with_empty_axes", 0))
-    if axes is None:
+    if not axes:  # absent or empty: every axis, unless noop_with_empty_axes makes it an identity
         m.require(not noop_when_empty, "ReduceSum without axes and noop_with_empty_axes=1 is an identity")
         return b.ReduceLogSumExp(m["x"], keepdims=keepdims)
     if m.opset >= 18:

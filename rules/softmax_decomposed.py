@@ -15,6 +15,11 @@ from fuser import Builder, Match, const, op, rule, var
 PRIORITY = 35
 
 
+def is_float(dtype) -> bool:
+    """float16/32/64 and bfloat16 (which numpy does not count as floating)."""
+    return dtype is not None and (np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16")
+
+
 def reduced_axes(m: Match, node: str, axes_input: str) -> list[int] | None:
     """ReduceSum's axes: an attribute before opset 13, an optional input from 13 on."""
     if m.opset < 13:
@@ -39,9 +44,9 @@ def softmax_decomposed(m: Match, b: Builder):
     m.require(axes is not None and len(axes) == 1, f"ReduceSum reduces axes {axes}, not exactly one axis")
     axis = axes[0]
     dtype = m.dtype("x")
-    m.require(dtype is not None and np.issubdtype(dtype, np.floating), f"x is {dtype}, not a float type")
-    if m.opset < 13:
+    m.require(is_float(dtype), f"x is {dtype}, not a float type")
+    if m.opset < 13 and axis != -1:
         rank = m.rank("x")
         m.require(rank is not None, "the input's rank is unknown (needed before opset 13)")
-        m.require(axis in (rank - 1, -1), "before opset 13 Softmax flattens from its axis on: only the last axis matches")
+        m.require(axis == rank - 1, "before opset 13 Softmax flattens from its axis on: only the last axis matches")
     return b.Softmax(m["x"], axis=axis)
