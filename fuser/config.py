@@ -53,32 +53,47 @@ PARAMETERS = {
 }
 
 
-def find_pyproject(start: Path) -> Path | None:
-    for folder in [start, *start.parents]:
-        candidate = folder / "pyproject.toml"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def load_settings(start: Path) -> tuple[Path | None, dict]:
-    path = find_pyproject(start.resolve())
-    if path is None:
-        return None, {}
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise UsageError(f"{path}: cannot read [tool.fuser]: {error}") from error
-    settings = data.get("tool", {}).get("fuser", {})
-    if not isinstance(settings, dict):
-        raise UsageError(f"{path}: [tool.fuser] must be a table")
-    for key, value in settings.items():
-        if key not in KEYS:
-            raise UsageError(f"{path}: unknown key '{key}' in [tool.fuser] (known: {', '.join(sorted(KEYS))})")
-        expected = KEYS[key][0]
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise UsageError(f"{path}: [tool.fuser] {key} has the wrong type ({type(value).__name__})")
-    return path, settings
+    """[tool.fuser] of the nearest pyproject.toml that has one (searching upwards)."""
+    for folder in [start.resolve(), *start.resolve().parents]:
+        path = folder / "pyproject.toml"
+        if not path.is_file():
+            continue
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+            raise UsageError(f"{path}: cannot read it: {error}") from error
+        settings = data.get("tool", {}).get("fuser")
+        if settings is None:
+            continue
+        if not isinstance(settings, dict):
+            raise UsageError(f"{path}: [tool.fuser] must be a table")
+        for key, value in settings.items():
+            _validate(path, key, value)
+        return path, settings
+    return None, {}
+
+
+def _validate(path: Path, key: str, value) -> None:
+    if key not in KEYS:
+        raise UsageError(f"{path}: unknown key '{key}' in [tool.fuser] (known: {', '.join(sorted(KEYS))})")
+    expected = KEYS[key][0]
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    good = isinstance(value, expected) and not isinstance(value, bool)
+    if good and key in ("enable", "disable", "rules"):
+        good = all(isinstance(v, str) for v in value)
+    elif good and key == "dims":
+        good = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values())
+    elif good and key == "input-shapes":
+        good = all(isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
+                   for v in value.values())
+    elif good and key == "input-ranges":
+        good = all(isinstance(v, list) and len(v) == 2 and all(number(d) for d in v) for v in value.values())
+    if not good:
+        raise UsageError(f"{path}: [tool.fuser] {key} has the wrong type or shape: {value!r}")
 
 
 def default_map(start: Path) -> dict[str, dict]:

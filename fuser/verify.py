@@ -102,8 +102,12 @@ def session(model: onnx.ModelProto):
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"onnxruntime cannot load the model: {message}") from error
+        raise InputError(f"onnxruntime cannot load the model: {_first_line(error)}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def synthesize_inputs(
@@ -130,6 +134,8 @@ def synthesize_inputs(
             value = rng.integers(0, 2, size=shape).astype(np.bool_)
         elif np.issubdtype(dtype, np.integer):
             low, high = ranges.get(spec.name, INT_RANGE)
+            if int(high) <= int(low):
+                raise InputError(f"input range {low},{high} of '{spec.name}' holds no integer")
             value = rng.integers(int(low), int(high), size=shape, endpoint=False).astype(dtype)
         elif spec.name in ranges:
             low, high = ranges[spec.name]
@@ -190,7 +196,10 @@ def compare(
         check.fraction_out_of_tolerance = float(bad.mean())
         if bad.any():
             check.status = "mismatch"
-            check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
+            diff = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
+            check.max_abs_error = float(diff.max())
+            check.max_rel_error = float((diff / np.maximum(np.abs(expected.astype(np.float64)), 1.0)).max())
+            check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
         return check
 
     e = expected.astype(np.float64)
@@ -205,7 +214,8 @@ def compare(
     # atol is relative to the output's scale: a float32 output in the thousands cannot be
     # accurate to 1e-5 in absolute terms, whatever the rewrite.
     scale = max(1.0, float(np.abs(e[e_finite]).max())) if e_finite.any() else 1.0
-    within = np.where(comparable, diff <= check.atol * scale + check.rtol * np.abs(e), same_special)
+    with np.errstate(invalid="ignore", over="ignore"):
+        within = np.where(comparable, diff <= check.atol * scale + check.rtol * np.abs(e), same_special)
     bad = ~within & ~stabilized
     check.max_abs_error = float(diff.max())
     check.max_rel_error = float(rel.max())
@@ -268,7 +278,10 @@ class Checker:
                 synthesize_inputs(self.session, seed=seed + i, dims=dims, shapes=shapes, ranges=ranges)
                 for i in range(runs)
             ]
-        self.expected = [run(self.session, feeds) for feeds in self.feeds]
+        try:
+            self.expected = [run(self.session, feeds) for feeds in self.feeds]
+        except Exception as error:  # noqa: BLE001 - onnxruntime's errors for feeds that do not fit
+            raise InputError(f"the original model cannot run on these inputs: {_first_line(error)}") from error
 
     def _named(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         specs = self.session.get_inputs()
@@ -286,8 +299,20 @@ class Checker:
         except InputError as error:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
         verdict = Verdict()
+        wanted = {spec.name for spec in self.session.get_inputs()}
+        given = {spec.name for spec in after.get_inputs()}
+        produced = {spec.name for spec in after.get_outputs()}
+        missing = [name for name in self.expected[0] if name not in produced] if self.expected else []
+        if given != wanted or missing:
+            return Verdict(load_error=(
+                f"the models' interfaces differ: inputs {sorted(wanted)} vs {sorted(given)}, "
+                f"outputs missing from the second: {missing}"
+            ))
         for feeds, expected in zip(self.feeds, self.expected):
-            actual = run(after, feeds)
+            try:
+                actual = run(after, feeds)
+            except Exception as error:  # noqa: BLE001
+                return Verdict(load_error=f"onnxruntime fails running it: {_first_line(error)}")
             for name, value in expected.items():
                 check = compare(name, value, actual[name], exact, self.rtol, self.atol)
                 previous = next((o for o in verdict.outputs if o.name == name), None)

@@ -1,0 +1,744 @@
+"""The numerics check: compare(), Checker, input synthesis and loading, `fuser compare`.
+
+Everything runs in real onnxruntime; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser.errors import InputError
+from fuser.verify import TOLERANCES, Checker, compare, load_inputs, session, synthesize_inputs
+from tests.helpers import make_model
+
+
+def fuser_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "fuser.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def fuser_cli_many(*commands, cwd=None):
+    """Several `fuser` invocations at once (each is mostly interpreter start-up)."""
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "fuser.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=cwd)
+        for args in commands
+    ]
+    results = []
+    for process, args in zip(processes, commands):
+        stdout, stderr = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(args, process.returncode, stdout, stderr))
+    return results
+
+
+def values(dtype, n=12, seed=0):
+    """Non-trivial values of about unit size (none near zero, so relative changes are clear)."""
+    rng = np.random.default_rng(seed)
+    magnitude = rng.uniform(0.5, 2.0, n)
+    sign = np.where(rng.integers(0, 2, n) == 1, 1.0, -1.0)
+    return (magnitude * sign).astype(dtype)
+
+
+# --------------------------------------------------------------------------- compare()
+
+
+@pytest.mark.parametrize(
+    "dtype, passes, fails",
+    [
+        ("float32", 1e-6, 1e-2),
+        ("float16", 1e-3, 5e-2),
+        ("float64", 1e-11, 1e-6),
+    ],
+)
+def test_default_tolerance_per_dtype(dtype, passes, fails):
+    expected = values(dtype)
+    small = (expected.astype(np.float64) * (1 + passes)).astype(dtype)
+    large = (expected.astype(np.float64) * (1 + fails)).astype(dtype)
+    ok = compare("y", expected, small, exact=False)
+    assert ok.status == "ok", ok
+    assert (ok.rtol, ok.atol) == TOLERANCES[dtype]
+    bad = compare("y", expected, large, exact=False)
+    assert bad.status == "mismatch", bad
+    assert bad.fraction_out_of_tolerance == 1.0
+
+
+def test_float64_is_stricter_than_float32():
+    # The same 1e-6 relative change: rounding for float32, a real difference for float64.
+    change = 1 + 1e-6
+    e32 = values(np.float32)
+    e64 = values(np.float64)
+    assert compare("y", e32, (e32 * np.float32(change)).astype(np.float32), exact=False).status == "ok"
+    assert compare("y", e64, e64 * change, exact=False).status == "mismatch"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_exact_fails_a_one_ulp_difference(dtype):
+    expected = values(dtype)
+    actual = expected.copy()
+    actual[3] = np.nextafter(actual[3], np.array(np.inf, dtype=dtype))
+    assert compare("y", expected, actual, exact=False).status == "ok"
+    check = compare("y", expected, actual, exact=True)
+    assert check.status == "mismatch"
+    assert (check.rtol, check.atol) == (0.0, 0.0)
+    assert check.worst_index == (3,)
+    assert check.fraction_out_of_tolerance == pytest.approx(1 / 12)
+    assert compare("y", expected, expected.copy(), exact=True).status == "ok"
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8, np.uint8])
+def test_integers_compare_exactly(dtype):
+    expected = np.arange(12, dtype=dtype).reshape(3, 4)
+    assert compare("y", expected, expected.copy(), exact=False).status == "ok"
+    actual = expected.copy()
+    actual[1, 2] += 1
+    check = compare("y", expected, actual, exact=False, rtol=0.5, atol=10)
+    assert check.status == "mismatch"  # tolerances never apply to integers
+    assert check.worst_index == (1, 2)
+    assert check.fraction_out_of_tolerance == pytest.approx(1 / 12)
+
+
+def test_bools_compare_exactly():
+    expected = np.array([[True, False], [False, True]])
+    assert compare("y", expected, expected.copy(), exact=False).status == "ok"
+    actual = expected.copy()
+    actual[1, 0] = True
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch" and check.worst_index == (1, 0)
+    assert check.fraction_out_of_tolerance == 0.25
+
+
+def test_integer_mismatch_reports_its_error_size():
+    """max_abs_error / max_rel_error describe integer mismatches too: the summary a user reads
+    ("max abs error 0, 25% of elements out of tolerance") must not contradict itself."""
+    expected = np.array([10, 20, 30, 40], dtype=np.int64)
+    actual = np.array([10, 21, 30, 47], dtype=np.int64)
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch"
+    assert check.max_abs_error == 7.0
+    assert check.max_rel_error == pytest.approx(7 / 40)
+    assert check.worst_index == (3,)
+
+
+def test_nan_at_the_same_positions_is_equal():
+    expected = np.array([1.0, np.nan, 3.0, np.nan], dtype=np.float32)
+    for exact in (False, True):
+        check = compare("y", expected, expected.copy(), exact=exact)
+        assert check.status == "ok" and check.stabilized_elements == 0
+
+
+def test_a_number_becoming_nan_is_a_mismatch():
+    expected = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    actual = expected.copy()
+    actual[2] = np.nan
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch" and check.worst_index == (2,)
+    assert check.fraction_out_of_tolerance == 0.25
+    # NaN in both but at different positions: the finite side became NaN somewhere.
+    shifted = np.array([np.nan, 2.0, 3.0, 4.0], dtype=np.float32)
+    moved = np.array([1.0, np.nan, 3.0, 4.0], dtype=np.float32)
+    check = compare("y", shifted, moved, exact=False)
+    assert check.status == "mismatch" and check.worst_index == (1,)
+
+
+def test_infinities():
+    expected = np.array([np.inf, -np.inf, 1.0], dtype=np.float32)
+    assert compare("y", expected, expected.copy(), exact=True).status == "ok"
+    flipped = np.array([-np.inf, -np.inf, 1.0], dtype=np.float32)
+    check = compare("y", expected, flipped, exact=False)
+    assert check.status == "mismatch" and check.worst_index == (0,)
+    overflowed = np.array([np.inf, -np.inf, np.inf], dtype=np.float32)  # finite -> inf
+    check = compare("y", expected, overflowed, exact=False)
+    assert check.status == "mismatch" and check.worst_index == (2,)
+    assert compare("y", expected, np.array([np.inf, np.nan, 1.0], np.float32), False).status == "mismatch"
+
+
+def test_original_inf_or_nan_becoming_finite_is_stabilized():
+    expected = np.array([-np.inf, np.nan, 0.5, 2.0], dtype=np.float32)
+    actual = np.array([-88.7, 0.0, 0.5, 2.0], dtype=np.float32)
+    for exact in (False, True):
+        check = compare("y", expected, actual, exact=exact)
+        assert check.status == "stabilized"
+        assert check.stabilized_elements == 2
+        assert check.fraction_out_of_tolerance == 0.0
+        assert check.max_abs_error == 0.0  # stabilized elements are not counted as errors
+
+
+def test_stabilized_does_not_hide_a_real_mismatch():
+    expected = np.array([-np.inf, 1.0, 2.0], dtype=np.float32)
+    actual = np.array([-88.7, 1.5, 2.0], dtype=np.float32)
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch" and check.stabilized_elements == 1 and check.worst_index == (1,)
+
+
+def test_shape_or_dtype_difference_is_a_mismatch():
+    expected = np.zeros((2, 3), dtype=np.float32)
+    assert compare("y", expected, np.zeros((3, 2), np.float32), exact=False).status == "mismatch"
+    assert compare("y", expected, np.zeros((1, 3), np.float32), exact=False).status == "mismatch"  # broadcastable
+    assert compare("y", expected, np.zeros((2, 3), np.float64), exact=False).status == "mismatch"
+    assert compare("y", expected, np.zeros((2, 3), np.float16), exact=False).status == "mismatch"
+    ints = np.zeros(3, np.int64)
+    assert compare("y", ints, np.zeros(3, np.int32), exact=False).status == "mismatch"
+    assert compare("y", ints, np.zeros(3, np.bool_), exact=False).status == "mismatch"
+
+
+def test_report_fields_point_at_the_worst_element():
+    expected = np.ones((3, 4), dtype=np.float32)
+    actual = expected.copy()
+    actual[0, 1] = 1.5
+    actual[2, 3] = 0.25  # the worst: 0.75 off
+    actual[1, 0] = 1.0 + 1e-7  # within tolerance
+    check = compare("out", expected, actual, exact=False)
+    assert check.status == "mismatch"
+    assert check.name == "out" and check.dtype == "float32" and check.shape == (3, 4)
+    assert check.worst_index == (2, 3)
+    assert check.max_abs_error == pytest.approx(0.75)
+    assert check.max_rel_error == pytest.approx(0.75)
+    assert check.fraction_out_of_tolerance == pytest.approx(2 / 12)
+    as_dict = check.to_dict()
+    assert as_dict["worst_index"] == [2, 3] and as_dict["shape"] == [3, 4] and as_dict["status"] == "mismatch"
+    json.dumps(as_dict)  # plain JSON types only
+
+
+def test_relative_error_against_a_zero_expected_value_is_finite():
+    check = compare("y", np.array([0.0, 1.0], np.float32), np.array([1e-3, 1.0], np.float32), exact=False)
+    assert check.status == "mismatch" and check.worst_index == (0,)
+    assert np.isfinite(check.max_rel_error) and check.max_rel_error > 1
+    json.dumps(check.to_dict())
+
+
+def test_rtol_and_atol_overrides():
+    expected = values(np.float32)
+    actual = (expected * np.float32(1.01)).astype(np.float32)  # 1% off everywhere
+    assert compare("y", expected, actual, exact=False).status == "mismatch"
+    loose = compare("y", expected, actual, exact=False, rtol=0.05)
+    assert loose.status == "ok" and loose.rtol == 0.05 and loose.atol == TOLERANCES["float32"][1]
+    assert compare("y", expected, actual, exact=False, atol=0.1).status == "ok"
+    tiny = (expected * np.float32(1 + 1e-6)).astype(np.float32)
+    strict = compare("y", expected, tiny, exact=False, rtol=0.0, atol=0.0)
+    assert strict.status == "mismatch" and (strict.rtol, strict.atol) == (0.0, 0.0)
+
+
+def test_empty_outputs_are_equal():
+    assert compare("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32), exact=True).status == "ok"
+
+
+# --------------------------------------------------------------------------- Checker
+
+CAST = {"f16": TensorProto.FLOAT16, "f64": TensorProto.DOUBLE, "i64": TensorProto.INT64}
+OUTPUT_DTYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64, "i64": np.int64, "b": np.bool_}
+
+
+def dtype_model(perturb: str | None = None, delta: float = 0.0):
+    """One output per dtype; each goes through an Add/Xor with a constant that is neutral
+    unless `perturb` names that output, which then gets `delta` added (or its bools flipped)."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x16"], to=CAST["f16"]),
+        helper.make_node("Cast", ["x"], ["x64"], to=CAST["f64"]),
+        helper.make_node("Mul", ["x", "ten"], ["x10"]),
+        helper.make_node("Cast", ["x10"], ["xi"], to=CAST["i64"]),
+        helper.make_node("Greater", ["x", "zero"], ["positive"]),
+        helper.make_node("Add", ["x16", "c_f16"], ["f16"]),
+        helper.make_node("Add", ["x", "c_f32"], ["f32"]),
+        helper.make_node("Add", ["x64", "c_f64"], ["f64"]),
+        helper.make_node("Add", ["xi", "c_i64"], ["i64"]),
+        helper.make_node("Xor", ["positive", "c_b"], ["b"]),
+    ]
+    constants = {
+        "ten": np.array(10, np.float32),
+        "zero": np.array(0, np.float32),
+        "c_f16": np.array(0, np.float16),
+        "c_f32": np.array(0, np.float32),
+        "c_f64": np.array(0, np.float64),
+        "c_i64": np.array(0, np.int64),
+        "c_b": np.array(False),
+    }
+    if perturb == "b":
+        constants["c_b"] = np.array(True)
+    elif perturb is not None:
+        dtype = OUTPUT_DTYPES[perturb]
+        constants[f"c_{perturb}"] = np.array(delta).astype(dtype)
+    outputs = [(name, dtype, ["batch", 16]) for name, dtype in OUTPUT_DTYPES.items()]
+    return make_model(nodes, [("x", np.float32, ["batch", 16])], outputs, constants)
+
+
+@pytest.fixture(scope="module")
+def dtype_checker():
+    return Checker(dtype_model(), seed=0, dims={"batch": 4})
+
+
+def test_checker_same_model_is_ok_for_every_dtype(dtype_checker):
+    for exact in (False, True):
+        verdict = dtype_checker.check(dtype_model(), exact)
+        assert verdict.passed and verdict.load_error is None
+        assert {o.name: o.dtype for o in verdict.outputs} == {
+            "f16": "float16", "f32": "float32", "f64": "float64", "i64": "int64", "b": "bool",
+        }
+        assert all(o.status == "ok" and o.max_abs_error == 0 for o in verdict.outputs)
+        assert all(o.shape == (4, 16) for o in verdict.outputs)
+        assert verdict.summary() == "all outputs match"
+
+
+@pytest.mark.parametrize(
+    "name, delta",
+    [("f16", 0.25), ("f32", 1e-2), ("f64", 1e-6), ("i64", 1), ("b", None)],
+)
+def test_checker_perturbed_output_is_a_mismatch(dtype_checker, name, delta):
+    verdict = dtype_checker.check(dtype_model(name, delta), exact=False)
+    assert not verdict.passed
+    statuses = {o.name: o.status for o in verdict.outputs}
+    assert statuses == {n: ("mismatch" if n == name else "ok") for n in OUTPUT_DTYPES}
+    assert [o.name for o in verdict.failures()] == [name]
+    assert f"output '{name}' differs" in verdict.summary()
+    json.dumps(verdict.to_dict())
+
+
+@pytest.mark.parametrize("name, delta", [("f16", 1e-4), ("f32", 1e-7), ("f64", 1e-13)])
+def test_checker_rounding_sized_change_passes_unless_exact(dtype_checker, name, delta):
+    candidate = dtype_model(name, delta)
+    verdict = dtype_checker.check(candidate, exact=False)
+    assert verdict.passed, verdict.summary()
+    exact = dtype_checker.check(candidate, exact=True)
+    assert not exact.passed and [o.name for o in exact.failures()] == [name]
+
+
+def test_checker_runs_keep_the_worst_result():
+    model = make_model(
+        [helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, [1, 1])], [("y", np.float32, [1, 1])]
+    )
+    identity = make_model(
+        [helper.make_node("Identity", ["x"], ["y"])], [("x", np.float32, [1, 1])], [("y", np.float32, [1, 1])]
+    )
+    # Abs and Identity agree only on non-negative inputs; find a seed whose single value is
+    # non-negative while the next seed's (used by the second run) is negative.
+    negative = [bool(synthesize_inputs(session(model), seed=s)["x"][0, 0] < 0) for s in range(40)]
+    seed = next(s for s in range(39) if not negative[s] and negative[s + 1])
+    assert Checker(model, seed=seed).check(identity, False).passed
+    assert not Checker(model, seed=seed + 1).check(identity, False).passed
+    verdict = Checker(model, seed=seed, runs=2).check(identity, False)
+    assert not verdict.passed and len(verdict.outputs) == 1  # one entry per output, the worst run
+
+
+def test_checker_with_given_inputs_by_name_or_position():
+    model = make_model(
+        [helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])]
+    )
+    identity = make_model(
+        [helper.make_node("Identity", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])]
+    )
+    positive = np.array([0.5, 1.0, 2.0], np.float32)
+    assert Checker(model, inputs={"x": positive}).check(identity, False).passed
+    assert Checker(model, inputs={"#0": positive}).check(identity, False).passed
+    assert not Checker(model, inputs={"x": -positive}).check(identity, False).passed
+    with pytest.raises(InputError, match="'x'"):
+        Checker(model, inputs={"other": positive})
+
+
+def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
+    original = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
+    )
+    graph = helper.make_graph(
+        [helper.make_node("NoSuchFusedOp", ["x"], ["y"], domain="com.microsoft")], "broken",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    broken = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    broken.ir_version = 8
+    verdict = Checker(original).check(broken, exact=False)
+    assert verdict.passed is False
+    assert verdict.load_error and "NoSuchFusedOp" in verdict.load_error
+    assert not verdict.load_error.startswith("onnxruntime cannot load the model")
+    assert verdict.summary().startswith("onnxruntime cannot run the optimized model")
+    assert verdict.to_dict()["passed"] is False and verdict.to_dict()["load_error"] == verdict.load_error
+    json.dumps(verdict.to_dict())
+
+
+def test_compare_with_infinities_emits_no_runtime_warnings():
+    expected = np.array([np.inf, -np.inf, np.nan, 1.0], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for exact in (False, True):
+            assert compare("y", expected, expected.copy(), exact=exact).status == "ok"
+            assert compare("y", expected, np.array([-np.inf, -np.inf, np.nan, 1.0], np.float32), exact).status == (
+                "mismatch"
+            )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"inputs": {"x": np.ones((2, 3), np.float64)}},  # float64 for a float32 input
+        {"inputs": {"x": np.ones((2, 5), np.float32)}},  # wrong shape
+        {"shapes": {"x": (6,)}},  # wrong rank
+    ],
+    ids=["dtype", "shape", "rank"],
+)
+def test_inputs_that_do_not_fit_the_model_raise_input_error(settings):
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
+    )
+    with pytest.raises(InputError):
+        Checker(model, **settings)
+
+
+def test_an_empty_integer_range_is_an_input_error():
+    model = make_model(
+        [helper.make_node("Identity", ["i"], ["o"])], [("i", np.int64, [4])], [("o", np.int64, [4])]
+    )
+    with pytest.raises(InputError):
+        synthesize_inputs(session(model), ranges={"i": (0.0, 0.5)})  # no integer in [0, 0.5)
+
+
+def test_candidate_with_different_outputs_is_not_a_crash():
+    """A candidate whose output is named differently cannot match; Checker must say so
+    (a failed verdict or an InputError), not raise KeyError from its bookkeeping."""
+    original = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
+    )
+    renamed = make_model(
+        [helper.make_node("Relu", ["x"], ["z"])], [("x", np.float32, [2, 3])], [("z", np.float32, [2, 3])]
+    )
+    try:
+        verdict = Checker(original).check(renamed, exact=False)
+    except InputError:
+        return
+    assert not verdict.passed
+
+
+# --------------------------------------------------------------------------- synthesize_inputs
+
+
+@pytest.fixture(scope="module")
+def mixed_session():
+    model = make_model(
+        [
+            helper.make_node("Identity", ["f"], ["f_out"]),
+            helper.make_node("Identity", ["i"], ["i_out"]),
+            helper.make_node("Identity", ["j"], ["j_out"]),
+            helper.make_node("Identity", ["b"], ["b_out"]),
+            helper.make_node("Identity", ["h"], ["h_out"]),
+        ],
+        [
+            ("f", np.float32, ["batch", 8]),
+            ("i", np.int64, [3, "n"]),
+            ("j", np.int32, [50]),
+            ("b", np.bool_, [64]),
+            ("h", np.float16, ["batch", "n"]),
+        ],
+        [
+            ("f_out", np.float32, ["batch", 8]),
+            ("i_out", np.int64, [3, "n"]),
+            ("j_out", np.int32, [50]),
+            ("b_out", np.bool_, [64]),
+            ("h_out", np.float16, ["batch", "n"]),
+        ],
+    )
+    return session(model)
+
+
+def test_synthesized_inputs_are_seeded(mixed_session):
+    first = synthesize_inputs(mixed_session, seed=3)
+    again = synthesize_inputs(mixed_session, seed=3)
+    other = synthesize_inputs(mixed_session, seed=4)
+    assert list(first) == ["f", "i", "j", "b", "h"]
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name])
+        assert first[name].dtype == again[name].dtype
+    assert not np.array_equal(first["f"], other["f"])
+    assert not np.array_equal(first["j"], other["j"])
+
+
+def test_synthesized_dtypes_and_default_ranges(mixed_session):
+    feeds = synthesize_inputs(mixed_session, seed=0, shapes={"i": (3, 400)})
+    assert {n: v.dtype for n, v in feeds.items()} == {
+        "f": np.float32, "i": np.int64, "j": np.int32, "b": np.bool_, "h": np.float16,
+    }
+    ints = feeds["i"]
+    assert ints.min() == 0 and ints.max() == 9  # [0, 10), every value hit among 1200
+    assert 0 <= feeds["j"].min() and feeds["j"].max() < 10
+    assert feeds["b"].any() and not feeds["b"].all()
+    assert feeds["f"].min() < 0 < feeds["f"].max()  # normal floats, not only positives
+
+
+def test_input_ranges(mixed_session):
+    feeds = synthesize_inputs(
+        mixed_session, seed=0, shapes={"i": (3, 300)}, ranges={"i": (100, 105), "f": (5.0, 6.0), "j": (-3, 0)},
+    )
+    assert feeds["i"].min() == 100 and feeds["i"].max() == 104
+    assert feeds["j"].min() >= -3 and feeds["j"].max() < 0
+    assert feeds["f"].min() >= 5.0 and feeds["f"].max() < 6.0
+    assert feeds["f"].dtype == np.float32 and feeds["i"].dtype == np.int64
+
+
+def test_symbolic_dims_default_to_1_and_can_be_set(mixed_session):
+    feeds = synthesize_inputs(mixed_session, seed=0)
+    assert feeds["f"].shape == (1, 8) and feeds["i"].shape == (3, 1) and feeds["h"].shape == (1, 1)
+    assert feeds["j"].shape == (50,)
+    feeds = synthesize_inputs(mixed_session, seed=0, dims={"batch": 4})
+    assert feeds["f"].shape == (4, 8) and feeds["h"].shape == (4, 1) and feeds["i"].shape == (3, 1)
+    feeds = synthesize_inputs(mixed_session, seed=0, dims={"batch": 2, "n": 5}, shapes={"f": (7, 8)})
+    assert feeds["f"].shape == (7, 8)  # an explicit shape wins over dims
+    assert feeds["h"].shape == (2, 5) and feeds["i"].shape == (3, 5)
+
+
+def test_synthesized_inputs_run_in_the_model(mixed_session):
+    feeds = synthesize_inputs(mixed_session, seed=1, dims={"batch": 2, "n": 3})
+    outputs = mixed_session.run(None, feeds)
+    for (name, value), output in zip(feeds.items(), outputs):
+        np.testing.assert_array_equal(output, value)
+
+
+# --------------------------------------------------------------------------- load_inputs
+
+
+def test_load_inputs_from_npz(tmp_path):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ids = np.array([1, 2, 3], np.int64)
+    np.savez(tmp_path / "data.npz", x=x, ids=ids)
+    loaded = load_inputs(str(tmp_path / "data.npz"))
+    assert set(loaded) == {"x", "ids"}
+    np.testing.assert_array_equal(loaded["x"], x)
+    assert loaded["ids"].dtype == np.int64
+
+
+def test_load_inputs_from_a_folder_of_tensor_protos(tmp_path):
+    folder = tmp_path / "test_data_set_0"
+    folder.mkdir()
+    arrays = [np.full((2,), i, np.float32) for i in range(12)]
+    for i, array in enumerate(arrays):
+        (folder / f"input_{i}.pb").write_bytes(numpy_helper.from_array(array, f"in{i}").SerializeToString())
+    (folder / "output_0.pb").write_bytes(numpy_helper.from_array(np.zeros(1, np.float32), "out").SerializeToString())
+    loaded = load_inputs(str(folder))
+    assert list(loaded) == [f"in{i}" for i in range(12)]  # numeric order: input_2 before input_10
+    for i in range(12):
+        np.testing.assert_array_equal(loaded[f"in{i}"], arrays[i])
+
+
+def test_load_inputs_unnamed_tensors_are_positional(tmp_path):
+    (tmp_path / "input_0.pb").write_bytes(numpy_helper.from_array(np.ones(3, np.int64)).SerializeToString())
+    loaded = load_inputs(str(tmp_path))
+    assert list(loaded) == ["#0"]
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("missing.npz", None),
+        ("text.npz", b"this is not numpy data\n"),
+        ("random.npz", bytes(range(256)) * 4),
+        ("empty.npz", b""),
+    ],
+)
+def test_load_inputs_bad_files_raise_input_error(tmp_path, name, content):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError, match=name):
+        load_inputs(str(path))
+
+
+def test_load_inputs_bad_folders_raise_input_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no input_"):
+        load_inputs(str(empty))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "input_0.pb").write_bytes(b"\xff\xff\xff")
+    with pytest.raises(InputError, match="input_0.pb"):
+        load_inputs(str(corrupt))
+
+
+def test_load_inputs_npy_is_not_npz(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros(3))
+    with pytest.raises(InputError):
+        load_inputs(str(tmp_path / "x.npy"))
+
+
+# --------------------------------------------------------------------------- fuser compare
+
+
+def _unary(op_type, dtype=np.float32, shape=("batch", 64), constant=None, **attrs):
+    inputs = ["x"] + (["c"] if constant is not None else [])
+    return make_model(
+        [helper.make_node(op_type, inputs, ["y"], **attrs)],
+        [("x", dtype, list(shape))], [("y", dtype, list(shape))],
+        {"c": constant} if constant is not None else {},
+    )
+
+
+@pytest.fixture(scope="module")
+def compare_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compare")
+    models = {
+        "a.onnx": make_model(
+            [helper.make_node("Mul", ["x", "c"], ["y"]), helper.make_node("Greater", ["x", "zero"], ["flag"])],
+            [("x", np.float32, ["batch", 64])],
+            [("y", np.float32, ["batch", 64]), ("flag", np.bool_, ["batch", 64])],
+            {"c": np.array(0.1, np.float32), "zero": np.array(0, np.float32)},
+        ),
+        # x / 10 equals x * 0.1 up to float32 rounding only
+        "rounded.onnx": make_model(
+            [helper.make_node("Div", ["x", "c"], ["y"]), helper.make_node("Greater", ["x", "zero"], ["flag"])],
+            [("x", np.float32, ["batch", 64])],
+            [("y", np.float32, ["batch", 64]), ("flag", np.bool_, ["batch", 64])],
+            {"c": np.array(10, np.float32), "zero": np.array(0, np.float32)},
+        ),
+        "perturbed.onnx": make_model(
+            [
+                helper.make_node("Mul", ["x", "c"], ["m"]),
+                helper.make_node("Add", ["m", "d"], ["y"]),
+                helper.make_node("Greater", ["x", "zero"], ["flag"]),
+            ],
+            [("x", np.float32, ["batch", 64])],
+            [("y", np.float32, ["batch", 64]), ("flag", np.bool_, ["batch", 64])],
+            {"c": np.array(0.1, np.float32), "d": np.array(0.01, np.float32), "zero": np.array(0, np.float32)},
+        ),
+        "abs.onnx": _unary("Abs"),
+        "identity.onnx": _unary("Identity"),
+        "renamed.onnx": make_model(
+            [helper.make_node("Identity", ["x"], ["z"])], [("x", np.float32, ["batch", 64])],
+            [("z", np.float32, ["batch", 64])],
+        ),
+    }
+    for name, model in models.items():
+        onnx.save(model, str(folder / name))
+    np.savez(folder / "float64.npz", x=np.ones((2, 64)))
+    return folder
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    """`fuser ...` in this process (much faster than a subprocess): cwd, exit code, stdout, stderr."""
+    from fuser.cli import main
+
+    def invoke(cwd, *args):
+        monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in args])
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(args, done.value.code, out, err)
+
+    return invoke
+
+
+def test_compare_identical_models_exits_0_in_a_real_process(compare_models):
+    result = fuser_cli("compare", "a.onnx", "a.onnx", cwd=compare_models)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].split()[:2] == ["y", "ok"] and lines[1].split()[:2] == ["flag", "ok"]
+
+
+def test_compare_perturbed_model_exits_3_with_per_output_lines(cli, compare_models):
+    result = cli(compare_models, "compare", "a.onnx", "perturbed.onnx")
+    assert result.returncode == 3, result.stderr
+    lines = {line.split()[0]: line for line in result.stderr.strip().splitlines()}
+    assert set(lines) == {"y", "flag"}
+    assert lines["y"].split()[1] == "mismatch" and "0.01" in lines["y"]
+    assert lines["flag"].split()[1] == "ok"
+
+
+def test_compare_exact_fails_on_rounding_differences(cli, compare_models):
+    loose = cli(compare_models, "compare", "a.onnx", "rounded.onnx", "--dim", "batch=4")
+    assert loose.returncode == 0, loose.stderr
+    exact = cli(compare_models, "compare", "a.onnx", "rounded.onnx", "--dim", "batch=4", "--exact")
+    assert exact.returncode == 3, exact.stderr
+    assert "mismatch" in exact.stderr
+
+
+def test_compare_with_inputs_and_json_report(cli, compare_models, tmp_path):
+    # Abs and Identity differ on the synthesized (normal) inputs, agree on non-negative ones.
+    synthesized = cli(compare_models, "compare", "abs.onnx", "identity.onnx")
+    assert synthesized.returncode == 3, synthesized.stderr
+    np.savez(tmp_path / "data.npz", x=np.abs(np.random.default_rng(0).standard_normal((3, 64))).astype(np.float32))
+    report_path = tmp_path / "report.json"
+    result = cli(
+        compare_models, "compare", "abs.onnx", "identity.onnx", "--inputs", str(tmp_path / "data.npz"),
+        "--format", "json", "--report", str(report_path),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report == json.loads(report_path.read_text())
+    assert report["command"] == "compare" and report["verdict"] == "match" and report["exit_code"] == 0
+    assert report["numerics"]["passed"] is True
+    [output] = report["numerics"]["outputs"]
+    assert output["name"] == "y" and output["shape"] == [3, 64] and output["status"] == "ok"
+
+
+def test_compare_json_report_of_a_mismatch(cli, compare_models):
+    result = cli(compare_models, "compare", "a.onnx", "perturbed.onnx", "--format", "json")
+    assert result.returncode == 3
+    report = json.loads(result.stdout)
+    assert report["command"] == "compare" and report["verdict"] == "mismatch" and report["exit_code"] == 3
+    outputs = {o["name"]: o for o in report["numerics"]["outputs"]}
+    assert outputs["y"]["status"] == "mismatch" and outputs["y"]["max_abs_error"] == pytest.approx(0.01, rel=1e-3)
+    assert outputs["flag"]["status"] == "ok"
+
+
+def test_compare_tolerance_options(cli, compare_models):
+    assert cli(compare_models, "compare", "a.onnx", "perturbed.onnx", "--atol", "0.02").returncode == 0
+    assert cli(compare_models, "compare", "a.onnx", "rounded.onnx", "--rtol", "0", "--atol", "0").returncode == 3
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (("a.onnx", "nope.onnx"), "nope.onnx"),
+        (("nope.onnx", "a.onnx"), "nope.onnx"),
+        (("a.onnx", "a.onnx", "--inputs", "no.npz"), "no.npz"),
+    ],
+)
+def test_compare_missing_file_exits_2(cli, compare_models, args, name):
+    result = cli(compare_models, "compare", *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--inputs", "float64.npz"),  # the model takes float32
+        ("--input-shape", "x:64"),  # wrong rank
+    ],
+)
+def test_compare_inputs_that_do_not_fit_the_model_exit_2(cli, compare_models, args):
+    """Wrong user inputs are bad usage (exit 2, one line), not "a bug in fuser" (exit 4)."""
+    result = cli(compare_models, "compare", "abs.onnx", "identity.onnx", *args)
+    assert "internal error" not in result.stderr, result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_compare_models_with_different_outputs_is_not_an_internal_error(cli, compare_models):
+    result = cli(compare_models, "compare", "identity.onnx", "renamed.onnx")
+    assert "internal error" not in result.stderr, result.stderr
+    assert result.returncode in (2, 3), result.stderr
+
+
+def test_compare_of_outputs_with_infinities_prints_no_numpy_warnings(tmp_path):
+    """In a real process numpy's RuntimeWarnings would reach the user's terminal."""
+    model = make_model(
+        [helper.make_node("Div", ["x", "zero"], ["y"])], [("x", np.float32, [2, 8])], [("y", np.float32, [2, 8])],
+        {"zero": np.array(0, np.float32)},
+    )  # every output element is +inf or -inf
+    onnx.save(model, str(tmp_path / "inf.onnx"))
+    loose, exact = fuser_cli_many(
+        ("compare", "inf.onnx", "inf.onnx"), ("compare", "inf.onnx", "inf.onnx", "--exact"), cwd=tmp_path,
+    )
+    for result in (loose, exact):
+        assert result.returncode == 0, result.stderr
+        assert "Warning" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
