@@ -189,6 +189,7 @@ class Engine:
                     )
                     continue
                 try:
+                    self._inputs_check(match)
                     keep = self._interior_check(graph, candidate, match)
                     if candidate.condition is not None:
                         candidate.condition(match)
@@ -236,6 +237,14 @@ class Engine:
         return self.limit is not None and len(self.result.rewrites) >= self.limit
 
     # ----------------------------------------------------------------- applying
+
+    def _inputs_check(self, match: Match) -> None:
+        """A tensor bound by var()/const() must come from outside the match: the matched
+        nodes are removed, so a replacement reading one of their outputs would dangle."""
+        interior = {o for n in match.nodes if n.id != match.root.id for o in n.outputs if o}
+        for name, tensor in match.bindings.tensors.items():
+            if tensor in interior:
+                raise Decline(f"'{name}' is bound to '{tensor}', which the match itself computes")
 
     def _interior_check(self, graph: Graph, candidate: Rule, match: Match) -> set[int]:
         """Matched nodes other than the root must feed only the match; returns nodes to keep."""

@@ -155,6 +155,10 @@ class Match:
         return self.graph.node(self._bindings.nodes[name])
 
     @property
+    def bindings(self) -> Bindings:
+        return self._bindings
+
+    @property
     def node_ids(self) -> list[int]:
         return list(self._bindings.nodes.values())
 
@@ -245,8 +249,12 @@ class TypeInfo:
             return None
         entry = self._load().get(tensor)
         if entry is None and self._stale:
-            self._table, self._stale = None, False
-            entry = self._load().get(tensor)
+            # Re-infer, but keep what was known: shape inference stops at operators it does
+            # not know (com.microsoft ones a rule created), and rewrites keep the types of
+            # the tensors they replace.
+            previous, self._table, self._stale = self._table, None, False
+            self._table = {**previous, **self._load()}
+            entry = self._table.get(tensor)
         return entry
 
     def _load(self) -> dict[str, onnx.TypeProto]:

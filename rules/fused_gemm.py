@@ -20,6 +20,7 @@ PRIORITY = 70
     ),
     target="onnxruntime",
     emits={"com.microsoft": 1},
+    opsets=(7, None),  # Gemm before 7 has a `broadcast` attribute FusedGemm does not know
 )
 def fused_gemm(m: Match, b: Builder):
     """Gemm -> Relu/LeakyRelu/Sigmoid/Tanh/HardSigmoid  =>  FusedGemm(activation)."""
