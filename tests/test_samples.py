@@ -58,3 +58,40 @@ def test_readme_first_command(tmp_path):
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
     assert (tmp_path / "models" / "resnet_small.fused.onnx").exists()
+
+
+LIGHT = ["resnet50", "densenet121", "inception_v1", "inception_v2", "shufflenet", "squeezenet", "vgg19",
+         "bvlc_alexnet", "zfnet512"]
+
+
+def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
+    """Mission patterns still present: Conv->BatchNormalization, 2-D MatMul->Add, Log(Softmax),
+    and on the onnxruntime target Conv/Gemm -> activation."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found = []
+    for node in model.graph.node:
+        source = producer.get(node.input[0]) if node.input else None
+        kind = source.op_type if source is not None else None
+        if node.op_type == "BatchNormalization" and kind == "Conv":
+            found.append(f"{source.name} -> {node.name}")
+        if node.op_type == "Log" and kind == "Softmax":
+            found.append(f"{source.name} -> {node.name}")
+        if target == "onnxruntime" and node.op_type in ("Relu", "LeakyRelu", "Sigmoid", "Tanh") and kind in (
+            "Conv", "Gemm"
+        ):
+            found.append(f"{source.name} -> {node.name}")
+    return found
+
+
+@pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
+@pytest.mark.parametrize("name", LIGHT)
+def test_light_models_leave_no_mission_pattern_unfused(name, target):
+    from tests.helpers import light_model
+
+    model = onnx.load(light_model(name))
+    optimized, report = fuser.optimize(model, target=target)
+    assert report.verdict is None or report.verdict.passed
+    onnx.checker.check_model(optimized)
+    assert _unfused(optimized, target) == []
+    if target == "onnxruntime" and name in ("squeezenet", "inception_v1", "vgg19", "bvlc_alexnet", "zfnet512"):
+        assert report.counts.get("fused-conv", 0) > 0
