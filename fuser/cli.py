@@ -23,7 +23,7 @@ from fuser.errors import (
     NumericsMismatch,
     UsageError,
 )
-from fuser.model import Model, write_model
+from fuser.model import Model, check_writable_to, write_model
 from fuser.config import default_map
 from fuser.registry import all_rules, select
 
@@ -208,6 +208,7 @@ def optimize(ctx: Context, model, output, force, target, rule_files, enable, dis
     try:
         _check_destination(source, destination, force)
         loaded = Model.load(source)
+        check_writable_to(loaded.initializers(), destination, source.parent)  # fail before the long work
         data["input"] = report_module.file_entry(source)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         if no_check:

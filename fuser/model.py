@@ -47,10 +47,13 @@ class Model:
         path = Path(path)
         return cls(read_model(path), base_dir=path.parent, path=path)
 
-    def check_external_data(self) -> None:
+    def initializers(self):
         for g in self.graph.all_graphs():
-            for tensor in g._initializers.values():
-                self.tensors.check(tensor)
+            yield from g._initializers.values()
+
+    def check_external_data(self) -> None:
+        for tensor in self.initializers():
+            self.tensors.check(tensor)
 
     def to_proto(self) -> ModelProto:
         model = ModelProto()
@@ -106,20 +109,20 @@ def read_model(path: Path) -> ModelProto:
     return model
 
 
-def write_model(model: ModelProto, path: Path, source_dir: Path | None) -> None:
-    """Serialize deterministically to a temporary file beside `path`, then rename over it."""
-    external = [
-        t
-        for g in _all_graph_protos(model.graph)
-        for t in g.initializer
-        if uses_external_data(t)
-    ]
-    if external and (source_dir is None or path.parent.resolve() != source_dir.resolve()):
-        location = external_data_fields(external[0]).get("location", "")
+def check_writable_to(initializers, path: Path, source_dir: Path | None) -> None:
+    """External-data references are relative to the model's folder: refuse to move them."""
+    first = next((t for t in initializers if uses_external_data(t)), None)
+    if first is not None and (source_dir is None or path.parent.resolve() != source_dir.resolve()):
+        location = external_data_fields(first).get("location", "")
         raise UsageError(
             f"the model keeps weights in external data ('{location}'); write the output into "
             f"the input's folder ({source_dir}) so those references stay valid"
         )
+
+
+def write_model(model: ModelProto, path: Path, source_dir: Path | None) -> None:
+    """Serialize deterministically to a temporary file beside `path`, then rename over it."""
+    check_writable_to((t for g in _all_graph_protos(model.graph) for t in g.initializer), path, source_dir)
     data = model.SerializeToString(deterministic=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
