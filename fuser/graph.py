@@ -327,6 +327,10 @@ class Graph:
             return None
         return self._initializers.get(tensor)
 
+    def initializers(self) -> list[TensorProto]:
+        """This scope's dense initializers, in file order."""
+        return list(self._initializers.values())
+
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
         return self.constant_value(tensor) is not None
@@ -640,6 +644,18 @@ class Graph:
             for graphs in info.subgraphs.values():
                 for g in graphs:
                     yield from g.all_graphs()
+
+
+def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
+    """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == AttributeProto.GRAPH:
+                yield from all_graph_protos(attribute.g)
+            elif attribute.type == AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from all_graph_protos(sub)
 
 
 def _graph_shell(proto: GraphProto) -> GraphProto:

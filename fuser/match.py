@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from fuser.graph import Graph, NodeInfo
+from fuser.graph import Graph, NodeInfo, all_graph_protos
 from fuser.pattern import Const, OpPattern, Var
 
 
@@ -265,7 +265,7 @@ class TypeInfo:
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
                 pass
             table: dict[str, onnx.TypeProto] = {}
-            for graph in _graphs(model.graph):
+            for graph in all_graph_protos(model.graph):
                 for value in list(graph.value_info) + list(graph.input) + list(graph.output):
                     if value.type.HasField("tensor_type"):
                         table[value.name] = value.type
@@ -297,14 +297,3 @@ class TypeInfo:
             else:
                 dims.append("?")
         return tuple(dims)
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for g in attribute.graphs:
-                    yield from _graphs(g)

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from fuser.errors import InputError, UsageError
-from fuser.graph import Graph, Names, copy_fields_except
+from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except
 from fuser.tensors import TensorStore, external_data_fields, uses_external_data
 
 
@@ -49,7 +49,7 @@ class Model:
 
     def initializers(self):
         for g in self.graph.all_graphs():
-            yield from g._initializers.values()
+            yield from g.initializers()
 
     def check_external_data(self) -> None:
         for tensor in self.initializers():
@@ -97,7 +97,7 @@ def read_model(path: Path) -> ModelProto:
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or IR version in the file)")
     store = TensorStore(path.parent)
-    for graph in _all_graph_protos(model.graph):
+    for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
     try:
@@ -122,7 +122,7 @@ def check_writable_to(initializers, path: Path, source_dir: Path | None) -> None
 
 def write_model(model: ModelProto, path: Path, source_dir: Path | None) -> None:
     """Serialize deterministically to a temporary file beside `path`, then rename over it."""
-    check_writable_to((t for g in _all_graph_protos(model.graph) for t in g.initializer), path, source_dir)
+    check_writable_to((t for g in all_graph_protos(model.graph) for t in g.initializer), path, source_dir)
     data = model.SerializeToString(deterministic=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -136,14 +136,3 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None) -> None:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
-
-
-def _all_graph_protos(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _all_graph_protos(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for g in attribute.graphs:
-                    yield from _all_graph_protos(g)
