@@ -72,12 +72,12 @@ def main(argv=None) -> int:
     print(f"{'nodes':>9} {'load s':>9} {'to_onnx s':>10} {'optimize s':>11} {'rewrites':>9} {'us/node':>8}")
     for size in (int(s) for s in args.sizes.split(",")):
         proto = conv_bn_relu_chain(size)
-        load = median_seconds(lambda: Model(proto), args.repeats)
+        load = median_seconds(lambda proto=proto: Model(proto), args.repeats)
         loaded = Model(proto)
         to_onnx = median_seconds(loaded.to_proto, args.repeats)
-        counts = []
+        counts: list[int] = []
 
-        def rewrite():
+        def rewrite(proto=proto, counts=counts):
             model = Model(proto)
             counts.append(len(Engine(model, rules).run().rewrites))
 

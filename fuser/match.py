@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from fuser.graph import Graph, NodeInfo, all_graph_protos
-from fuser.pattern import Const, OpPattern, Var
+from fuser.pattern import Const, OpPattern
 
 
 class Decline(Exception):
