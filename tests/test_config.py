@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.helpers import make_model
+from tests.helpers import fuser_cli, in_process_cli, make_model
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models")
 
@@ -34,26 +34,10 @@ def double_relu(m, b):
 '''
 
 
-def fuser_cli(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "fuser.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
-
-
 @pytest.fixture
 def cli(monkeypatch, capfd):
     """`fuser ...` in this process, run from `cwd`: exit code, stdout, stderr."""
-    from fuser.cli import main
-
-    def invoke(cwd, *args):
-        monkeypatch.chdir(cwd)
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as done:
-            main([str(a) for a in args])
-        out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(args, done.value.code, out, err)
-
-    return invoke
+    return in_process_cli(monkeypatch, capfd)
 
 
 def write_pyproject(folder, body: str, header: str = "[tool.fuser]\n"):

@@ -17,13 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuser.errors import InputError
 from fuser.verify import TOLERANCES, Checker, compare, load_inputs, session, synthesize_inputs
-from tests.helpers import make_model
-
-
-def fuser_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "fuser.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
+from tests.helpers import fuser_cli, in_process_cli, make_model
 
 
 def fuser_cli_many(*commands, cwd=None):
@@ -346,15 +340,10 @@ def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
     original = make_model(
         [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
     )
-    graph = helper.make_graph(
-        [helper.make_node("NoSuchFusedOp", ["x"], ["y"], domain="com.microsoft")], "broken",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    broken = make_model(
+        [helper.make_node("NoSuchFusedOp", ["x"], ["y"], domain="com.microsoft")], [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])], extra_opsets={"com.microsoft": 1}, check=False,
     )
-    broken = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
-    broken.ir_version = 8
     verdict = Checker(original).check(broken, exact=False)
     assert verdict.passed is False
     assert verdict.load_error and "NoSuchFusedOp" in verdict.load_error
@@ -621,17 +610,7 @@ def compare_models(tmp_path_factory):
 @pytest.fixture
 def cli(monkeypatch, capfd):
     """`fuser ...` in this process (much faster than a subprocess): cwd, exit code, stdout, stderr."""
-    from fuser.cli import main
-
-    def invoke(cwd, *args):
-        monkeypatch.chdir(cwd)
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as done:
-            main([str(a) for a in args])
-        out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(args, done.value.code, out, err)
-
-    return invoke
+    return in_process_cli(monkeypatch, capfd)
 
 
 def test_compare_identical_models_exits_0_in_a_real_process(compare_models):

@@ -21,9 +21,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-import fuser
 from fuser.rules.conv_add_bias import conv_add_bias, per_channel
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, attrs_of, initializer_value, make_model, nodes_of, op_types, reference_run, run,
+)
 
 RULE = "conv-add-bias"
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -95,36 +96,11 @@ def conv_add_model(
     add_inputs = ["c", "conv_out"] if addend_first else ["conv_out", "c"]
     nodes.append(helper.make_node("Add", add_inputs, [output], name="add"))
     outputs = [(output, dtype, [None] * max(dims + 2, len(addend_shape)))]
-    if checked:
-        model = make_model(nodes, inputs, outputs, inits, opset=opset)
-    else:
-        def info(n, t, s):
-            return helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s)
-
-        graph = helper.make_graph(
-            nodes, "test", [info(*i) for i in inputs], [info(*o) for o in outputs],
-            [numpy_helper.from_array(v, k) for k, v in inits.items()],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-        model.ir_version = 8
+    model = make_model(nodes, inputs, outputs, inits, opset=opset, check=checked)
     feeds = {"x": rng.standard_normal(inputs[0][2]).astype(dtype)}
     if source == "input":
         feeds["c"] = constants["c"]
     return model, feeds, constants
-
-
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def initializer_value(model: onnx.ModelProto, name: str) -> np.ndarray:
-    found = [t for t in model.graph.initializer if t.name == name]
-    assert len(found) == 1, f"expected exactly one initializer '{name}', found {len(found)}"
-    return numpy_helper.to_array(found[0])
 
 
 def expected_bias(constants: dict, channels: int) -> np.ndarray:
@@ -136,44 +112,20 @@ def expected_bias(constants: dict, channels: int) -> np.ndarray:
 
 def fold(model, *, expected_ops=("Conv",), count=1, check=True):
     """Optimize with conv-add-bias only; check structure, interface and validity (not numerics)."""
-    after, report = fuser.optimize(model, rules=[conv_add_bias], check=check)
-    assert report.counts == {RULE: count}
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    if check:
-        assert report.verdict is not None and report.verdict.passed
-    return after, report
+    return assert_rewritten(model, [conv_add_bias], counts={RULE: count}, expected_ops=expected_ops, check=check)
 
 
 def fold_and_compare(model, feeds, *, expected_ops=("Conv",), count=1, rtol, atol):
-    after, report = fold(model, expected_ops=expected_ops, count=count)
-    assert_same_outputs(model, after, feeds, rtol=rtol, atol=atol)
-    return after, report
+    """fold, and the outputs agree with the original's in onnxruntime within rtol/atol."""
+    return assert_rewritten(
+        model, [conv_add_bias], counts={RULE: count}, expected_ops=expected_ops, feeds=feeds, rtol=rtol, atol=atol
+    )
 
 
 def assert_not_folded(model, reason: str | None, *, check=True):
-    """The rule must not fire. `reason`: expected substring of the decline; None when the
-    pattern itself must not match (then nothing is declined either)."""
-    after, report = fuser.optimize(model, rules=[conv_add_bias], trace=True, check=check)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "add" and d.scope == "main" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
-
-
-def reference_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    from onnx.reference import ReferenceEvaluator
-
-    return ReferenceEvaluator(model).run(None, feeds)
+    """The rule must not fire. `reason`: expected substring of the decline (made at the Add,
+    in the main graph); None when the pattern itself must not match (nothing declined either)."""
+    return assert_declined(model, conv_add_bias, reason, node="add", scope="main", check=check)
 
 
 # ---------------------------------------------------------------- per_channel helper

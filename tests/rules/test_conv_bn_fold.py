@@ -26,7 +26,6 @@ import functools
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,12 +35,8 @@ from onnx import helper, numpy_helper
 import fuser
 from fuser.rules.conv_bn_fold import conv_bn_fold, fold_conv_bn
 from tests.helpers import (
-    assert_same_outputs,
-    light_model,
-    make_model,
-    op_types,
-    randomize_constants,
-    run,
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer, light_model, make_model, nodes_of,
+    op_types, ort_session, randomize_constants, reference_run, run,
 )
 
 RULE = "conv-bn-fold"
@@ -158,70 +153,32 @@ def conv_bn_model(
     return model, feeds, constants
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
-    found = [t for t in model.graph.initializer if t.name == name]
-    assert len(found) == 1, f"expected exactly one initializer '{name}', found {len(found)}"
-    return found[0]
-
-
 def fold(model, *, expected_ops, count=1, check=True):
-    """Optimize with conv-bn-fold only and check structure + validity (not numerics)."""
-    after, report = fuser.optimize(model, rules=[conv_bn_fold], check=check)
-    assert report.counts == {RULE: count}
-    assert op_types(after) == expected_ops
-    onnx.checker.check_model(after, full_check=True)
-    # Graph interface unchanged: same inputs and outputs, in order, with the same names.
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    if check:
-        assert report.verdict is not None and report.verdict.passed
-    return after, report
+    """Optimize with conv-bn-fold only and check structure, validity and the graph interface
+    (same inputs and outputs, in order, with the same names), not numerics."""
+    return assert_rewritten(model, [conv_bn_fold], counts={RULE: count}, expected_ops=expected_ops, check=check)
 
 
 def fold_and_compare(model, feeds, *, expected_ops=("Conv",), count=1, rtol, atol):
-    after, report = fold(model, expected_ops=list(expected_ops), count=count)
-    assert_same_outputs(model, after, feeds, rtol=rtol, atol=atol)
-    return after, report
+    """fold, and the outputs agree with the original's in onnxruntime within rtol/atol."""
+    return assert_rewritten(
+        model, [conv_bn_fold], counts={RULE: count}, expected_ops=expected_ops, feeds=feeds, rtol=rtol, atol=atol
+    )
 
 
 def assert_not_folded(model, reason: str | None, *, check=True):
-    """The rule must not fire. `reason`: expected substring of the decline, or None when the
-    pattern itself must not match (then nothing is declined either)."""
-    after, report = fuser.optimize(model, rules=[conv_bn_fold], trace=True, check=check)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
+    """The rule must not fire and the BatchNormalization stays. `reason`: expected substring of
+    the decline (made at the BN, in the main graph), or None when the pattern itself must not
+    match (then nothing is declined either)."""
+    after, report = assert_declined(model, conv_bn_fold, reason, node="bn", scope="main", check=check)
     assert "BatchNormalization" in op_types(after)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "bn" and d.scope == "main" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
     return after, report
-
-
-def reference_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    from onnx.reference import ReferenceEvaluator
-
-    return ReferenceEvaluator(model).run(None, feeds)
 
 
 def ort_load_error(model: onnx.ModelProto) -> str | None:
     """None if onnxruntime (CPU, no graph optimizations) can load the model, else the reason."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        ort_session(model)
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several types
         return str(error).splitlines()[0]
     return None

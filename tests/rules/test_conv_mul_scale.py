@@ -23,7 +23,10 @@ from onnx import helper, numpy_helper
 import fuser
 from fuser.rules.conv_add_bias import conv_add_bias
 from fuser.rules.conv_mul_scale import conv_mul_scale
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer_value, make_model, nodes_of, op_types,
+    reference_run, run,
+)
 
 RULE = "conv-mul-scale"
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -89,36 +92,11 @@ def conv_mul_model(
     nodes.append(helper.make_node(op, conv_inputs, ["conv_out"], name="conv", group=group, **(conv_attrs or {})))
     nodes.append(helper.make_node("Mul", ["s", "conv_out"] if scale_first else ["conv_out", "s"], [output], name="mul"))
     outputs = [(output, dtype, [None] * max(dims + 2, len(scale_shape)))]
-    if checked:
-        model = make_model(nodes, inputs, outputs, inits, opset=opset)
-    else:
-        def info(n, t, s):
-            return helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s)
-
-        graph = helper.make_graph(
-            nodes, "test", [info(*i) for i in inputs], [info(*o) for o in outputs],
-            [numpy_helper.from_array(v, k) for k, v in inits.items()],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-        model.ir_version = 8
+    model = make_model(nodes, inputs, outputs, inits, opset=opset, check=checked)
     feeds = {"x": rng.standard_normal(inputs[0][2]).astype(dtype)}
     if source == "input":
         feeds["s"] = constants["s"]
     return model, feeds, constants
-
-
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def initializer_value(model: onnx.ModelProto, name: str) -> np.ndarray:
-    found = [t for t in model.graph.initializer if t.name == name]
-    assert len(found) == 1, f"expected exactly one initializer '{name}', found {len(found)}"
-    return numpy_helper.to_array(found[0])
 
 
 def scaled(constants: dict, channels: int):
@@ -130,43 +108,19 @@ def scaled(constants: dict, channels: int):
     return new_w, new_b
 
 
-def fold(model, *, rules=(conv_mul_scale,), expected_ops=("Conv",), counts=None, check=True):
-    after, report = fuser.optimize(model, rules=list(rules), check=check)
-    assert report.counts == (counts or {RULE: 1})
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    if check:
-        assert report.verdict is not None and report.verdict.passed
-    return after, report
+def fold(model, *, rules=(conv_mul_scale,), expected_ops=("Conv",), counts=None, check=True, **compare):
+    """Optimize with `rules` (conv-mul-scale alone by default); check structure, interface and
+    validity, and given feeds=/rtol=/atol= the outputs in onnxruntime."""
+    return assert_rewritten(model, rules, counts=counts or {RULE: 1}, expected_ops=expected_ops, check=check, **compare)
 
 
 def fold_and_compare(model, feeds, *, rtol, atol, **kwargs):
-    after, report = fold(model, **kwargs)
-    assert_same_outputs(model, after, feeds, rtol=rtol, atol=atol)
-    return after, report
+    return fold(model, feeds=feeds, rtol=rtol, atol=atol, **kwargs)
 
 
 def assert_not_folded(model, reason: str | None, *, check=True):
-    after, report = fuser.optimize(model, rules=[conv_mul_scale], trace=True, check=check)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "mul" and d.scope == "main" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
-
-
-def reference_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    from onnx.reference import ReferenceEvaluator
-
-    return ReferenceEvaluator(model).run(None, feeds)
+    """The rule must not fire; a decline is made at the Mul, in the main graph."""
+    return assert_declined(model, conv_mul_scale, reason, node="mul", scope="main", check=check)
 
 
 # --------------------------------------------------------------------------- positives

@@ -31,7 +31,10 @@ import fuser
 from fuser.errors import RuleError
 from fuser.rules.fused_conv import fused_conv
 from fuser.rules.fused_conv_residual import fused_conv_residual
-from tests.helpers import assert_same_outputs, light_model, make_model, op_types, randomize_constants, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, light_model, make_model, nodes_of, op_types,
+    opsets_of, randomize_constants, run,
+)
 
 CONV = "fused-conv"
 RESIDUAL = "fused-conv-residual"
@@ -129,18 +132,8 @@ def residual_model(
         helper.make_node(act, ["sum"], [output], name="act", **(act_attrs or {})),
     ]
 
-    def info(n, t, s):
-        return helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s)
-
-    inputs = [info("x", dtype, x_shape), info("z", z_dtype, z_shape)]
-    graph = helper.make_graph(
-        nodes, "test", inputs, [info(output, dtype, [None] * 4)],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="fuser-tests")
-    model.ir_version = 8
-    if checked:
-        onnx.checker.check_model(model, full_check=True)
+    inputs = [("x", dtype, x_shape), ("z", z_dtype, z_shape)]
+    model = make_model(nodes, inputs, [(output, dtype, [None] * 4)], inits, check=checked)
     concrete = lambda shape, default: [d if isinstance(d, int) else 2 for d in shape or default]  # noqa: E731
     feeds = {
         "x": rng.standard_normal(concrete(x_shape, (2, 4, 5, 5))).astype(dtype),
@@ -149,52 +142,29 @@ def residual_model(
     return model, feeds
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def opsets_of(model: onnx.ModelProto) -> dict[str, int]:
-    return {o.domain: o.version for o in model.opset_import}
-
-
-def fuse(model, *, rules=(fused_conv,), counts=None, expected_ops=("FusedConv",), check=True):
-    after, report = fuser.optimize(model, rules=list(rules), target="onnxruntime", check=check)
-    assert report.counts == (counts or {CONV: 1})
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
+def fuse(model, *, rules=(fused_conv,), counts=None, expected_ops=("FusedConv",), check=True, **compare):
+    """Optimize for onnxruntime with `rules` (fused-conv alone by default); check structure,
+    interface and validity, that every FusedConv is in the com.microsoft domain (imported at
+    version 1), and given feeds=/rtol=/atol= the outputs in onnxruntime."""
+    after, report = assert_rewritten(
+        model, rules, counts=counts or {CONV: 1}, expected_ops=expected_ops, check=check, target="onnxruntime",
+        **compare,
+    )
     assert opsets_of(after).get(MS) == 1
     for node in nodes_of(after, "FusedConv"):
         assert node.domain == MS
-    if check:
-        assert report.verdict is not None and report.verdict.passed
     return after, report
 
 
 def fuse_and_compare(model, feeds, *, rtol, atol, **kwargs):
-    after, report = fuse(model, **kwargs)
-    assert_same_outputs(model, after, feeds, rtol=rtol, atol=atol)
-    return after, report
+    return fuse(model, feeds=feeds, rtol=rtol, atol=atol, **kwargs)
 
 
-def assert_not_fused(model, reason: str | None, *, rules=(fused_conv,), rule=CONV, check=True):
-    after, report = fuser.optimize(model, rules=list(rules), target="onnxruntime", trace=True, check=check)
-    assert report.counts == {}
-    assert op_types(after) == op_types(model)
+def assert_not_fused(model, reason: str | None, *, rules=(fused_conv,), rule=fused_conv, check=True):
+    """`rule` (run as part of `rules`) must not fire; its declines are made at the activation.
+    No com.microsoft opset is added."""
+    after, report = assert_declined(model, rule, reason, node="act", rules=rules, check=check, target="onnxruntime")
     assert MS not in opsets_of(after)
-    declined = [d for d in report.engine.declined if d.rule == rule]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "act" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
     return after, report
 
 
@@ -587,7 +557,7 @@ def test_residual_decision_does_not_depend_on_unrelated_block():
 
 
 def assert_residual_not_fused(model, reason, *, check=True):
-    return assert_not_fused(model, reason, rules=[fused_conv_residual], rule=RESIDUAL, check=check)
+    return assert_not_fused(model, reason, rules=[fused_conv_residual], rule=fused_conv_residual, check=check)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,9 @@ from onnx import helper
 import fuser
 from fuser.rules.fused_gemm import fused_gemm
 from fuser.rules.matmul_add_gemm import matmul_add_gemm
-from tests.helpers import assert_same_outputs, make_model, op_types
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, op_types, opsets_of,
+)
 
 RULE = "fused-gemm"
 MS = "com.microsoft"
@@ -75,45 +77,22 @@ def gemm_act_model(
     return model, {"a": rng.standard_normal(a_shape).astype(dtype)}
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def opsets_of(model: onnx.ModelProto) -> dict[str, int]:
-    return {o.domain: o.version for o in model.opset_import}
-
-
 def fuse(model, feeds, *, rules=(fused_gemm,), counts=None, expected_ops=("FusedGemm",), tol=FP32_TOL):
-    after, report = fuser.optimize(model, rules=list(rules), target="onnxruntime")
-    assert report.counts == (counts or {RULE: 1})
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
+    """Optimize for onnxruntime with `rules` (fused-gemm alone by default); check structure,
+    interface, validity, the numerics check, the outputs in onnxruntime within `tol`, and that
+    every FusedGemm is in the com.microsoft domain (imported at version 1)."""
+    after, report = assert_rewritten(
+        model, rules, counts=counts or {RULE: 1}, expected_ops=expected_ops, target="onnxruntime", feeds=feeds, **tol
+    )
     assert opsets_of(after).get(MS) == 1
     assert all(n.domain == MS for n in nodes_of(after, "FusedGemm"))
-    assert report.verdict is not None and report.verdict.passed
-    assert_same_outputs(model, after, feeds, **tol)
     return after, report
 
 
 def assert_not_fused(model, reason: str | None):
-    after, report = fuser.optimize(model, rules=[fused_gemm], target="onnxruntime", trace=True)
-    assert report.counts == {}
-    assert op_types(after) == op_types(model)
+    """fused-gemm must not fire (declines are made at the activation); no com.microsoft opset."""
+    after, report = assert_declined(model, fused_gemm, reason, node="act", target="onnxruntime")
     assert MS not in opsets_of(after)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "act" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
     return after, report
 
 

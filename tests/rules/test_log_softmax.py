@@ -32,7 +32,10 @@ from onnx import helper
 import fuser
 from fuser.rules.log_softmax import log_softmax
 from fuser.verify import compare
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, np_log_softmax, op_types,
+    run,
+)
 
 RULE = "log-softmax"
 TOL = {
@@ -48,13 +51,6 @@ REF_TOL = {
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def np_log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    """Single-axis log-softmax in float64 (opset >= 13 semantics)."""
-    x = x.astype(np.float64)
-    shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
 
 
 def np_log_softmax_coerced(x: np.ndarray, axis: int) -> np.ndarray:
@@ -93,41 +89,18 @@ def feeds_for(shape, dtype=np.float32, seed=0) -> dict:
     return {"x": (2.0 * rng.standard_normal(shape)).astype(dtype)}
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
 def rewrite(model, *, expected_ops, count=1, rules=(log_softmax,)):
-    """Optimize (with fuser's check) and check structure, validity and the graph interface."""
-    after, report = fuser.optimize(model, rules=list(rules), check=True, trace=True)
-    assert report.counts == {RULE: count}
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    assert report.verdict is not None and report.verdict.passed
-    assert all(o.status == "ok" for o in report.verdict.outputs), report.verdict.outputs
-    return after, report
+    """Optimize (with fuser's check: every output "ok") and check structure, validity and the
+    graph interface."""
+    return assert_rewritten(
+        model, rules, counts={RULE: count}, expected_ops=expected_ops, check=True, all_outputs_ok=True, trace=True
+    )
 
 
 def assert_not_rewritten(model, reason: str | None):
     """The rule must not fire. reason: expected substring of the decline, or None when the
     pattern must not even match (nothing declined either)."""
-    after, report = fuser.optimize(model, rules=[log_softmax], check=True, trace=True)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
+    return assert_declined(model, log_softmax, reason, check=True)
 
 
 # ------------------------------------------------------------------ opset >= 13

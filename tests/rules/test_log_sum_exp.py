@@ -38,13 +38,16 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 import fuser
 from fuser.errors import RuleError
 from fuser.rules.log_sum_exp import log_sum_exp
 from fuser.verify import compare
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer_value, make_model, nodes_of, op_types,
+    run,
+)
 
 RULE = "log-sum-exp"
 TOL = {
@@ -122,30 +125,13 @@ def feeds_for(shape=SHAPE, dtype=np.float32, seed=0) -> dict:
     return {"x": (2.0 * rng.standard_normal(shape)).astype(dtype)}
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def initializer_value(model: onnx.ModelProto, name: str) -> np.ndarray:
-    (found,) = [t for t in model.graph.initializer if t.name == name]
-    return numpy_helper.to_array(found)
-
-
 def rewrite(model, *, expected_ops=("ReduceLogSumExp",), count=1):
-    """Optimize (with fuser's check) and check structure, validity and the graph interface."""
-    after, report = fuser.optimize(model, rules=[log_sum_exp], check=True, trace=True)
-    assert report.counts == {RULE: count}, [d.reason for d in report.engine.declined]
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    assert report.verdict is not None and report.verdict.passed
-    assert all(o.status == "ok" for o in report.verdict.outputs), report.verdict.outputs
-    return after, report
+    """Optimize (with fuser's check: every output "ok") and check structure, validity and the
+    graph interface."""
+    return assert_rewritten(
+        model, [log_sum_exp], counts={RULE: count}, expected_ops=expected_ops, check=True, all_outputs_ok=True,
+        trace=True,
+    )
 
 
 def check_replacement(after, *, axes, keepdims, opset):
@@ -172,18 +158,8 @@ def check_replacement(after, *, axes, keepdims, opset):
 
 
 def assert_not_rewritten(model, reason: str | None, *, check=True):
-    after, report = fuser.optimize(model, rules=[log_sum_exp], check=check, trace=True)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "log" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
+    """The rule must not fire; a decline is made at the Log."""
+    return assert_declined(model, log_sum_exp, reason, node="log", check=check)
 
 
 # ------------------------------------------------------------------ axes x keepdims x opset
@@ -304,15 +280,7 @@ def test_integer_input_not_rewritten(opset, dtype):
     """Exp has no integer types (invalid model: no full check, no onnxruntime); the rule must
     not turn it into an integer ReduceLogSumExp."""
     nodes, inits = lse_nodes(axes=[1], keepdims=1, opset=opset)
-    itype = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    graph = helper.make_graph(
-        nodes, "test",
-        [helper.make_tensor_value_info("x", itype, [2, 3])],
-        [helper.make_tensor_value_info("y", itype, [2, 1])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
+    model = make_model(nodes, [("x", dtype, [2, 3])], [("y", dtype, [2, 1])], inits, opset=opset, check=False)
     assert_not_rewritten(model, "not a float type", check=False)
 
 

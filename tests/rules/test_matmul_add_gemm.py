@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 import fuser
 from fuser.errors import RuleError
 from fuser.rules.matmul_add_gemm import broadcasts_into, matmul_add_gemm
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import assert_declined, assert_rewritten, assert_same_outputs, make_model, nodes_of, op_types, run
 
 RULE = "matmul-add-gemm"
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -78,34 +78,17 @@ def mm_add_model(
     return model, feeds
 
 
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
 def rewrite(model, feeds, *, tol=FP32_TOL, expected_ops=("Gemm",), count=1):
-    after, report = fuser.optimize(model, rules=[matmul_add_gemm])
-    assert report.counts == {RULE: count}
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    assert report.verdict is not None and report.verdict.passed
-    assert_same_outputs(model, after, feeds, **tol)
-    return after, report
+    """Optimize with matmul-add-gemm only; check structure, interface, validity, the numerics
+    check and the outputs in onnxruntime within `tol`."""
+    return assert_rewritten(
+        model, [matmul_add_gemm], counts={RULE: count}, expected_ops=expected_ops, feeds=feeds, **tol
+    )
 
 
 def assert_not_rewritten(model, reason: str | None, *, check=True):
-    after, report = fuser.optimize(model, rules=[matmul_add_gemm], trace=True, check=check)
-    assert report.counts == {}
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "add" and d.scope == "main" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
+    """The rule must not fire; a decline is made at the Add, in the main graph."""
+    return assert_declined(model, matmul_add_gemm, reason, node="add", scope="main", check=check)
 
 
 # ------------------------------------------------------------------ broadcasts_into
@@ -243,15 +226,8 @@ def test_bias_incompatible_with_output_declined(c_shape):
         helper.make_node("MatMul", ["a", "w"], ["mm"], name="matmul"),
         helper.make_node("Add", ["mm", "c"], ["y"], name="add"),
     ]
-    graph = helper.make_graph(
-        nodes, "test",
-        [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [M, K])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, None])],
-        [numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w"),
-         numpy_helper.from_array(rng.standard_normal(c_shape).astype(np.float32), "c")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    inits = {"w": rng.standard_normal((K, N)).astype(np.float32), "c": rng.standard_normal(c_shape).astype(np.float32)}
+    model = make_model(nodes, [("a", np.float32, [M, K])], [("y", np.float32, [None, None])], inits, check=False)
     assert_not_rewritten(model, "does not broadcast into", check=False)
 
 

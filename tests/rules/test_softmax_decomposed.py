@@ -43,7 +43,10 @@ import fuser
 from fuser.rules.log_softmax import log_softmax
 from fuser.rules.softmax_decomposed import softmax_decomposed
 from fuser.verify import compare
-from tests.helpers import assert_same_outputs, make_model, op_types, run
+from tests.helpers import (
+    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, np_log_softmax, op_types,
+    run,
+)
 
 RULE = "softmax-decomposed"
 TOL = {
@@ -67,12 +70,6 @@ def np_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     x = x.astype(np.float64)
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
-
-
-def np_log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    x = x.astype(np.float64)
-    shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
 
 
 def reduce_sum(inp: str, out: str, axes, opset: int, *, keepdims=1, name="sum", axes_name="axes"):
@@ -119,44 +116,22 @@ def feeds_for(shape, dtype=np.float32, seed=0) -> dict:
     return {"x": (2.0 * rng.standard_normal(shape)).astype(dtype)}
 
 
-def attrs_of(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def nodes_of(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
 def rewrite(model, *, expected_ops, counts=None, rules=(softmax_decomposed,)):
-    """Optimize (with fuser's check) and check structure, validity and the graph interface."""
-    after, report = fuser.optimize(model, rules=list(rules), check=True, trace=True)
-    assert report.counts == (counts or {RULE: 1})
-    assert op_types(after) == list(expected_ops)
-    onnx.checker.check_model(after, full_check=True)
-    assert [i.name for i in after.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in after.graph.output] == [o.name for o in model.graph.output]
-    assert report.verdict is not None and report.verdict.passed
-    assert all(o.status == "ok" for o in report.verdict.outputs), report.verdict.outputs
+    """Optimize (with fuser's check: every output "ok") and check structure, validity and the
+    graph interface."""
+    after, report = assert_rewritten(
+        model, rules, counts=counts or {RULE: 1}, expected_ops=expected_ops, check=True, all_outputs_ok=True,
+        trace=True,
+    )
     # The axes initializer of the decomposed form is gone with it.
     assert "axes" not in {t.name for t in after.graph.initializer}
     return after, report
 
 
 def assert_not_rewritten(model, reason: str | None, *, check=True, rules=(softmax_decomposed,)):
-    """The rule must not fire. reason: expected substring of the decline, or None when the
-    pattern must not even match (nothing declined either)."""
-    after, report = fuser.optimize(model, rules=list(rules), check=check, trace=True)
-    assert report.counts == {}
-    assert report.rewrites == []
-    assert op_types(after) == op_types(model)
-    declined = [d for d in report.engine.declined if d.rule == RULE]
-    if reason is None:
-        assert declined == []
-    else:
-        assert declined, "expected the rule to decline the match"
-        assert all(d.node == "div" for d in declined)
-        assert any(reason in d.reason for d in declined), [d.reason for d in declined]
-    return after, report
+    """The rule must not fire. reason: expected substring of the decline (made at the Div), or
+    None when the pattern must not even match (nothing declined either)."""
+    return assert_declined(model, softmax_decomposed, reason, node="div", rules=rules, check=check)
 
 
 # ------------------------------------------------------------------ opset >= 13
@@ -261,15 +236,7 @@ def test_integer_input_not_rewritten(opset, dtype):
     """Exp has no integer types, so this model is invalid (no full check, no onnxruntime);
     the rule must still leave it alone rather than emit an integer Softmax."""
     nodes, inits = decomposed_nodes(axes=[-1], opset=opset)
-    itype = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    graph = helper.make_graph(
-        nodes, "test",
-        [helper.make_tensor_value_info("x", itype, [2, 3])],
-        [helper.make_tensor_value_info("y", itype, [2, 3])],
-        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
+    model = make_model(nodes, [("x", dtype, [2, 3])], [("y", dtype, [2, 3])], inits, opset=opset, check=False)
     assert_not_rewritten(model, "not a float type", check=False)
 
 
