@@ -183,9 +183,9 @@ class Engine:
         for candidate in self._by_root.get(op_type, ()):
             for bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, candidate.pattern, bindings, self._types)
-                if self.vetoed and (candidate.name, scope, tuple(n.name for n in match.nodes)) in self.vetoed:
+                if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
                     self.result.declined.append(
-                        Declined(candidate.name, scope, match.root.name, "dropped: it failed the numerics check")
+                        Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
                     )
                     continue
                 try:
@@ -201,7 +201,7 @@ class Engine:
                 except Decline as decline:
                     if self.trace:
                         self.result.declined.append(
-                            Declined(candidate.name, scope, match.root.name, str(decline))
+                            Declined(candidate.name, scope, match.root.label, str(decline))
                         )
                     continue
                 except RuleError:
@@ -210,7 +210,7 @@ class Engine:
                     raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
                 if not apply:
                     self.result.opportunities.append(
-                        Opportunity(candidate.name, scope, [n.name for n in match.nodes])
+                        Opportunity(candidate.name, scope, [n.label for n in match.nodes])
                     )
                     return []
                 try:
@@ -218,12 +218,12 @@ class Engine:
                 except Decline as decline:
                     if self.trace:
                         self.result.declined.append(
-                            Declined(candidate.name, scope, match.root.name, str(decline))
+                            Declined(candidate.name, scope, match.root.label, str(decline))
                         )
         return []
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
-        nodes = [n.name for n in match.nodes]
+        nodes = [n.label for n in match.nodes]
         key = (candidate.name, scope, match.root.id)  # one note per root, however many ways it matched
         if key in self._advised:
             return
@@ -320,7 +320,7 @@ class Engine:
         self._check_replacement(graph, candidate, removed, builder, root_outputs)
         for domain, version in candidate.emits.items():
             self.model.require_opset(domain, version)
-        matched_names = [n.name for n in match.nodes]
+        matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
         created = graph.replace_nodes(
             removed, builder.nodes, builder.initializers, graph.sort_key(root.id), candidate.name
@@ -331,7 +331,7 @@ class Engine:
             rule=candidate.name,
             scope=scope,
             matched=matched_names,
-            created=[graph.node(i).name for i in created],
+            created=[graph.node(i).label for i in created],
         )
         self.result.rewrites.append(rewrite)
         if len(self.result.rewrites) > self._max_rewrites:

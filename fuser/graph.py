@@ -106,6 +106,14 @@ class NodeInfo:
         return self.proto.name
 
     @property
+    def label(self) -> str:
+        """The node's name, or for an unnamed node its op and first output (unique in a graph)."""
+        if self.proto.name:
+            return self.proto.name
+        first = next((o for o in self.proto.output if o), "")
+        return f"{self.proto.op_type}->{first}"
+
+    @property
     def inputs(self) -> list[str]:
         return list(self.proto.input)
 
