@@ -161,14 +161,10 @@ class Engine:
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
-        for op_type in self._by_root:
-            for node_id in graph.nodes_of_type(op_type):
-                push(node_id)
-        for op_type in {t for r in self.rules for t in r.root_types if r.root_domain}:
-            for candidate in self.rules:
-                if op_type in candidate.root_types and candidate.root_domain:
-                    for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
-                        push(node_id)
+        for candidate in self.rules:
+            for op_type in candidate.root_types:
+                for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
+                    push(node_id)
         while heap and not self._limit_reached():
             _, node_id = heapq.heappop(heap)
             queued.discard(node_id)
@@ -200,26 +196,20 @@ class Engine:
                     outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(
-                            Declined(candidate.name, scope, match.root.label, str(decline))
-                        )
+                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
                     continue
                 except RuleError:
                     raise
                 except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
                     raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
                 if not apply:
-                    self.result.opportunities.append(
-                        Opportunity(candidate.name, scope, [n.label for n in match.nodes])
-                    )
+                    self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                     return []
                 try:
                     return self._apply(graph, scope, candidate, match, builder, outputs, keep)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(
-                            Declined(candidate.name, scope, match.root.label, str(decline))
-                        )
+                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
         return []
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
@@ -299,6 +289,7 @@ class Engine:
             if not _visible(graph, new):
                 raise RuleError(candidate.name, f"the replacement returns '{new}', which does not exist")
         rename: dict[str, str] = {}
+        redirects: list[tuple[str, str]] = []
         for old, new in zip(root_outputs, outputs):
             if new in produced and new not in rename:
                 rename[new] = old
@@ -306,7 +297,7 @@ class Engine:
                 # The name must survive as it is: copy the value into it.
                 builder.nodes.append(_identity(rename.get(new, new), old, builder, graph))
             else:
-                graph.redirect(old, new)
+                redirects.append((old, new))
         for node in builder.nodes:
             for index, name in enumerate(node.input):
                 if name in rename:
@@ -317,7 +308,9 @@ class Engine:
         removed = [i for i in match.node_ids if i not in keep]
         if _signature(builder.nodes) == _signature(graph.node(i).proto for i in removed):
             raise Decline("the replacement is identical to the match")
-        self._check_replacement(graph, candidate, removed, builder, root_outputs)
+        self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
+        for old, new in redirects:  # the graph changes only once every check has passed
+            graph.redirect(old, new)
         for domain, version in candidate.emits.items():
             self.model.require_opset(domain, version)
         matched_names = [n.label for n in match.nodes]
@@ -344,7 +337,13 @@ class Engine:
         return self._downstream(graph, set(created) | {n for n in neighbours if graph.has_node(n)})
 
     def _check_replacement(
-        self, graph: Graph, candidate: Rule, removed: list[int], builder: Builder, root_outputs: list[str]
+        self,
+        graph: Graph,
+        candidate: Rule,
+        removed: list[int],
+        builder: Builder,
+        root_outputs: list[str],
+        redirected: set[str],
     ) -> None:
         produced = {o for node in builder.nodes for o in node.output}
         vanishing = {o for i in removed for o in graph.node(i).outputs if o} - produced
@@ -357,7 +356,7 @@ class Engine:
                     raise RuleError(candidate.name, f"the replacement reads '{name}', which it removes")
                 if not _visible(graph, name):
                     raise RuleError(candidate.name, f"the replacement reads '{name}', which does not exist")
-        missing = [o for o in root_outputs if o not in produced and graph.consumers(o)]
+        missing = [o for o in root_outputs if o not in produced and o not in redirected and graph.consumers(o)]
         if missing:
             raise RuleError(candidate.name, f"the replacement does not produce '{missing[0]}'")
 
