@@ -30,9 +30,19 @@ import fuser
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from tests.helpers import randomize_constants  # noqa: E402
+
 SAMPLES = ["resnet_small", "mlp", "classifier_head"]
-LIGHT = ["resnet50", "densenet121", "inception_v1", "inception_v2", "shufflenet", "squeezenet",
-         "vgg19", "bvlc_alexnet", "zfnet512"]
+LIGHT = [
+    "resnet50",
+    "densenet121",
+    "inception_v1",
+    "inception_v2",
+    "shufflenet",
+    "squeezenet",
+    "vgg19",
+    "bvlc_alexnet",
+    "zfnet512",
+]
 
 
 def model_path(name: str) -> str:
@@ -83,8 +93,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default=",".join(SAMPLES + [f"light_{n}" for n in LIGHT]))
     args = parser.parse_args(argv)
-    columns = [("orig", "off"), ("orig", "ext"), ("orig", "all"), ("onnx", "off"), ("onnx", "all"),
-               ("onnxruntime", "off"), ("onnxruntime", "all")]
+    columns = [
+        ("orig", "off"),
+        ("orig", "ext"),
+        ("orig", "all"),
+        ("onnx", "off"),
+        ("onnx", "all"),
+        ("onnxruntime", "off"),
+        ("onnxruntime", "all"),
+    ]
     labels = {"orig": "orig", "onnx": "onnx", "onnxruntime": "ort"}
     header = f"{'model':<22}" + "".join(f"{labels[t] + '/' + lv:>10}" for t, lv in columns)
     header += f"{'ort/off:orig/ext':>18}{'ort/off:orig/all':>18}"

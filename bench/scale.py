@@ -40,14 +40,20 @@ def conv_bn_relu_chain(nodes: int, channels: int = 2) -> onnx.ModelProto:
             inits.append(numpy_helper.from_array(value, name))
         graph_nodes += [
             helper.make_node("Conv", [current, f"w{i}"], [f"c{i}"], name=f"conv{i}"),
-            helper.make_node("BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"n{i}"],
-                             name=f"bn{i}"),
+            helper.make_node(
+                "BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"n{i}"], name=f"bn{i}"
+            ),
             helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}"),
         ]
         current = f"r{i}"
     info = helper.make_tensor_value_info
-    graph = helper.make_graph(graph_nodes, "chain", [info("x", onnx.TensorProto.FLOAT, [1, channels, 4, 4])],
-                              [info(current, onnx.TensorProto.FLOAT, [1, channels, 4, 4])], inits)
+    graph = helper.make_graph(
+        graph_nodes,
+        "chain",
+        [info("x", onnx.TensorProto.FLOAT, [1, channels, 4, 4])],
+        [info(current, onnx.TensorProto.FLOAT, [1, channels, 4, 4])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -82,8 +88,10 @@ def main(argv=None) -> int:
             counts.append(len(Engine(model, rules).run().rewrites))
 
         optimize = median_seconds(rewrite, args.repeats) - load
-        print(f"{len(proto.graph.node):>9} {load:>9.2f} {to_onnx:>10.2f} {optimize:>11.2f} {counts[-1]:>9} "
-              f"{optimize / len(proto.graph.node) * 1e6:>8.1f}")
+        print(
+            f"{len(proto.graph.node):>9} {load:>9.2f} {to_onnx:>10.2f} {optimize:>11.2f} {counts[-1]:>9} "
+            f"{optimize / len(proto.graph.node) * 1e6:>8.1f}"
+        )
         sys.stdout.flush()
     return 0
 

@@ -75,9 +75,7 @@ def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model) -> Model:
     return Model.load(Path(model_or_path))
 
 
-def resolve_rules(
-    rules: list[Rule] | None, target: str, enable=(), disable=(), rule_files=()
-) -> list[Rule]:
+def resolve_rules(rules: list[Rule] | None, target: str, enable=(), disable=(), rule_files=()) -> list[Rule]:
     if rules is None:
         rules = all_rules(list(rule_files))
     elif rule_files:
@@ -142,8 +140,9 @@ def optimize(
         return optimized, report
     started = time.perf_counter()
     say(f"checking numerics in onnxruntime ({runs} input set{'s' if runs > 1 else ''})")
-    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs,
-                      rtol=rtol, atol=atol)
+    checker = Checker(
+        original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs, rtol=rtol, atol=atol
+    )
     applied = set(report.counts)
     exact = all(r.exact for r in chosen if r.name in applied)
     report.verdict = checker.check(optimized, exact)

@@ -36,8 +36,12 @@ class Blame:
 
 
 def rewrite_and_check(
-    original: onnx.ModelProto, base_dir, rules: list[Rule], checker: Checker,
-    limit: int | None, vetoed: set[tuple],
+    original: onnx.ModelProto,
+    base_dir,
+    rules: list[Rule],
+    checker: Checker,
+    limit: int | None,
+    vetoed: set[tuple],
 ) -> Attempt:
     model = Model(original, base_dir=base_dir)
     result = Engine(model, rules, limit=limit, vetoed=vetoed).run()
@@ -48,7 +52,11 @@ def rewrite_and_check(
 
 
 def find_guilty(
-    original: onnx.ModelProto, base_dir, rules: list[Rule], checker: Checker, failing: Attempt,
+    original: onnx.ModelProto,
+    base_dir,
+    rules: list[Rule],
+    checker: Checker,
+    failing: Attempt,
     progress: Callable[[str], None] | None = None,
 ) -> Blame:
     """Veto guilty rewrites one at a time until the remaining ones pass the check."""

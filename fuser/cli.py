@@ -116,10 +116,20 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 rule_options = [
-    click.option("--target", type=click.Choice(["onnx", "onnxruntime"]), default="onnx", show_default=True,
-                 help="onnx: standard operators only; onnxruntime: may use com.microsoft fused ops."),
-    click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False),
-                 help="A Python file defining extra rules (repeatable)."),
+    click.option(
+        "--target",
+        type=click.Choice(["onnx", "onnxruntime"]),
+        default="onnx",
+        show_default=True,
+        help="onnx: standard operators only; onnxruntime: may use com.microsoft fused ops.",
+    ),
+    click.option(
+        "--rules",
+        "rule_files",
+        multiple=True,
+        type=click.Path(dir_okay=False),
+        help="A Python file defining extra rules (repeatable).",
+    ),
     click.option("--enable", multiple=True, metavar="RULE", help="Turn on a rule that is off by default."),
     click.option("--disable", multiple=True, metavar="RULE", help="Turn off a rule."),
 ]
@@ -127,15 +137,31 @@ rule_options = [
 
 check_options = [
     click.option("--seed", type=int, default=0, show_default=True, help="Seed for synthesized check inputs."),
-    click.option("--check-runs", "runs", type=click.IntRange(1), default=1, show_default=True,
-                 help="Number of input sets to check with."),
-    click.option("--inputs", "inputs_path", type=click.Path(exists=False),
-                 help="Real inputs: a .npz file, or a folder of input_*.pb (onnx test-data layout)."),
-    click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE",
-                 help="Value of a symbolic dimension (default 1)."),
+    click.option(
+        "--check-runs",
+        "runs",
+        type=click.IntRange(1),
+        default=1,
+        show_default=True,
+        help="Number of input sets to check with.",
+    ),
+    click.option(
+        "--inputs",
+        "inputs_path",
+        type=click.Path(exists=False),
+        help="Real inputs: a .npz file, or a folder of input_*.pb (onnx test-data layout).",
+    ),
+    click.option(
+        "--dim", "dims", multiple=True, metavar="NAME=SIZE", help="Value of a symbolic dimension (default 1)."
+    ),
     click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2", help="Shape of one input."),
-    click.option("--input-range", "ranges", multiple=True, metavar="NAME:LO,HI",
-                 help="Value range of one input (integers default to [0, 10))."),
+    click.option(
+        "--input-range",
+        "ranges",
+        multiple=True,
+        metavar="NAME:LO,HI",
+        help="Value range of one input (integers default to [0, 10)).",
+    ),
     click.option("--atol", type=float, help="Absolute tolerance (default: per dtype)."),
     click.option("--rtol", type=float, help="Relative tolerance (default: per dtype)."),
 ]
@@ -190,17 +216,50 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @with_rule_options
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime numerics check (not recommended).")
-@click.option("--on-mismatch", type=click.Choice(["fail", "drop"]), default="fail", show_default=True,
-              help="fail: write nothing, keep the evidence; drop: leave out the guilty rewrites.")
+@click.option(
+    "--on-mismatch",
+    type=click.Choice(["fail", "drop"]),
+    default="fail",
+    show_default=True,
+    help="fail: write nothing, keep the evidence; drop: leave out the guilty rewrites.",
+)
 @with_check_options
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="json: print the report on stdout.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: print the report on stdout.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="List every rewrite.")
 @click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
 @click.pass_obj
-def optimize(ctx: Context, model, output, force, target, rule_files, enable, disable, no_check, on_mismatch,
-             seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, report_path, fmt, verbose, quiet):
+def optimize(
+    ctx: Context,
+    model,
+    output,
+    force,
+    target,
+    rule_files,
+    enable,
+    disable,
+    no_check,
+    on_mismatch,
+    seed,
+    runs,
+    inputs_path,
+    dims,
+    shapes,
+    ranges,
+    atol,
+    rtol,
+    report_path,
+    fmt,
+    verbose,
+    quiet,
+):
     """Optimize MODEL and write the result (the input is never modified)."""
     source = Path(model)
     destination = Path(output) if output else source.with_name(_fused_name(source.name))
@@ -214,8 +273,15 @@ def optimize(ctx: Context, model, output, force, target, rule_files, enable, dis
         if no_check:
             _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
         optimized, result = api.optimize(
-            loaded, target=target, enable=enable, disable=disable, rule_files=rule_files,
-            check=not no_check, on_mismatch=on_mismatch, progress=_progress(quiet), **settings,
+            loaded,
+            target=target,
+            enable=enable,
+            disable=disable,
+            rule_files=rule_files,
+            check=not no_check,
+            on_mismatch=on_mismatch,
+            progress=_progress(quiet),
+            **settings,
         )
         write_model(optimized, destination, source_dir=source.parent)
         result.output_path = str(destination)
@@ -231,8 +297,12 @@ def optimize(ctx: Context, model, output, force, target, rule_files, enable, dis
         code = _fail(NumericsMismatch(f"{error}; nothing written, evidence kept in {folder}"), ctx.debug)
         body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
         body.update(input=data["input"], output=None, evidence=str(folder))
-        _emit_report(report_module.envelope("optimize", "mismatch", code, error=str(error), **body), report_path,
-                     fmt, folder / "report.json")
+        _emit_report(
+            report_module.envelope("optimize", "mismatch", code, error=str(error), **body),
+            report_path,
+            fmt,
+            folder / "report.json",
+        )
         return code
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         code = _fail(error, ctx.debug)
@@ -321,17 +391,21 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
     Exits 1 when there is at least one (a gate for "the exported model is fully fused").
     """
     try:
-        result = api.find_opportunities(model, target=target, enable=enable, disable=disable,
-                                        rule_files=rule_files)
+        result = api.find_opportunities(model, target=target, enable=enable, disable=disable, rule_files=rule_files)
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
         _emit_report(
             report_module.envelope(
-                "check", "work-found" if found else "fully-fused", code,
-                input=report_module.file_entry(model), target=target,
-                opportunities=[o.to_dict() for o in found], skipped_rules=result.skipped_rules,
+                "check",
+                "work-found" if found else "fully-fused",
+                code,
+                input=report_module.file_entry(model),
+                target=target,
+                opportunities=[o.to_dict() for o in found],
+                skipped_rules=result.skipped_rules,
             ),
-            report_path, fmt,
+            report_path,
+            fmt,
         )
         if fmt == "text" and not quiet:
             for item in found:
@@ -350,8 +424,9 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
 @click.option("--report", "report_path", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
-def compare(ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, exact,
-            report_path, fmt):
+def compare(
+    ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, exact, report_path, fmt
+):
     """Run FIRST and SECOND on the same inputs and compare every output (exit 3 if they differ)."""
     from fuser.verify import Checker
 
@@ -362,26 +437,33 @@ def compare(ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, 
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(
-                "compare", "match" if verdict.passed else "mismatch", code,
-                input=report_module.file_entry(first), output=report_module.file_entry(second),
+                "compare",
+                "match" if verdict.passed else "mismatch",
+                code,
+                input=report_module.file_entry(first),
+                output=report_module.file_entry(second),
                 numerics=verdict.to_dict(),
             ),
-            report_path, fmt,
+            report_path,
+            fmt,
         )
         if fmt == "text":
             if verdict.load_error:
                 _say(verdict.summary())
             for o in verdict.outputs:
-                _say(f"{o.name:<24} {o.status:<10} max abs {o.max_abs_error:.3g}  max rel {o.max_rel_error:.3g}"
-                     f"  out of tolerance {o.fraction_out_of_tolerance:.2%}")
+                _say(
+                    f"{o.name:<24} {o.status:<10} max abs {o.max_abs_error:.3g}  max rel {o.max_rel_error:.3g}"
+                    f"  out of tolerance {o.fraction_out_of_tolerance:.2%}"
+                )
         return code
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)
 
 
 @cli.command(name="rules")
-@click.option("--target", type=click.Choice(["onnx", "onnxruntime"]), default=None,
-              help="Only rules that run for this target.")
+@click.option(
+    "--target", type=click.Choice(["onnx", "onnxruntime"]), default=None, help="Only rules that run for this target."
+)
 @click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
@@ -395,10 +477,22 @@ def list_rules(ctx: Context, target, rule_files, fmt):
             names = {r.name for r in select(rules, target, enable=[r.name for r in rules])}
             rules = [r for r in rules if r.name in names]
         if fmt == "json":
-            click.echo(json.dumps([
-                {"name": r.name, "target": r.target, "default": r.enabled_by_default, "exact": r.exact,
-                 "description": r.description, "source": str(r.source)} for r in rules
-            ], indent=2))
+            click.echo(
+                json.dumps(
+                    [
+                        {
+                            "name": r.name,
+                            "target": r.target,
+                            "default": r.enabled_by_default,
+                            "exact": r.exact,
+                            "description": r.description,
+                            "source": str(r.source),
+                        }
+                        for r in rules
+                    ],
+                    indent=2,
+                )
+            )
             return EXIT_OK
         if not rules:
             _say("no rules registered")

@@ -88,8 +88,10 @@ def _validate(path: Path, key: str, value) -> None:
     elif good and key == "dims":
         good = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values())
     elif good and key == "input-shapes":
-        good = all(isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
-                   for v in value.values())
+        good = all(
+            isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
+            for v in value.values()
+        )
     elif good and key == "input-ranges":
         good = all(isinstance(v, list) and len(v) == 2 and all(number(d) for d in v) for v in value.values())
     if not good:

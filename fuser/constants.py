@@ -31,9 +31,7 @@ def is_foldable(info) -> bool:
         return False
     if proto.op_type in _NONDETERMINISTIC:
         return False
-    return not any(
-        a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in proto.attribute
-    )
+    return not any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in proto.attribute)
 
 
 def constant_node_value(node: NodeProto) -> np.ndarray | None:

@@ -176,9 +176,7 @@ class Graph:
     def _build(self, proto: GraphProto) -> None:
         for value in itertools.chain(proto.input, proto.output, proto.value_info):
             self.names.add(value.name)
-        constant_inputs = (
-            {t.name for t in proto.initializer} if self.constant_initializer_inputs else set()
-        )
+        constant_inputs = {t.name for t in proto.initializer} if self.constant_initializer_inputs else set()
         for position, value in enumerate(proto.input):
             if value.name not in constant_inputs:
                 self._add_source(GRAPH_INPUT, value.name, (-2, position))
@@ -246,9 +244,7 @@ class Graph:
         for slot, tensor in enumerate(info.proto.input):
             if tensor:
                 self._connect(tensor, node_id, slot)
-        captured = {
-            name for graphs in info.subgraphs.values() for g in graphs for name in g.captured()
-        }
+        captured = {name for graphs in info.subgraphs.values() for g in graphs for name in g.captured()}
         for tensor in sorted(captured):
             self._connect(tensor, node_id, SUBGRAPH_SLOT)
 
@@ -503,9 +499,7 @@ class Graph:
             inputs.extend(i for i in info.proto.input if i)
             for output in info.proto.output:
                 if output:
-                    dangling.extend(
-                        (output, c, s) for c, s in self.consumers(output) if c not in removed_set
-                    )
+                    dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
         for node_id in removed:
             self.remove_node(node_id)
         for tensor in initializers:
@@ -527,9 +521,7 @@ class Graph:
         self._add_source(INITIALIZER, tensor.name, (-1, len(self._initializers)))
         if self.constant_initializer_inputs:
             # IR < 4 requires every initializer to be listed as a graph input as well.
-            self._inputs.append(
-                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-            )
+            self._inputs.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
         self.modified = True
 
     def remove_if_unused(self, tensor: str) -> None:

@@ -28,9 +28,7 @@ class Model:
         self.base_dir = base_dir
         self._shell = ModelProto()
         copy_fields_except(proto, self._shell, {"graph"})
-        self.opsets = {
-            ("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import
-        }
+        self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
         self.tensors = TensorStore(base_dir)
         self.graph = Graph(

@@ -152,9 +152,7 @@ def validate(pattern: OpPattern) -> None:
         if isinstance(item, OpPattern):
             previous = node_names.get(item.name)
             if previous is not None and previous is not item and previous != item:
-                raise PatternError(
-                    f"two different nodes are named '{item.name}'; give them distinct name= values"
-                )
+                raise PatternError(f"two different nodes are named '{item.name}'; give them distinct name= values")
             node_names[item.name] = item
         else:
             previous = tensor_names.get(item.name)
@@ -178,4 +176,3 @@ class SourceLocation:
 def caller_location(depth: int = 2) -> SourceLocation:
     frame = sys._getframe(depth)
     return SourceLocation(frame.f_code.co_filename, frame.f_lineno)
-

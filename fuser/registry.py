@@ -87,9 +87,7 @@ def all_rules(rule_files: list[str | Path] = ()) -> list[Rule]:
     return rules
 
 
-def select(
-    rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()
-) -> list[Rule]:
+def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()) -> list[Rule]:
     """Rules for `target`: the portable ones always, onnxruntime's only for that target."""
     if target not in TARGETS:
         raise UsageError(f"unknown target '{target}'; choose one of: {', '.join(TARGETS)}")

@@ -14,8 +14,18 @@ SCHEMA_VERSION = 1
 
 _OUTPUT_CHECK = {
     "type": "object",
-    "required": ["name", "dtype", "shape", "status", "max_abs_error", "max_rel_error",
-                 "fraction_out_of_tolerance", "worst_index", "rtol", "atol"],
+    "required": [
+        "name",
+        "dtype",
+        "shape",
+        "status",
+        "max_abs_error",
+        "max_rel_error",
+        "fraction_out_of_tolerance",
+        "worst_index",
+        "rtol",
+        "atol",
+    ],
     "properties": {
         "name": {"type": "string"},
         "dtype": {"type": "string"},
@@ -111,7 +121,7 @@ REPORT_SCHEMA = {
             "type": ["object", "null"],
             "required": ["path", "sha256"],
             "properties": {"path": {"type": "string"}, "sha256": {"type": "string"}},
-        }
+        },
     },
 }
 

@@ -33,9 +33,7 @@ class TensorStore:
     def resolve(self, location: str) -> Path:
         """The file an external-data location names, refused if it escapes the model folder."""
         if self.base_dir is None:
-            raise UnsafePathError(
-                f"external data '{location}' cannot be read: the model was not loaded from a file"
-            )
+            raise UnsafePathError(f"external data '{location}' cannot be read: the model was not loaded from a file")
         relative = Path(location)
         if relative.is_absolute() or ".." in relative.parts or location.startswith(("/", "\\")):
             raise UnsafePathError(

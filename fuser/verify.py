@@ -98,9 +98,7 @@ def session(model: onnx.ModelProto):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
     try:
-        return ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
         raise InputError(f"onnxruntime cannot load the model: {_first_line(error)}") from error
 
@@ -111,7 +109,10 @@ def _first_line(error: BaseException) -> str:
 
 
 def synthesize_inputs(
-    sess, seed: int = 0, dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
+    sess,
+    seed: int = 0,
+    dims: dict[str, int] | None = None,
+    shapes: dict[str, tuple] | None = None,
     ranges: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input: normal floats, small non-negative ints, random bools."""
@@ -170,8 +171,12 @@ def run(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def compare(
-    name: str, expected: np.ndarray, actual: np.ndarray, exact: bool,
-    rtol: float | None = None, atol: float | None = None,
+    name: str,
+    expected: np.ndarray,
+    actual: np.ndarray,
+    exact: bool,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> OutputCheck:
     """Compare one output; NaN/Inf positions compare as values, not as comparison failures."""
     expected = np.asarray(expected)
@@ -264,10 +269,17 @@ class Checker:
     """The original model's session, inputs and outputs, reused for every candidate model."""
 
     def __init__(
-        self, original: onnx.ModelProto, *, seed: int = 0, runs: int = 1,
-        dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
-        ranges: dict[str, tuple[float, float]] | None = None, inputs: dict[str, np.ndarray] | None = None,
-        rtol: float | None = None, atol: float | None = None,
+        self,
+        original: onnx.ModelProto,
+        *,
+        seed: int = 0,
+        runs: int = 1,
+        dims: dict[str, int] | None = None,
+        shapes: dict[str, tuple] | None = None,
+        ranges: dict[str, tuple[float, float]] | None = None,
+        inputs: dict[str, np.ndarray] | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
     ):
         self.rtol, self.atol = rtol, atol
         self.session = session(original)
@@ -304,10 +316,12 @@ class Checker:
         produced = {spec.name for spec in after.get_outputs()}
         missing = [name for name in self.expected[0] if name not in produced] if self.expected else []
         if given != wanted or missing:
-            return Verdict(load_error=(
-                f"the models' interfaces differ: inputs {sorted(wanted)} vs {sorted(given)}, "
-                f"outputs missing from the second: {missing}"
-            ))
+            return Verdict(
+                load_error=(
+                    f"the models' interfaces differ: inputs {sorted(wanted)} vs {sorted(given)}, "
+                    f"outputs missing from the second: {missing}"
+                )
+            )
         for feeds, expected in zip(self.feeds, self.expected):
             try:
                 actual = run(after, feeds)
@@ -324,9 +338,16 @@ class Checker:
 
 
 def verify(
-    original: onnx.ModelProto, optimized: onnx.ModelProto, *, exact: bool, seed: int = 0, runs: int = 1,
-    dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None,
-    rtol: float | None = None, atol: float | None = None,
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    *,
+    exact: bool,
+    seed: int = 0,
+    runs: int = 1,
+    dims: dict[str, int] | None = None,
+    shapes: dict[str, tuple] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> Verdict:
     """Run both models on the same seeded inputs and compare every graph output."""
     checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, rtol=rtol, atol=atol)

@@ -59,11 +59,7 @@ class GraphBuilder:
 
     def node(self, op_type: str, name: str, inputs: list[str], output: str, **attrs) -> str:
         """Add a single-output node; return the name of its output tensor."""
-        self.nodes.append(
-            helper.make_node(
-                op_type, inputs, [self._claim(output)], name=self._claim(name), **attrs
-            )
-        )
+        self.nodes.append(helper.make_node(op_type, inputs, [self._claim(output)], name=self._claim(name), **attrs))
         return output
 
     # ----------------------------------------------------------- random params
@@ -118,9 +114,7 @@ class GraphBuilder:
             self.initializer(f"{prefix}.mean", self.normal(c, 0.1)),
             self.initializer(f"{prefix}.var", self.uniform(c, 0.5, 1.5)),
         ]
-        return self.node(
-            "BatchNormalization", prefix, inputs, f"{prefix}.out", epsilon=1e-5
-        )
+        return self.node("BatchNormalization", prefix, inputs, f"{prefix}.out", epsilon=1e-5)
 
     def relu(self, name: str, x: str) -> str:
         return self.node("Relu", name, [x], f"{name}.out")
@@ -136,9 +130,7 @@ class GraphBuilder:
         """Softmax over the last axis spelled out as Exp -> ReduceSum -> Div."""
         axes = self.initializer(f"{prefix}.axes", np.array([-1], dtype=np.int64))
         e = self.node("Exp", f"{prefix}.exp", [x], f"{prefix}.exp.out")
-        s = self.node(
-            "ReduceSum", f"{prefix}.reducesum", [e, axes], f"{prefix}.reducesum.out", keepdims=1
-        )
+        s = self.node("ReduceSum", f"{prefix}.reducesum", [e, axes], f"{prefix}.reducesum.out", keepdims=1)
         return self.node("Div", f"{prefix}.div", [e, s], output or f"{prefix}.out")
 
     # ------------------------------------------------------------------ output

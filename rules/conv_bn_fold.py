@@ -64,8 +64,15 @@ def conv_bn_fold(m: Match, b: Builder):
     bias = m.value("b")
     m.require(bias is None or bias.shape == (channels,), "the convolution bias does not have one value per channel")
     new_weight, new_bias = fold_conv_bn(
-        weight, bias, params["scale"], params["beta"], params["mean"], params["var"],
-        epsilon, transpose=transpose, group=group,
+        weight,
+        bias,
+        params["scale"],
+        params["beta"],
+        params["mean"],
+        params["var"],
+        epsilon,
+        transpose=transpose,
+        group=group,
     )
     conv = m.node("conv")
     return b.op(conv.op_type, m["x"], b.constant(new_weight, "weight"), b.constant(new_bias, "bias"), **conv.attrs())

@@ -23,6 +23,12 @@ def fused_conv(m: Match, b: Builder):
     fusable_dtype(m, m["x"])
     kind, params = activation_params(m)
     return b.op(
-        "FusedConv", m["x"], m["w"], m["b"], domain="com.microsoft",
-        activation=kind, activation_params=params or None, **m.attrs("conv"),
+        "FusedConv",
+        m["x"],
+        m["w"],
+        m["b"],
+        domain="com.microsoft",
+        activation=kind,
+        activation_params=params or None,
+        **m.attrs("conv"),
     )

@@ -26,11 +26,21 @@ def fused_conv_residual(m: Match, b: Builder):
     fusable_dtype(m, m["x"])
     conv_shape, z_shape = m.shape("conv"), m.shape("z")
     m.require(conv_shape is not None and z_shape is not None, "the shapes of the convolution and residual are unknown")
-    m.require(conv_shape == z_shape and "?" not in conv_shape, f"the residual {z_shape} does not have the convolution's shape {conv_shape}")
+    m.require(
+        conv_shape == z_shape and "?" not in conv_shape,
+        f"the residual {z_shape} does not have the convolution's shape {conv_shape}",
+    )
     m.require(m.dtype("z") == m.dtype("x"), "the residual's dtype differs from the convolution's")
     kind, params = activation_params(m)
     bias = m["b"]
     return b.op(
-        "FusedConv", m["x"], m["w"], bias if bias is not None else "", m["z"], domain="com.microsoft",
-        activation=kind, activation_params=params or None, **m.attrs("conv"),
+        "FusedConv",
+        m["x"],
+        m["w"],
+        bias if bias is not None else "",
+        m["z"],
+        domain="com.microsoft",
+        activation=kind,
+        activation_params=params or None,
+        **m.attrs("conv"),
     )

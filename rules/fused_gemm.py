@@ -28,6 +28,12 @@ def fused_gemm(m: Match, b: Builder):
     kind, params = activation_params(m)
     extra = dict(zip(("activation_alpha", "activation_beta"), params))
     return b.op(
-        "FusedGemm", m["a"], m["b"], m["c"], domain="com.microsoft",
-        activation=kind, **extra, **m.attrs("gemm"),
+        "FusedGemm",
+        m["a"],
+        m["b"],
+        m["c"],
+        domain="com.microsoft",
+        activation=kind,
+        **extra,
+        **m.attrs("gemm"),
     )

@@ -39,8 +39,10 @@ def matmul_add_gemm(m: Match, b: Builder):
     m.require(a_shape is not None and len(a_shape) == 2, f"A has shape {a_shape}, Gemm needs 2-D")
     m.require(w_shape is not None and len(w_shape) == 2, f"B has shape {w_shape}, Gemm needs 2-D")
     m.require(c_shape is not None, "the bias's shape is unknown")
-    m.require(broadcasts_into(c_shape, a_shape[0], w_shape[1]),
-              f"a bias of shape {c_shape} does not broadcast into [{a_shape[0]}, {w_shape[1]}]")
+    m.require(
+        broadcasts_into(c_shape, a_shape[0], w_shape[1]),
+        f"a bias of shape {c_shape} does not broadcast into [{a_shape[0]}, {w_shape[1]}]",
+    )
     dtype = m.dtype("a")
     m.require(dtype in GEMM_DTYPES, f"Gemm on onnxruntime's CPU takes float32/float64, not {dtype}")
     m.require(m.dtype("w") == dtype and m.dtype("c") == dtype, "the operands' dtypes differ")

@@ -15,8 +15,10 @@ PRIORITY = 90
 
 @rule(
     "residual-add-relu",
-    pattern=op.Relu((op.Add | op.Sum)(op.Conv(var("x"), var("w"), var("b", optional=True), name="conv"),
-                                      var("z"), name="add"), name="relu"),
+    pattern=op.Relu(
+        (op.Add | op.Sum)(op.Conv(var("x"), var("w"), var("b", optional=True), name="conv"), var("z"), name="add"),
+        name="relu",
+    ),
     advisory=True,
 )
 def residual_add_relu(m: Match, _):

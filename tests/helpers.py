@@ -42,12 +42,16 @@ def make_model(
     The model is run through the full ONNX checker; check=False skips it, for deliberately
     invalid models (mismatched dtypes, unknown shapes the full check wants, ...).
     """
+
     def info(name, dtype, shape):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
 
     inits = initializers.items() if isinstance(initializers, dict) else initializers
     graph = helper.make_graph(
-        list(nodes), "test", [info(*i) for i in inputs], [info(*o) for o in outputs],
+        list(nodes),
+        "test",
+        [info(*i) for i in inputs],
+        [info(*o) for o in outputs],
         [numpy_helper.from_array(np.asarray(v), n) for n, v in inits],
     )
     opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
@@ -109,7 +113,11 @@ def randomize_constants(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
         if node.op_type == "ConstantOfShape" and node.input[0] in shapes:
             shape = tuple(int(d) for d in shapes[node.input[0]])
             is_variance = node.output[0] in variances
-            value = rng.uniform(0.5, 1.5, shape) if is_variance else rng.normal(0, 0.5, shape) / max(1, np.prod(shape[1:]) ** 0.5)
+            value = (
+                rng.uniform(0.5, 1.5, shape)
+                if is_variance
+                else rng.normal(0, 0.5, shape) / max(1, np.prod(shape[1:]) ** 0.5)
+            )
             model.graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), node.output[0]))
             if model.ir_version < 4:
                 model.graph.input.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, shape))
@@ -165,7 +173,16 @@ def np_log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 
 def assert_rewritten(
-    model, rules, *, counts, expected_ops, check=True, feeds=None, rtol=0.0, atol=0.0, all_outputs_ok=False,
+    model,
+    rules,
+    *,
+    counts,
+    expected_ops,
+    check=True,
+    feeds=None,
+    rtol=0.0,
+    atol=0.0,
+    all_outputs_ok=False,
     **optimize_kwargs,
 ):
     """Optimize `model` with exactly `rules` and check that the rewrite happened as expected.

@@ -59,15 +59,21 @@ def chain_model(seed: int = 0) -> onnx.ModelProto:
         inits[f"mean{i}"] = rng.normal(0, 0.1, channels).astype(np.float32)
         inits[f"var{i}"] = rng.uniform(0.5, 1.5, channels).astype(np.float32)
         nodes.append(helper.make_node("Conv", [current, f"w{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]))
-        nodes.append(helper.make_node(
-            "BatchNormalization", [f"c{i}", f"scale{i}", f"beta{i}", f"mean{i}", f"var{i}"], [f"n{i}"],
-            name=f"bn{i}", epsilon=0.5 if is_bad else 1e-5,
-        ))
+        nodes.append(
+            helper.make_node(
+                "BatchNormalization",
+                [f"c{i}", f"scale{i}", f"beta{i}", f"mean{i}", f"var{i}"],
+                [f"n{i}"],
+                name=f"bn{i}",
+                epsilon=0.5 if is_bad else 1e-5,
+            )
+        )
         nodes.append(helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}"))
         current = f"r{i}"
     nodes.append(helper.make_node("Identity", [current], ["y"], name="out"))
-    return make_model(nodes, [("x", np.float32, [1, channels, 8, 8])], [("y", np.float32, [1, channels, 8, 8])],
-                      inits, opset=17)
+    return make_model(
+        nodes, [("x", np.float32, [1, channels, 8, 8])], [("y", np.float32, [1, channels, 8, 8])], inits, opset=17
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +87,11 @@ def wrong_rule(tmp_path_factory):
 
 
 def bad_bn_names(model) -> set[str]:
-    return {n.name for n in model.graph.node if n.op_type == "BatchNormalization"
-            and any(a.name == "epsilon" and a.f > 0.1 for a in n.attribute)}
+    return {
+        n.name
+        for n in model.graph.node
+        if n.op_type == "BatchNormalization" and any(a.name == "epsilon" and a.f > 0.1 for a in n.attribute)
+    }
 
 
 def test_blame_names_exactly_the_wrong_rewrites(wrong_rule):

@@ -145,8 +145,10 @@ def _validate(instance, schema, root=None, path="$"):
     if kinds is not None:
         kinds = kinds if isinstance(kinds, list) else [kinds]
         checks = {
-            "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-            "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+            "object": lambda v: isinstance(v, dict),
+            "array": lambda v: isinstance(v, list),
+            "string": lambda v: isinstance(v, str),
+            "boolean": lambda v: isinstance(v, bool),
             "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
             "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
             "null": lambda v: v is None,

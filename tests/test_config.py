@@ -67,7 +67,10 @@ def test_target_from_pyproject_and_the_command_line_overrides_it(tmp_path):
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "fuser.cli", "optimize", "resnet_small.onnx", "-o", out, *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
         )
         for out, extra in (("ort.onnx", []), ("portable.onnx", ["--target", "onnx"]))
     ]
@@ -105,7 +108,8 @@ def test_enable_and_disable_from_the_command_line_replace_the_pyproject_list(cli
 def relu_relu_model(path):
     model = make_model(
         [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
-        [("x", np.float32, ["batch", 8])], [("y", np.float32, ["batch", 8])],
+        [("x", np.float32, ["batch", 8])],
+        [("y", np.float32, ["batch", 8])],
     )
     onnx.save(model, str(path))
 
@@ -157,15 +161,26 @@ def test_check_settings_are_accepted_and_used(cli, tmp_path):
     assert (output["atol"], output["rtol"]) == (1e-4, 1e-3)
     assert (tmp_path / "out.onnx").exists()
 
-    flags = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "flags.onnx", "--format", "json",
-                "--atol", "0.5", "--input-shape", "image:1,3,32,32")
+    flags = cli(
+        tmp_path,
+        "optimize",
+        "resnet_small.onnx",
+        "-o",
+        "flags.onnx",
+        "--format",
+        "json",
+        "--atol",
+        "0.5",
+        "--input-shape",
+        "image:1,3,32,32",
+    )
     assert flags.returncode == 0, flags.stderr
     [output] = json.loads(flags.stdout)["numerics"]["outputs"]
     assert output["atol"] == 0.5 and output["rtol"] == 1e-3 and output["shape"] == [1, 10]
 
 
 def test_compare_reads_dims_and_tolerances(cli, tmp_path):
-    write_pyproject(tmp_path, 'dims = { batch = 2 }\nrtol = 0.01\nseed = 3\ncheck-runs = 2\n')
+    write_pyproject(tmp_path, "dims = { batch = 2 }\nrtol = 0.01\nseed = 3\ncheck-runs = 2\n")
     copy_resnet(tmp_path)
     result = cli(tmp_path, "compare", "resnet_small.onnx", "resnet_small.onnx", "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -262,7 +277,7 @@ def test_invalid_values_exit_2(cli, tmp_path, body, message):
     [
         '[tool.fuser]\ntarget = "onnxruntime\n',  # unterminated string
         "[tool.fuser\n",
-        '[tool.fuser]\nseed = 1\nseed = 2\n',  # duplicate key
+        "[tool.fuser]\nseed = 1\nseed = 2\n",  # duplicate key
     ],
 )
 def test_invalid_toml_exits_2(cli, tmp_path, text):

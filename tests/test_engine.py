@@ -445,8 +445,9 @@ def test_optional_pattern_input_does_not_accept_extra_inputs():
 
 def _leaky(alpha=None, opset=17):
     attrs = {} if alpha is None else {"alpha": alpha}
-    return make_model([helper.make_node("LeakyRelu", ["x"], ["y"], name="leaky", **attrs)],
-                      io("x"), io("y"), opset=opset)
+    return make_model(
+        [helper.make_node("LeakyRelu", ["x"], ["y"], name="leaky", **attrs)], io("x"), io("y"), opset=opset
+    )
 
 
 def _matches(proto, pattern) -> bool:
@@ -475,8 +476,9 @@ def test_attribute_predicate_constraint_with_schema_default():
 
 def test_attribute_default_follows_the_model_opset():
     def softmax(opset, **attrs):
-        return make_model([helper.make_node("Softmax", ["x"], ["y"], name="sm", **attrs)],
-                          io("x"), io("y"), opset=opset)
+        return make_model(
+            [helper.make_node("Softmax", ["x"], ["y"], name="sm", **attrs)], io("x"), io("y"), opset=opset
+        )
 
     last_axis = op.Softmax(var("x"), axis=-1)
     assert _matches(softmax(17), last_axis)  # default axis is -1 since opset 13
@@ -661,8 +663,14 @@ def test_output_does_not_depend_on_the_hash_seed(tmp_path):
     digests = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
-        result = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT, str(path)], cwd=root,
-                                env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-c", _DETERMINISM_SCRIPT, str(path)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         digests.add(result.stdout.strip())
     out, report = fuser.optimize(proto, rules=[conv_bn_fold, relu_relu, neg_neg], check=False)
@@ -911,13 +919,20 @@ def test_new_names_never_collide_with_existing_ones():
     nodes.append(helper.make_node("Abs", ["x"], ["r2/Mul__2:0"], name="abs"))
     side_inputs += ["r2/Mul__2:0", "r2/mul_input", "r2/mul_input__1"]
     nodes.append(helper.make_node("Sum", side_inputs, ["side"], name="sum"))
-    branch_nodes = [helper.make_node("Neg", ["x"], ["r2/Relu__2:0"], name="r2/Relu__2"),
-                    helper.make_node("Neg", ["r2/Relu__2:0"], ["branch_out"], name="r2/Mul__2")]
-    nodes.append(helper.make_node(
-        "If", ["cond"], ["z"], name="if",
-        then_branch=_branch("then", branch_nodes, "branch_out"),
-        else_branch=_branch("else", [helper.make_node("Abs", ["x"], ["r2/mul_input__2"])], "r2/mul_input__2"),
-    ))
+    branch_nodes = [
+        helper.make_node("Neg", ["x"], ["r2/Relu__2:0"], name="r2/Relu__2"),
+        helper.make_node("Neg", ["r2/Relu__2:0"], ["branch_out"], name="r2/Mul__2"),
+    ]
+    nodes.append(
+        helper.make_node(
+            "If",
+            ["cond"],
+            ["z"],
+            name="if",
+            then_branch=_branch("then", branch_nodes, "branch_out"),
+            else_branch=_branch("else", [helper.make_node("Abs", ["x"], ["r2/mul_input__2"])], "r2/mul_input__2"),
+        )
+    )
     inits = {"r2/mul_input": np.full((2, 3), 2.0, F32), "r2/mul_input__1": np.full((2, 3), 3.0, F32)}
     proto = make_model(nodes, [("x", F32, [2, 3]), ("cond", np.bool_, [])], io("out", "side", "z"), inits)
     existing = {n.name for n in _all_nodes(proto.graph)} | {o for n in _all_nodes(proto.graph) for o in n.output}
@@ -960,7 +975,10 @@ def _branch(name, nodes, output):
 
 def _if_model(then_nodes, then_out, else_nodes, else_out, outer_nodes=(), outputs=("y",)):
     node = helper.make_node(
-        "If", ["cond"], ["y"], name="if",
+        "If",
+        ["cond"],
+        ["y"],
+        name="if",
         then_branch=_branch("then", then_nodes, then_out),
         else_branch=_branch("else", else_nodes, else_out),
     )
@@ -1008,9 +1026,7 @@ def test_branch_output_replaced_by_an_outer_tensor_gets_an_identity():
     out, report = fuser.optimize(proto, rules=[neg_neg])
     assert report.counts == {"neg-neg": 1}
     then_branch = next(a.g for a in out.graph.node[0].attribute if a.name == "then_branch")
-    assert [(n.op_type, list(n.input), list(n.output)) for n in then_branch.node] == [
-        ("Identity", ["x"], ["then_out"])
-    ]
+    assert [(n.op_type, list(n.input), list(n.output)) for n in then_branch.node] == [("Identity", ["x"], ["then_out"])]
     check_valid(out)
     _assert_same_for_both_branches(proto, out)
 

@@ -66,8 +66,8 @@ def test_consumers_list_every_slot_including_a_tensor_read_twice(small):
 
 def test_graph_outputs_are_sink_consumers_with_their_position(small):
     _, g, _ = small
-    (sink_y, slot_y), = g.consumers("y")
-    (sink_r, slot_r), = g.consumers("r")
+    ((sink_y, slot_y),) = g.consumers("y")
+    ((sink_r, slot_r),) = g.consumers("r")
     assert g.nx.nodes[sink_y]["kind"] == GRAPH_OUTPUT and slot_y == 0
     assert g.nx.nodes[sink_r]["kind"] == GRAPH_OUTPUT and slot_r == 1
     assert g.op_consumers("y") == []
@@ -121,8 +121,13 @@ def test_constant_nodes_of_every_value_kind():
         helper.make_node("Constant", [], ["c_floats"], value_floats=[0.5, 0.25]),
         helper.make_node("Add", ["x", "c_tensor"], ["y"]),
     ]
-    outputs = [("y", F32, [1, 2]), ("c_float", F32, []), ("c_ints", np.int64, [3]),
-               ("c_int", np.int64, []), ("c_floats", F32, [2])]
+    outputs = [
+        ("y", F32, [1, 2]),
+        ("c_float", F32, []),
+        ("c_ints", np.int64, [3]),
+        ("c_int", np.int64, []),
+        ("c_floats", F32, [2]),
+    ]
     g = _graph(make_model(nodes, [("x", F32, [1, 2])], outputs))
 
     value = g.constant_value("c_tensor")
@@ -221,19 +226,21 @@ def test_a_cached_value_still_respects_max_bytes():
 def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
     then_branch = helper.make_graph(
         [helper.make_node("Relu", ["t"], ["then_out"], name="then_relu")],
-        "then", [], [helper.make_tensor_value_info("then_out", onnx.TensorProto.FLOAT, [2])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", onnx.TensorProto.FLOAT, [2])],
     )
     else_branch = helper.make_graph(
         [helper.make_node("Neg", ["w"], ["else_out"], name="else_neg")],
-        "else", [], [helper.make_tensor_value_info("else_out", onnx.TensorProto.FLOAT, [2])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_out", onnx.TensorProto.FLOAT, [2])],
     )
     nodes = [
         helper.make_node("Abs", ["x"], ["t"], name="abs"),
         helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch),
     ]
-    proto = make_model(
-        nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])], {"w": np.ones(2, F32)}
-    )
+    proto = make_model(nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])], {"w": np.ones(2, F32)})
     g = _graph(proto)
     ids = _ids_by_name(g)
     assert g.consumers("t") == [(ids["if"], SUBGRAPH_SLOT)]
@@ -249,9 +256,7 @@ def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
     assert not then_graph.is_constant("t")
     assert then_graph.is_graph_output("then_out")
     assert len(list(g.all_graphs())) == 3
-    assert Model(proto).to_proto().SerializeToString(deterministic=True) == proto.SerializeToString(
-        deterministic=True
-    )
+    assert Model(proto).to_proto().SerializeToString(deterministic=True) == proto.SerializeToString(deterministic=True)
 
 
 # ---------------------------------------------------------------- rewiring
@@ -288,7 +293,9 @@ def test_topological_order_repairs_nodes_listed_out_of_order():
         helper.make_node("Relu", ["x"], ["t"], name="first"),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -305,8 +312,12 @@ def test_topological_order_repairs_nodes_listed_out_of_order():
 def _initializer_as_input(ir_version: int, opset: int):
     nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
     return make_model(
-        nodes, [("x", F32, [2]), ("w", F32, [2])], [("y", F32, [2])], {"w": np.array([1, 2], F32)},
-        opset=opset, ir_version=ir_version,
+        nodes,
+        [("x", F32, [2]), ("w", F32, [2])],
+        [("y", F32, [2])],
+        {"w": np.array([1, 2], F32)},
+        opset=opset,
+        ir_version=ir_version,
     )
 
 
@@ -349,8 +360,9 @@ def _save_external(folder, name="model.onnx"):
     proto, w = _weights_model()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="w.bin", size_threshold=0)
+    onnx.save(
+        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="w.bin", size_threshold=0
+    )
     assert (folder / "w.bin").is_file()
     stored = onnx.load(str(path), load_external_data=False)
     assert stored.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL

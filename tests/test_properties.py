@@ -50,7 +50,8 @@ RTOL, ATOL = 1e-3, 1e-4
 ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Clip")
 
 SETTINGS = {
-    "deadline": None, "database": None,
+    "deadline": None,
+    "database": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
 
@@ -89,8 +90,13 @@ class _Gen:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, **attrs))
         return names[0]
 
-    def const(self, value: np.ndarray, base: str = "c", forms=("init", "init", "node", "reshape", "overridable"),
-              share: bool = True) -> str:
+    def const(
+        self,
+        value: np.ndarray,
+        base: str = "c",
+        forms=("init", "init", "node", "reshape", "overridable"),
+        share: bool = True,
+    ) -> str:
         """A constant tensor in one of several forms (all but 'overridable' and 'input' are
         constants); sometimes an earlier tensor of the same kind and shape is reused instead."""
         value = np.asarray(value)
@@ -103,17 +109,27 @@ class _Gen:
         if form == "input":  # not a constant at all: fed at run time
             self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape)))
         elif form == "node":
-            self.nodes.append(helper.make_node(
-                "Constant", [], [name], name=self.fresh("Constant") if self.named_nodes else "",
-                value=numpy_helper.from_array(value, name + "_value"),
-            ))
+            self.nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [name],
+                    name=self.fresh("Constant") if self.named_nodes else "",
+                    value=numpy_helper.from_array(value, name + "_value"),
+                )
+            )
         elif form == "reshape" and value.ndim >= 1:
             flat = numpy_helper.from_array(value.reshape(-1), name + "_flat")
             shape = numpy_helper.from_array(np.array(value.shape, dtype=np.int64), name + "_shape")
             self.inits += [flat, shape]
-            self.nodes.append(helper.make_node(
-                "Reshape", [flat.name, shape.name], [name], name=self.fresh("Reshape") if self.named_nodes else "",
-            ))
+            self.nodes.append(
+                helper.make_node(
+                    "Reshape",
+                    [flat.name, shape.name],
+                    [name],
+                    name=self.fresh("Reshape") if self.named_nodes else "",
+                )
+            )
         elif form == "overridable" and value.dtype == np.float32:
             self.inits.append(numpy_helper.from_array(value, name))
             self.overridable.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape)))
@@ -143,10 +159,13 @@ class _Gen:
         weight_forms = ("init", "init", "init", "node", "reshape", "overridable", "input")
         inputs = [x, self.const(weight, "w", forms=weight_forms)]
         if draw(st.booleans()):
-            inputs.append(self.const(_f32(rng.normal(0, 0.5, cout)), "b", forms=("init", "init", "node", "overridable")))
+            inputs.append(
+                self.const(_f32(rng.normal(0, 0.5, cout)), "b", forms=("init", "init", "node", "overridable"))
+            )
         explicit = draw(st.booleans())
         out = self.node(
-            "Conv", inputs,
+            "Conv",
+            inputs,
             kernel_shape=[k, k] if explicit or k > 1 else None,
             pads=None if auto_pad else [pad] * 4 if pad or explicit else None,
             auto_pad=auto_pad,
@@ -176,8 +195,14 @@ class _Gen:
     def channel_constant(self, shape: tuple, kind: str, multiplicative: bool) -> np.ndarray:
         _, c, h, w = shape
         dims = {
-            "C11": (c, 1, 1), "1C11": (1, c, 1, 1), "scalar": (), "one": (1,), "1111": (1, 1, 1, 1),
-            "spatial": (1, c, h, w), "HW": (h, w), "W": (w,),
+            "C11": (c, 1, 1),
+            "1C11": (1, c, 1, 1),
+            "scalar": (),
+            "one": (1,),
+            "1111": (1, 1, 1, 1),
+            "spatial": (1, c, h, w),
+            "HW": (h, w),
+            "W": (w,),
         }[kind]
         if multiplicative:
             return _f32(self.rng.uniform(0.5, 1.5, dims) * self.rng.choice([-1.0, 1.0], dims))
@@ -201,7 +226,9 @@ class _Gen:
         if kind == "LeakyRelu":
             return self.node(kind, [x], alpha=draw(st.sampled_from([None, 0.1, 0.3])))
         if kind == "HardSigmoid":
-            return self.node(kind, [x], alpha=draw(st.sampled_from([None, 0.25])), beta=draw(st.sampled_from([None, 0.4])))
+            return self.node(
+                kind, [x], alpha=draw(st.sampled_from([None, 0.25])), beta=draw(st.sampled_from([None, 0.4]))
+            )
         if kind == "Clip":
             low, high = sorted(float(v) for v in rng.uniform(-1.5, 1.5, 2))
             which = draw(st.sampled_from(["both", "both", "min", "max", "none"]))
@@ -220,8 +247,9 @@ class _Gen:
         if axes is None and self.draw(st.integers(0, 3)) == 0:
             # An empty axes input: all axes, or an identity with noop_with_empty_axes=1.
             noop = self.draw(st.sampled_from([None, 0, 1]))
-            return self.node("ReduceSum", [x, self.ints(np.zeros(0, np.int64))], keepdims=keepdims,
-                             noop_with_empty_axes=noop)
+            return self.node(
+                "ReduceSum", [x, self.ints(np.zeros(0, np.int64))], keepdims=keepdims, noop_with_empty_axes=noop
+            )
         inputs = [x] if axes is None else [x, self.ints(axes)]
         noop = self.draw(st.sampled_from([None, None, 0, 1])) if axes is not None else None
         return self.node("ReduceSum", inputs, keepdims=keepdims, noop_with_empty_axes=noop)
@@ -280,11 +308,28 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
         g.inputs.append(helper.make_tensor_value_info("x2", TensorProto.FLOAT, [batch_dim, c0, h, w]))
         pool.append(("x2", shape))
 
-    blocks = draw(st.lists(
-        st.sampled_from(["conv", "conv", "conv-bn", "conv-bn", "affine", "act", "residual", "residual",
-                         "se", "fanout", "output", "matmul4d"]),
-        min_size=1, max_size=max_blocks,
-    ))
+    blocks = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "conv",
+                    "conv",
+                    "conv-bn",
+                    "conv-bn",
+                    "affine",
+                    "act",
+                    "residual",
+                    "residual",
+                    "se",
+                    "fanout",
+                    "output",
+                    "matmul4d",
+                ]
+            ),
+            min_size=1,
+            max_size=max_blocks,
+        )
+    )
     for block in blocks:
         if block in ("conv", "conv-bn"):
             cur, shape = g.conv(cur, shape)
@@ -373,13 +418,19 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
     outputs = list(dict.fromkeys(g.outputs))
     declared = {v.name: v for v in g.inputs}
     graph = helper.make_graph(
-        g.nodes, "generated", g.inputs + g.overridable,
-        [declared.get(o) or helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], g.inits,
+        g.nodes,
+        "generated",
+        g.inputs + g.overridable,
+        [declared.get(o) or helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        g.inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="hypothesis")
     model.ir_version = IR_VERSION
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    types = {v.name: v.type for v in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output)}
+    types = {
+        v.name: v.type
+        for v in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output)
+    }
     for output in model.graph.output:
         output.type.CopyFrom(types[output.name])
     if draw(st.booleans()):  # keep the inferred value_info of intermediate tensors
@@ -433,8 +484,7 @@ def assert_outputs_agree(before: onnx.ModelProto, after: onnx.ModelProto, seed: 
         stabilized = ~e_finite & a_finite
         bad = ~(close | same_special | stabilized)
         assert not bad.any(), (
-            f"output '{name}' differs at {np.argwhere(bad)[:5].tolist()}: "
-            f"expected {e[bad][:5]}, got {a[bad][:5]}"
+            f"output '{name}' differs at {np.argwhere(bad)[:5].tolist()}: expected {e[bad][:5]}, got {a[bad][:5]}"
         )
 
 
@@ -484,7 +534,9 @@ def _model(nodes, inputs, outputs, inits=(), opset=17, value_info=False) -> onnx
     """inputs: (name, shape); outputs: names (types filled in by shape inference)."""
     declared = {name: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs}
     graph = helper.make_graph(
-        nodes, "handmade", list(declared.values()),
+        nodes,
+        "handmade",
+        list(declared.values()),
         [declared.get(o) or helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
         [numpy_helper.from_array(np.asarray(v), n) for n, v in dict(inits).items()],
     )
@@ -512,9 +564,19 @@ def resnet_block_model(opset: int = 11) -> onnx.ModelProto:
         return _f32(rng.normal(0, 0.4, shape))
 
     inits = {
-        "w1": w(c, 2, 3, 3), "b1": w(c), "scale": _f32(rng.uniform(0.5, 1.5, c)), "beta": w(c),
-        "mean": w(c), "var": _f32(rng.uniform(0.5, 2.0, c)), "w2": w(c, 2, 3, 3), "s": _f32(rng.uniform(0.5, 1.5, (c, 1, 1))),
-        "a": w(1, c, 1, 1), "fc1": w(c, 3), "fb1": w(1, 3), "fc2": w(3, 5), "fb2": w(5),
+        "w1": w(c, 2, 3, 3),
+        "b1": w(c),
+        "scale": _f32(rng.uniform(0.5, 1.5, c)),
+        "beta": w(c),
+        "mean": w(c),
+        "var": _f32(rng.uniform(0.5, 2.0, c)),
+        "w2": w(c, 2, 3, 3),
+        "s": _f32(rng.uniform(0.5, 1.5, (c, 1, 1))),
+        "a": w(1, c, 1, 1),
+        "fc1": w(c, 3),
+        "fb1": w(1, 3),
+        "fc2": w(3, 5),
+        "fb2": w(5),
     }
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1], group=1),
@@ -580,12 +642,20 @@ def extreme_tail_models(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     g = _Gen(draw, opset, rng)
     rank = draw(st.sampled_from([2, 4]))
-    shape = [draw(st.integers(1, 3)), draw(st.integers(1, 6))] if rank == 2 else \
-        [draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))]
+    shape = (
+        [draw(st.integers(1, 3)), draw(st.integers(1, 6))]
+        if rank == 2
+        else [draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))]
+    )
     g.inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, shape))
     g.outputs.append(g.tail("x", rank, bounded=False, temperatures=()))
-    model = _model(g.nodes, [("x", shape)], list(dict.fromkeys(g.outputs)),
-                   [(t.name, numpy_helper.to_array(t)) for t in g.inits], opset=opset)
+    model = _model(
+        g.nodes,
+        [("x", shape)],
+        list(dict.fromkeys(g.outputs)),
+        [(t.name, numpy_helper.to_array(t)) for t in g.inits],
+        opset=opset,
+    )
     centres = rng.choice(np.array([-400.0, -200.0, 0.0, 200.0, 400.0]), size=shape, p=[0.1, 0.2, 0.4, 0.2, 0.1])
     feeds = {"x": _f32(centres + rng.uniform(-20, 20, shape))}
     return model, feeds
@@ -619,7 +689,9 @@ def test_output_does_not_depend_on_the_hash_seed(model, tmp_path_factory):
         for t in ("onnx", "onnxruntime")
     ]
     env = dict(os.environ, PYTHONHASHSEED=str(12345 + len(model.graph.node)))
-    done = subprocess.run([sys.executable, "-c", script, str(source)], capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(source)], capture_output=True, text=True, env=env, check=True
+    )
     assert done.stdout.split() == expected
 
 
@@ -628,11 +700,16 @@ def test_output_does_not_depend_on_the_hash_seed(model, tmp_path_factory):
 
 def _conv_affine_model(h: int, w: int, addend_shape: tuple, opset: int = 13) -> onnx.ModelProto:
     rng = np.random.default_rng(3)
-    inits = {"w": _f32(rng.normal(0, 0.5, (3, 2, 1, 1))), "k": _f32(rng.uniform(0.5, 1.5, addend_shape)),
-             "c": _f32(rng.normal(0, 1, addend_shape))}
-    nodes = [helper.make_node("Conv", ["x", "w"], ["y"]),
-             helper.make_node("Mul", ["y", "k"], ["m"]),
-             helper.make_node("Add", ["c", "m"], ["out"])]
+    inits = {
+        "w": _f32(rng.normal(0, 0.5, (3, 2, 1, 1))),
+        "k": _f32(rng.uniform(0.5, 1.5, addend_shape)),
+        "c": _f32(rng.normal(0, 1, addend_shape)),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["y"]),
+        helper.make_node("Mul", ["y", "k"], ["m"]),
+        helper.make_node("Add", ["c", "m"], ["out"]),
+    ]
     return _model(nodes, [("x", [1, 2, h, w])], ["out"], inits, opset=opset)
 
 
@@ -654,11 +731,18 @@ def test_regression_symbolic_batch_with_batch_sized_bias_is_not_a_gemm(target):
     """A bias [2, K] against A [N, F] (N symbolic) only broadcasts when N is 1 or 2; Gemm's
     C must broadcast one way into [M, K], so the Add stays; fuser's check runs with N = 1."""
     rng = np.random.default_rng(5)
-    inits = {"fc": _f32(rng.normal(0, 0.5, (3, 4))), "mk": _f32(rng.normal(0, 1, (2, 4))),
-             "k": _f32(rng.normal(0, 1, (4,)))}
-    nodes = [helper.make_node("MatMul", ["x", "fc"], ["mm"]), helper.make_node("Add", ["mm", "mk"], ["y"]),
-             helper.make_node("MatMul", ["x", "fc"], ["mm2"]), helper.make_node("Add", ["k", "mm2"], ["z"]),
-             helper.make_node("Relu", ["z"], ["zr"])]
+    inits = {
+        "fc": _f32(rng.normal(0, 0.5, (3, 4))),
+        "mk": _f32(rng.normal(0, 1, (2, 4))),
+        "k": _f32(rng.normal(0, 1, (4,))),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "fc"], ["mm"]),
+        helper.make_node("Add", ["mm", "mk"], ["y"]),
+        helper.make_node("MatMul", ["x", "fc"], ["mm2"]),
+        helper.make_node("Add", ["k", "mm2"], ["z"]),
+        helper.make_node("Relu", ["z"], ["zr"]),
+    ]
     model = _model(nodes, [("x", ["N", 3])], ["y", "zr"], inits, opset=13)
     optimized, report = check_optimize(model, target)
     assert report.counts["matmul-add-gemm"] == 1
@@ -670,12 +754,19 @@ def test_regression_residual_of_a_tensor_with_itself_and_overridable_weights(tar
     """Relu(Add(conv, conv)) has no residual separate from the convolution; a BN whose
     variance is an overridable initializer (also a graph input) is not a constant."""
     rng = np.random.default_rng(7)
-    inits = {"w": _f32(rng.normal(0, 0.5, (2, 2, 3, 3))), "scale": _f32([1.0, -0.5]), "beta": _f32([0.1, 0.2]),
-             "mean": _f32([0.3, -0.3]), "var": _f32([0.5, 2.0])}
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("BatchNormalization", ["c", "scale", "beta", "mean", "var"], ["bn"]),
-             helper.make_node("Add", ["bn", "bn"], ["twice"]),
-             helper.make_node("Relu", ["twice"], ["y"])]
+    inits = {
+        "w": _f32(rng.normal(0, 0.5, (2, 2, 3, 3))),
+        "scale": _f32([1.0, -0.5]),
+        "beta": _f32([0.1, 0.2]),
+        "mean": _f32([0.3, -0.3]),
+        "var": _f32([0.5, 2.0]),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "scale", "beta", "mean", "var"], ["bn"]),
+        helper.make_node("Add", ["bn", "bn"], ["twice"]),
+        helper.make_node("Relu", ["twice"], ["y"]),
+    ]
     model = _model(nodes, [("x", [1, 2, 3, 3])], ["y"], inits, opset=17)
     model.graph.input.append(helper.make_tensor_value_info("var", TensorProto.FLOAT, [2]))
     onnx.checker.check_model(model, full_check=True)
@@ -719,8 +810,11 @@ def test_decomposed_softmax_with_an_overflowing_sum_is_accepted():
     """exp(88.5) is finite but exp(88.5) + exp(88.5) overflows, so the decomposed softmax
     gives the finite, wrong [0, 0]; Softmax gives [0.5, 0.5]. Same cause as above: the
     original is finite, so the difference counts as a mismatch, not as stabilization."""
-    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
-             helper.make_node("Div", ["e", "s"], ["y"])]
+    nodes = [
+        helper.make_node("Exp", ["x"], ["e"]),
+        helper.make_node("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
+        helper.make_node("Div", ["e", "s"], ["y"]),
+    ]
     model = _model(nodes, [("x", [1, 2])], ["y"], {"axes": np.array([1], np.int64)}, opset=13)
     _, report = fuser.optimize(model, inputs={"x": _f32([[88.5, 88.5]])})  # raises NumericsMismatch
     assert report.counts == {"softmax-decomposed": 1} and report.verdict.passed
@@ -737,8 +831,10 @@ def test_drop_vetoes_only_the_guilty_rewrite_of_unnamed_nodes():
         return b.Abs(m["x"])
 
     def build(named: bool) -> onnx.ModelProto:
-        nodes = [helper.make_node("Relu", ["a"], ["ra"], name="r1" if named else ""),
-                 helper.make_node("Relu", ["p"], ["rp"], name="r2" if named else "")]
+        nodes = [
+            helper.make_node("Relu", ["a"], ["ra"], name="r1" if named else ""),
+            helper.make_node("Relu", ["p"], ["rp"], name="r2" if named else ""),
+        ]
         return _model(nodes, [("a", [4]), ("p", [4])], ["ra", "rp"], opset=13)
 
     feeds = {"a": _f32([-1, 2, -3, 4]), "p": _f32([1, 2, 3, 4])}  # the rewrite is harmless on p only

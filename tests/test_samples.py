@@ -60,8 +60,17 @@ def test_readme_first_command(tmp_path):
     assert (tmp_path / "models" / "resnet_small.fused.onnx").exists()
 
 
-LIGHT = ["resnet50", "densenet121", "inception_v1", "inception_v2", "shufflenet", "squeezenet", "vgg19",
-         "bvlc_alexnet", "zfnet512"]
+LIGHT = [
+    "resnet50",
+    "densenet121",
+    "inception_v1",
+    "inception_v2",
+    "shufflenet",
+    "squeezenet",
+    "vgg19",
+    "bvlc_alexnet",
+    "zfnet512",
+]
 
 
 def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
@@ -76,8 +85,10 @@ def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
             found.append(f"{source.name} -> {node.name}")
         if node.op_type == "Log" and kind == "Softmax":
             found.append(f"{source.name} -> {node.name}")
-        if target == "onnxruntime" and node.op_type in ("Relu", "LeakyRelu", "Sigmoid", "Tanh") and kind in (
-            "Conv", "Gemm"
+        if (
+            target == "onnxruntime"
+            and node.op_type in ("Relu", "LeakyRelu", "Sigmoid", "Tanh")
+            and kind in ("Conv", "Gemm")
         ):
             found.append(f"{source.name} -> {node.name}")
     return found

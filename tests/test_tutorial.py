@@ -51,9 +51,7 @@ def doc_blocks() -> list[Block]:
 
 
 def python_blocks() -> list[Block]:
-    return [
-        b for b in doc_blocks() if b.language == "python" and not (b.title or "").startswith("pyproject")
-    ]
+    return [b for b in doc_blocks() if b.language == "python" and not (b.title or "").startswith("pyproject")]
 
 
 def files() -> dict[str, str]:
@@ -71,8 +69,13 @@ def shell(command: str, cwd: Path, env: dict | None = None) -> subprocess.Comple
     python = shlex.quote(sys.executable)
     prelude = f'fuser() {{ {python} -m fuser.cli "$@"; }}\npython() {{ {python} "$@"; }}\n'
     return subprocess.run(
-        ["bash", "-c", prelude + command], cwd=cwd, env=env or ENV,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        ["bash", "-c", prelude + command],
+        cwd=cwd,
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
     )
 
 
@@ -133,9 +136,22 @@ def test_rule_file_with_the_real_cli(tutorial):
     rule_file.write_text(files()["my_rules.py"])
     output = directory / "cli_out.onnx"
     result = subprocess.run(
-        [sys.executable, "-m", "fuser.cli", "optimize", str(directory / "before.onnx"),
-         "--rules", str(rule_file), "-o", str(output)],
-        cwd=directory, env=ENV, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "fuser.cli",
+            "optimize",
+            str(directory / "before.onnx"),
+            "--rules",
+            str(rule_file),
+            "-o",
+            str(output),
+        ],
+        cwd=directory,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "hard-swish-clip" in result.stderr
@@ -164,6 +180,7 @@ def test_console_blocks(tutorial):
 def test_plugin_entry_point(tutorial):
     """The doc's pyproject.toml, turned into package metadata by setuptools, registers the rules."""
     import setuptools  # noqa: F401 - a test extra; the plugin metadata needs it
+
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -178,7 +195,11 @@ def test_plugin_entry_point(tutorial):
     (project / "my_rules.py").write_text(files()["my_rules.py"])
     built = subprocess.run(
         [sys.executable, "-c", "import setuptools; setuptools.setup()", "-q", "egg_info", "--egg-base", "."],
-        cwd=project, env=ENV, capture_output=True, text=True, timeout=300,
+        cwd=project,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert built.returncode == 0, built.stderr
     # Like an editable install: the metadata and the module are on the path, no --rules given.

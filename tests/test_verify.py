@@ -23,8 +23,13 @@ from tests.helpers import fuser_cli, in_process_cli, make_model
 def fuser_cli_many(*commands, cwd=None):
     """Several `fuser` invocations at once (each is mostly interpreter start-up)."""
     processes = [
-        subprocess.Popen([sys.executable, "-m", "fuser.cli", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=cwd)
+        subprocess.Popen(
+            [sys.executable, "-m", "fuser.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+        )
         for args in commands
     ]
     results = []
@@ -274,7 +279,11 @@ def test_checker_same_model_is_ok_for_every_dtype(dtype_checker):
         verdict = dtype_checker.check(dtype_model(), exact)
         assert verdict.passed and verdict.load_error is None
         assert {o.name: o.dtype for o in verdict.outputs} == {
-            "f16": "float16", "f32": "float32", "f64": "float64", "i64": "int64", "b": "bool",
+            "f16": "float16",
+            "f32": "float32",
+            "f64": "float64",
+            "i64": "int64",
+            "b": "bool",
         }
         assert all(o.status == "ok" and o.max_abs_error == 0 for o in verdict.outputs)
         assert all(o.shape == (4, 16) for o in verdict.outputs)
@@ -322,9 +331,7 @@ def test_checker_runs_keep_the_worst_result():
 
 
 def test_checker_with_given_inputs_by_name_or_position():
-    model = make_model(
-        [helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])]
-    )
+    model = make_model([helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])])
     identity = make_model(
         [helper.make_node("Identity", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])]
     )
@@ -341,8 +348,11 @@ def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
         [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
     )
     broken = make_model(
-        [helper.make_node("NoSuchFusedOp", ["x"], ["y"], domain="com.microsoft")], [("x", np.float32, [2, 3])],
-        [("y", np.float32, [2, 3])], extra_opsets={"com.microsoft": 1}, check=False,
+        [helper.make_node("NoSuchFusedOp", ["x"], ["y"], domain="com.microsoft")],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
+        extra_opsets={"com.microsoft": 1},
+        check=False,
     )
     verdict = Checker(original).check(broken, exact=False)
     assert verdict.passed is False
@@ -382,9 +392,7 @@ def test_inputs_that_do_not_fit_the_model_raise_input_error(settings):
 
 
 def test_an_empty_integer_range_is_an_input_error():
-    model = make_model(
-        [helper.make_node("Identity", ["i"], ["o"])], [("i", np.int64, [4])], [("o", np.int64, [4])]
-    )
+    model = make_model([helper.make_node("Identity", ["i"], ["o"])], [("i", np.int64, [4])], [("o", np.int64, [4])])
     with pytest.raises(InputError):
         synthesize_inputs(session(model), ranges={"i": (0.0, 0.5)})  # no integer in [0, 0.5)
 
@@ -451,7 +459,11 @@ def test_synthesized_inputs_are_seeded(mixed_session):
 def test_synthesized_dtypes_and_default_ranges(mixed_session):
     feeds = synthesize_inputs(mixed_session, seed=0, shapes={"i": (3, 400)})
     assert {n: v.dtype for n, v in feeds.items()} == {
-        "f": np.float32, "i": np.int64, "j": np.int32, "b": np.bool_, "h": np.float16,
+        "f": np.float32,
+        "i": np.int64,
+        "j": np.int32,
+        "b": np.bool_,
+        "h": np.float16,
     }
     ints = feeds["i"]
     assert ints.min() == 0 and ints.max() == 9  # [0, 10), every value hit among 1200
@@ -462,7 +474,10 @@ def test_synthesized_dtypes_and_default_ranges(mixed_session):
 
 def test_input_ranges(mixed_session):
     feeds = synthesize_inputs(
-        mixed_session, seed=0, shapes={"i": (3, 300)}, ranges={"i": (100, 105), "f": (5.0, 6.0), "j": (-3, 0)},
+        mixed_session,
+        seed=0,
+        shapes={"i": (3, 300)},
+        ranges={"i": (100, 105), "f": (5.0, 6.0), "j": (-3, 0)},
     )
     assert feeds["i"].min() == 100 and feeds["i"].max() == 104
     assert feeds["j"].min() >= -3 and feeds["j"].max() < 0
@@ -562,7 +577,8 @@ def _unary(op_type, dtype=np.float32, shape=("batch", 64), constant=None, **attr
     inputs = ["x"] + (["c"] if constant is not None else [])
     return make_model(
         [helper.make_node(op_type, inputs, ["y"], **attrs)],
-        [("x", dtype, list(shape))], [("y", dtype, list(shape))],
+        [("x", dtype, list(shape))],
+        [("y", dtype, list(shape))],
         {"c": constant} if constant is not None else {},
     )
 
@@ -597,7 +613,8 @@ def compare_models(tmp_path_factory):
         "abs.onnx": _unary("Abs"),
         "identity.onnx": _unary("Identity"),
         "renamed.onnx": make_model(
-            [helper.make_node("Identity", ["x"], ["z"])], [("x", np.float32, ["batch", 64])],
+            [helper.make_node("Identity", ["x"], ["z"])],
+            [("x", np.float32, ["batch", 64])],
             [("z", np.float32, ["batch", 64])],
         ),
     }
@@ -645,8 +662,16 @@ def test_compare_with_inputs_and_json_report(cli, compare_models, tmp_path):
     np.savez(tmp_path / "data.npz", x=np.abs(np.random.default_rng(0).standard_normal((3, 64))).astype(np.float32))
     report_path = tmp_path / "report.json"
     result = cli(
-        compare_models, "compare", "abs.onnx", "identity.onnx", "--inputs", str(tmp_path / "data.npz"),
-        "--format", "json", "--report", str(report_path),
+        compare_models,
+        "compare",
+        "abs.onnx",
+        "identity.onnx",
+        "--inputs",
+        str(tmp_path / "data.npz"),
+        "--format",
+        "json",
+        "--report",
+        str(report_path),
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -710,12 +735,16 @@ def test_compare_models_with_different_outputs_is_not_an_internal_error(cli, com
 def test_compare_of_outputs_with_infinities_prints_no_numpy_warnings(tmp_path):
     """In a real process numpy's RuntimeWarnings would reach the user's terminal."""
     model = make_model(
-        [helper.make_node("Div", ["x", "zero"], ["y"])], [("x", np.float32, [2, 8])], [("y", np.float32, [2, 8])],
+        [helper.make_node("Div", ["x", "zero"], ["y"])],
+        [("x", np.float32, [2, 8])],
+        [("y", np.float32, [2, 8])],
         {"zero": np.array(0, np.float32)},
     )  # every output element is +inf or -inf
     onnx.save(model, str(tmp_path / "inf.onnx"))
     loose, exact = fuser_cli_many(
-        ("compare", "inf.onnx", "inf.onnx"), ("compare", "inf.onnx", "inf.onnx", "--exact"), cwd=tmp_path,
+        ("compare", "inf.onnx", "inf.onnx"),
+        ("compare", "inf.onnx", "inf.onnx", "--exact"),
+        cwd=tmp_path,
     )
     for result in (loose, exact):
         assert result.returncode == 0, result.stderr

@@ -23,7 +23,15 @@ from onnx import helper, numpy_helper
 
 from fuser.rules.conv_add_bias import conv_add_bias, per_channel
 from tests.helpers import (
-    assert_declined, assert_rewritten, attrs_of, initializer_value, make_model, nodes_of, op_types, reference_run, run,
+    assert_declined,
+    assert_rewritten,
+    attrs_of,
+    initializer_value,
+    make_model,
+    nodes_of,
+    op_types,
+    reference_run,
+    run,
 )
 
 RULE = "conv-add-bias"
@@ -134,10 +142,19 @@ def assert_not_folded(model, reason: str | None, *, check=True):
 @pytest.mark.parametrize(
     "shape,rank,ok",
     [
-        ((6, 1, 1), 4, True), ((1, 6, 1, 1), 4, True), ((), 4, True), ((1,), 4, True), ((1, 1, 1, 1), 4, True),
-        ((6, 1), 3, True), ((1, 1), 4, True),
-        ((1, 6, 5, 5), 4, False), ((6, 5, 1), 4, False), ((6,), 4, False), ((2, 6, 1, 1), 4, False),
-        ((1, 1, 6, 1, 1), 4, False), ((1, 3, 1, 1), 4, False),
+        ((6, 1, 1), 4, True),
+        ((1, 6, 1, 1), 4, True),
+        ((), 4, True),
+        ((1,), 4, True),
+        ((1, 1, 1, 1), 4, True),
+        ((6, 1), 3, True),
+        ((1, 1), 4, True),
+        ((1, 6, 5, 5), 4, False),
+        ((6, 5, 1), 4, False),
+        ((6,), 4, False),
+        ((2, 6, 1, 1), 4, False),
+        ((1, 1, 6, 1, 1), 4, False),
+        ((1, 3, 1, 1), 4, False),
     ],
 )
 def test_per_channel(shape, rank, ok):
@@ -156,7 +173,8 @@ def test_per_channel(shape, rank, ok):
 @pytest.mark.parametrize("addend_first", [False, True], ids=["conv+c", "c+conv"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize(
-    "addend_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), (1, 1, 1, 1), (1, 1)],
+    "addend_shape",
+    [(6, 1, 1), (1, 6, 1, 1), (), (1,), (1, 1, 1, 1), (1, 1)],
     ids=["C11", "1C11", "scalar", "1", "1111", "11"],
 )
 def test_conv2d_folds(addend_shape, bias, addend_first):
@@ -221,8 +239,15 @@ def test_conv_transpose_folds(c_in, c_out, group, bias, addend_first):
     """ConvTranspose weights are [C_in, C_out/group, k...]: the channel count is W.shape[1] * group."""
     conv_attrs = {"strides": [2, 1], "pads": [1, 0, 0, 1], "output_padding": [1, 0]}
     model, feeds, consts = conv_add_model(
-        op="ConvTranspose", c_in=c_in, c_out=c_out, group=group, bias=bias,
-        addend_shape=(c_out, 1, 1), addend_first=addend_first, conv_attrs=conv_attrs, size=4,
+        op="ConvTranspose",
+        c_in=c_in,
+        c_out=c_out,
+        group=group,
+        bias=bias,
+        addend_shape=(c_out, 1, 1),
+        addend_first=addend_first,
+        conv_attrs=conv_attrs,
+        size=4,
     )
     after, _ = fold_and_compare(model, feeds, expected_ops=("ConvTranspose",), **FP32_TOL)
     (conv,) = nodes_of(after, "ConvTranspose")
@@ -294,7 +319,9 @@ def test_addend_from_constant_subgraph():
         helper.make_node("Add", ["conv_out", "c3"], ["y"], name="add"),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 5, 5])], [("y", np.float32, [None] * 4)],
+        nodes,
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y", np.float32, [None] * 4)],
         {"w": w, "c": c, "axes": np.array([1, 2], np.int64)},
     )
     feeds = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
@@ -316,8 +343,10 @@ def test_shared_bias_other_conv_unchanged():
         helper.make_node("Conv", ["x", "w", "b"], ["y2"], name="plain_conv", pads=[1, 1, 1, 1]),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 5, 5])],
-        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)],
+        inits,
     )
     feeds = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
     after, _ = fold_and_compare(model, feeds, expected_ops=("Conv", "Conv"), **FP32_TOL)
@@ -341,8 +370,10 @@ def test_shared_addend_both_pairs_fold():
         helper.make_node("Add", ["c", "c2"], ["y2"], name="add2"),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 5, 5])],
-        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)],
+        inits,
     )
     feeds = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
     after, _ = fold_and_compare(model, feeds, expected_ops=("Conv", "Conv"), count=2, **FP32_TOL)

@@ -35,8 +35,19 @@ from onnx import helper, numpy_helper
 import fuser
 from fuser.rules.conv_bn_fold import conv_bn_fold, fold_conv_bn
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer, light_model, make_model, nodes_of,
-    op_types, ort_session, randomize_constants, reference_run, run,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    initializer,
+    light_model,
+    make_model,
+    nodes_of,
+    op_types,
+    ort_session,
+    randomize_constants,
+    reference_run,
+    run,
 )
 
 RULE = "conv-bn-fold"
@@ -133,7 +144,10 @@ def conv_bn_model(
         for name, fill in (("w", 0.25), ("b", 0.5)):
             nodes.append(
                 helper.make_node(
-                    "ConstantOfShape", [f"{name}_shape"], [name], name=f"{name}_fill",
+                    "ConstantOfShape",
+                    [f"{name}_shape"],
+                    [name],
+                    name=f"{name}_fill",
                     value=numpy_helper.from_array(np.array([fill], dtype)),
                 )
             )
@@ -146,9 +160,7 @@ def conv_bn_model(
         helper.make_node("BatchNormalization", ["conv_out", *BN_PARAMS], [output], name="bn", **(bn_attrs or {}))
     )
     x_shape = [batch, c_in] + [size] * dims
-    model = make_model(
-        nodes, [("x", dtype, x_shape)], [(output, dtype, [None] * (dims + 2))], inits, opset=opset
-    )
+    model = make_model(nodes, [("x", dtype, x_shape)], [(output, dtype, [None] * (dims + 2))], inits, opset=opset)
     feeds = {"x": rng.standard_normal(x_shape).astype(dtype)}
     return model, feeds, constants
 
@@ -263,8 +275,10 @@ def test_shared_bn_parameters_both_pairs_fold():
         helper.make_node("BatchNormalization", ["c2", *BN_PARAMS], ["y2"], name="bn2"),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 7, 7])],
-        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 7, 7])],
+        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)],
+        inits,
     )
     feeds = {"x": rng.standard_normal((2, 4, 7, 7)).astype(np.float32)}
     fold_and_compare(model, feeds, expected_ops=("Conv", "Conv"), count=2, **FP32_TOL)
@@ -325,8 +339,10 @@ def test_constant_subgraph_shared_with_other_consumer_is_kept():
     nodes = list(model.graph.node) + [helper.make_node("Conv", ["x", "w"], ["z"], name="other_conv")]
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 7, 7])],
-        [("y", np.float32, [None] * 4), ("z", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 7, 7])],
+        [("y", np.float32, [None] * 4), ("z", np.float32, [None] * 4)],
+        inits,
     )
     after, _ = fold(model, expected_ops=["Reshape", "Conv", "Conv"])
     assert_same_outputs(model, after, feeds, **FP32_TOL)
@@ -455,8 +471,10 @@ def test_shared_weight_other_conv_unchanged(source):
         helper.make_node("Conv", ["x", "w"], ["y2"], name="plain_conv", pads=[1, 1, 1, 1]),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 7, 7])],
-        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 7, 7])],
+        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)],
+        inits,
     )
     feeds = {"x": rng.standard_normal((2, 4, 7, 7)).astype(np.float32)}
     expected_ops = ["Conv", "Conv"] if source == "initializer" else ["Constant", "Conv", "Conv"]
@@ -492,8 +510,10 @@ def test_bn_output_is_graph_output_and_feeds_another_node():
     nodes = list(model.graph.node) + [helper.make_node("Relu", ["y"], ["r"], name="relu")]
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 7, 7])],
-        [("y", np.float32, [None] * 4), ("r", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 7, 7])],
+        [("y", np.float32, [None] * 4), ("r", np.float32, [None] * 4)],
+        inits,
     )
     after, _ = fold_and_compare(model, feeds, expected_ops=("Conv", "Relu"), **FP32_TOL)
     (conv,) = nodes_of(after, "Conv")
@@ -523,7 +543,9 @@ def if_model_with_conv_bn_in_branch():
     inits = {t.name: numpy_helper.to_array(t) for t in inner.graph.initializer}
     model = make_model(
         [helper.make_node("If", ["cond"], ["out"], name="if", then_branch=then_branch, else_branch=else_branch)],
-        [("x", np.float32, [2, 4, 7, 7]), ("cond", np.bool_, [])], [("out", np.float32, [None] * 4)], inits,
+        [("x", np.float32, [2, 4, 7, 7]), ("cond", np.bool_, [])],
+        [("out", np.float32, [None] * 4)],
+        inits,
     )
     return model, {"x": feeds["x"], "cond": np.array(True)}
 
@@ -680,7 +702,9 @@ def test_bn_on_graph_input_not_folded():
     rng = np.random.default_rng(0)
     model = make_model(
         [helper.make_node("BatchNormalization", ["x", *BN_PARAMS], ["y"], name="bn")],
-        [("x", np.float32, [2, 6, 5, 5])], [("y", np.float32, [None] * 4)], bn_params(rng, 6),
+        [("x", np.float32, [2, 6, 5, 5])],
+        [("y", np.float32, [None] * 4)],
+        bn_params(rng, 6),
     )
     assert_not_folded(model, None)
 
@@ -720,7 +744,7 @@ def np_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int) -> n
     n, c_in = x.shape[:2]
     kernel = w.shape[2:]
     windows = sliding_window_view(x, kernel, axis=tuple(range(2, 2 + dims)))  # [N, C_in, *O, *K]
-    out_spatial = windows.shape[2:2 + dims]
+    out_spatial = windows.shape[2 : 2 + dims]
     windows = windows.reshape(n, group, c_in // group, *out_spatial, *kernel)
     wg = w.reshape(group, w.shape[0] // group, w.shape[1], *kernel)
     o, k = "opq"[:dims], "abc"[:dims]
@@ -768,7 +792,9 @@ def test_numpy_reference_matches_onnxruntime(transpose, dims):
     x = rng.standard_normal((2, c_in) + (5,) * dims).astype(np.float32)
     model = make_model(
         [helper.make_node(op, ["x", "w", "b"], ["y"], group=group)],
-        [("x", np.float32, list(x.shape))], [("y", np.float32, [None] * (dims + 2))], {"w": w, "b": b},
+        [("x", np.float32, list(x.shape))],
+        [("y", np.float32, [None] * (dims + 2))],
+        {"w": w, "b": b},
     )
     conv = np_conv_transpose if transpose else np_conv
     reference = conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), group)
@@ -811,8 +837,15 @@ def test_fold_conv_bn_property(case):
             array.flags.writeable = False
 
     new_w, new_b = fold_conv_bn(
-        w, b, params["scale"], params["beta"], params["mean"], params["var"], case["epsilon"],
-        transpose=case["transpose"], group=group,
+        w,
+        b,
+        params["scale"],
+        params["beta"],
+        params["mean"],
+        params["var"],
+        case["epsilon"],
+        transpose=case["transpose"],
+        group=group,
     )
     assert new_w.shape == w.shape and new_w.dtype == dtype
     assert new_b.shape == (case["c_out"],) and new_b.dtype == dtype
@@ -852,7 +885,8 @@ def randomized_light_model(name: str) -> onnx.ModelProto:
 def conv_bn_pairs(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     producer = {o: n for n in model.graph.node for o in n.output}
     return [
-        n for n in model.graph.node
+        n
+        for n in model.graph.node
         if n.op_type == "BatchNormalization" and n.input[0] in producer and producer[n.input[0]].op_type == "Conv"
     ]
 

@@ -24,8 +24,16 @@ import fuser
 from fuser.rules.conv_add_bias import conv_add_bias
 from fuser.rules.conv_mul_scale import conv_mul_scale
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer_value, make_model, nodes_of, op_types,
-    reference_run, run,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    initializer_value,
+    make_model,
+    nodes_of,
+    op_types,
+    reference_run,
+    run,
 )
 
 RULE = "conv-mul-scale"
@@ -238,8 +246,10 @@ def test_shared_weight_other_conv_unchanged():
         helper.make_node("Conv", ["x", "w", "b"], ["y2"], name="plain_conv", pads=[1, 1, 1, 1]),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 5, 5])],
-        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y1", np.float32, [None] * 4), ("y2", np.float32, [None] * 4)],
+        inits,
     )
     feeds = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
     after, _ = fold_and_compare(model, feeds, expected_ops=("Conv", "Conv"), **FP32_TOL)
@@ -307,9 +317,7 @@ def affine_model(
 def test_affine_folds_completely_with_conv_add_bias(bias, operands, order):
     model, feeds, c = affine_model(bias=bias, mul_first=operands[0], add_first=operands[1])
     rules = [conv_mul_scale, conv_add_bias] if order == "mul-add" else [conv_add_bias, conv_mul_scale]
-    after, _ = fold_and_compare(
-        model, feeds, rules=rules, counts={RULE: 1, "conv-add-bias": 1}, **FP32_TOL
-    )
+    after, _ = fold_and_compare(model, feeds, rules=rules, counts={RULE: 1, "conv-add-bias": 1}, **FP32_TOL)
     (conv,) = nodes_of(after, "Conv")
     assert list(conv.input[:1]) == ["x"] and list(conv.output) == ["y"]
     w = initializer_value(after, conv.input[1]).astype(np.float64)
@@ -343,7 +351,8 @@ def test_affine_all_builtin_rules():
 
 
 @pytest.mark.parametrize(
-    "scale_shape", [(1, 6, 5, 5), (6, 5, 1), (1, 1, 5, 5), (5,), (2, 6, 1, 1)],
+    "scale_shape",
+    [(1, 6, 5, 5), (6, 5, 1), (1, 1, 5, 5), (5,), (2, 6, 1, 1)],
     ids=["1CHW", "CH1", "11HW", "W", "batch"],
 )
 def test_scale_not_per_channel_not_folded(scale_shape):

@@ -32,8 +32,17 @@ from fuser.errors import RuleError
 from fuser.rules.fused_conv import fused_conv
 from fuser.rules.fused_conv_residual import fused_conv_residual
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, light_model, make_model, nodes_of, op_types,
-    opsets_of, randomize_constants, run,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    light_model,
+    make_model,
+    nodes_of,
+    op_types,
+    opsets_of,
+    randomize_constants,
+    run,
 )
 
 CONV = "fused-conv"
@@ -147,7 +156,12 @@ def fuse(model, *, rules=(fused_conv,), counts=None, expected_ops=("FusedConv",)
     interface and validity, that every FusedConv is in the com.microsoft domain (imported at
     version 1), and given feeds=/rtol=/atol= the outputs in onnxruntime."""
     after, report = assert_rewritten(
-        model, rules, counts=counts or {CONV: 1}, expected_ops=expected_ops, check=check, target="onnxruntime",
+        model,
+        rules,
+        counts=counts or {CONV: 1},
+        expected_ops=expected_ops,
+        check=check,
+        target="onnxruntime",
         **compare,
     )
     assert opsets_of(after).get(MS) == 1
@@ -212,8 +226,13 @@ def test_activation_fused(act, act_attrs, kind, params, bias):
 )
 def test_conv_attributes_preserved(conv_attrs, group, dims):
     model, feeds = conv_act_model(
-        "LeakyRelu", {"alpha": 0.1}, conv_attrs=conv_attrs, group=group, dims=dims,
-        c_in=6 if group == 6 else 4, size=7 if dims < 3 else 4,
+        "LeakyRelu",
+        {"alpha": 0.1},
+        conv_attrs=conv_attrs,
+        group=group,
+        dims=dims,
+        c_in=6 if group == 6 else 4,
+        size=7 if dims < 3 else 4,
     )
     after, _ = fuse_and_compare(model, feeds, **FP32_TOL)
     attrs = attrs_of(nodes_of(after, "FusedConv")[0])
@@ -271,8 +290,13 @@ def test_clip_with_attributes(opset, clip_attrs, params):
 
 @pytest.mark.parametrize(
     "act,act_attrs,clip",
-    [("Relu", {}, None), ("LeakyRelu", {"alpha": 0.1}, None), ("HardSigmoid", {"alpha": 0.3}, None),
-     ("Tanh", {}, None), ("Clip", {}, (-0.5, 0.5))],
+    [
+        ("Relu", {}, None),
+        ("LeakyRelu", {"alpha": 0.1}, None),
+        ("HardSigmoid", {"alpha": 0.3}, None),
+        ("Tanh", {}, None),
+        ("Clip", {}, (-0.5, 0.5)),
+    ],
     ids=["relu", "leaky", "hardsigmoid", "tanh", "clip"],
 )
 def test_float16(act, act_attrs, clip):
@@ -308,8 +332,10 @@ def test_activation_output_name_survives_and_has_other_consumers():
     nodes = list(model.graph.node) + [helper.make_node("Neg", ["stage1/relu:0"], ["n"], name="neg")]
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     model = make_model(
-        nodes, [("x", np.float32, [2, 4, 5, 5])],
-        [("stage1/relu:0", np.float32, [None] * 4), ("n", np.float32, [None] * 4)], inits,
+        nodes,
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("stage1/relu:0", np.float32, [None] * 4), ("n", np.float32, [None] * 4)],
+        inits,
     )
     after, _ = fuse_and_compare(model, feeds, expected_ops=("FusedConv", "Neg"), **FP32_TOL)
     assert list(nodes_of(after, "FusedConv")[0].output) == ["stage1/relu:0"]
@@ -367,7 +393,8 @@ def test_conv_transpose_not_matched():
             helper.make_node("ConvTranspose", ["x", "w"], ["c"], name="conv"),
             helper.make_node("Relu", ["c"], ["y"], name="act"),
         ],
-        [("x", np.float32, [1, 4, 5, 5])], [("y", np.float32, [None] * 4)],
+        [("x", np.float32, [1, 4, 5, 5])],
+        [("y", np.float32, [None] * 4)],
         {"w": rng.standard_normal((4, 6, 3, 3)).astype(np.float32)},
     )
     assert_not_fused(model, None)
@@ -447,8 +474,12 @@ def test_residual_from_another_conv():
     model = make_model(nodes, [("x", np.float32, [2, 4, 5, 5])], [("y", np.float32, [None] * 4)], inits)
     feeds = {"x": rng.standard_normal((2, 4, 5, 5)).astype(np.float32)}
     after, _ = fuse_and_compare(
-        model, feeds, rules=[fused_conv, fused_conv_residual], counts={RESIDUAL: 1},
-        expected_ops=("Conv", "FusedConv"), **FP32_TOL,
+        model,
+        feeds,
+        rules=[fused_conv, fused_conv_residual],
+        counts={RESIDUAL: 1},
+        expected_ops=("Conv", "FusedConv"),
+        **FP32_TOL,
     )
     (node,) = nodes_of(after, "FusedConv")
     assert len(node.input) == 4
@@ -494,7 +525,8 @@ def test_residual_is_the_conv_input():
             helper.make_node("Add", ["x", "conv_out"], ["sum"], name="add"),
             helper.make_node("Relu", ["sum"], ["y"], name="act"),
         ],
-        [("x", np.float32, [2, 4, 5, 5])], [("y", np.float32, [None] * 4)],
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y", np.float32, [None] * 4)],
         {
             "w": (rng.standard_normal((4, 4, 3, 3)) / 6).astype(np.float32),
             "b": rng.standard_normal(4).astype(np.float32),
@@ -635,7 +667,8 @@ def test_residual_is_the_conv_output_itself():
             helper.make_node("Add", ["conv_out", "conv_out"], ["sum"], name="add"),
             helper.make_node("Relu", ["sum"], ["y"], name="act"),
         ],
-        [("x", np.float32, [2, 4, 5, 5])], [("y", np.float32, [None] * 4)],
+        [("x", np.float32, [2, 4, 5, 5])],
+        [("y", np.float32, [None] * 4)],
         {"w": (rng.standard_normal((4, 4, 3, 3)) / 6).astype(np.float32)},
     )
     try:
@@ -654,8 +687,10 @@ def conv_followed_by(model: onnx.ModelProto, op_type: str) -> list[str]:
     producer = {o: n for n in model.graph.node for o in n.output}
     return [
         producer[i].name
-        for n in model.graph.node if n.op_type == op_type
-        for i in n.input if i in producer and producer[i].op_type == "Conv" and producer[i].domain in ("", "ai.onnx")
+        for n in model.graph.node
+        if n.op_type == op_type
+        for i in n.input
+        if i in producer and producer[i].op_type == "Conv" and producer[i].domain in ("", "ai.onnx")
     ]
 
 
@@ -693,7 +728,8 @@ def test_resnet_small_all_rules(target):
         assert opsets_of(after)[MS] == 1
         assert conv_followed_by(after, "Relu") == [] and "Relu" not in ops
         residual_adds = [  # Add -> Relu pairs of the three residual blocks
-            n for n in model.graph.node
+            n
+            for n in model.graph.node
             if n.op_type == "Add" and any(r.op_type == "Relu" and r.input[0] == n.output[0] for r in model.graph.node)
         ]
         four_input = [n for n in nodes_of(after, "FusedConv") if len(n.input) == 4]

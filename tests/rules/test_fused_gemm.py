@@ -27,7 +27,14 @@ import fuser
 from fuser.rules.fused_gemm import fused_gemm
 from fuser.rules.matmul_add_gemm import matmul_add_gemm
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, op_types, opsets_of,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    make_model,
+    nodes_of,
+    op_types,
+    opsets_of,
 )
 
 RULE = "fused-gemm"

@@ -33,7 +33,14 @@ import fuser
 from fuser.rules.log_softmax import log_softmax
 from fuser.verify import compare
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, np_log_softmax, op_types,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    make_model,
+    nodes_of,
+    np_log_softmax,
+    op_types,
     run,
 )
 
@@ -241,7 +248,8 @@ def test_input_with_several_consumers_and_logits_output():
         helper.make_node("Relu", ["logits"], ["r"], name="relu"),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [3, 6])],
+        nodes,
+        [("x", np.float32, [3, 6])],
         [("logits", np.float32, [3, 6]), ("y", np.float32, [3, 6]), ("r", np.float32, [3, 6])],
         {"b": rng.standard_normal(6).astype(np.float32)},
     )
@@ -270,12 +278,16 @@ def test_fires_inside_if_branch():
             helper.make_node("Softmax", ["x"], ["sm"], name="softmax"),
             helper.make_node("Log", ["sm"], ["y_then"], name="log"),
         ],
-        "then", [], [out("y_then")],
+        "then",
+        [],
+        [out("y_then")],
     )
     else_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["y_else"])], "else", [], [out("y_else")])
     model = make_model(
         [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch)],
-        [("x", np.float32, [3, 5]), ("cond", np.bool_, [])], [("y", np.float32, [None, None])], opset=13,
+        [("x", np.float32, [3, 5]), ("cond", np.bool_, [])],
+        [("y", np.float32, [None, None])],
+        opset=13,
     )
     after, report = rewrite(model, expected_ops=["If"])
     assert [r.scope for r in report.rewrites] == ["main/if.then_branch"]
@@ -309,9 +321,7 @@ def test_softmax_output_is_graph_output_declined(opset):
 
 def test_softmax_feeding_two_logs_declined():
     """Both Logs read one Softmax: for each match the Softmax has a consumer outside it."""
-    model = log_softmax_model(
-        extra_nodes=[helper.make_node("Log", ["sm"], ["y2"], name="log2")], extra_outputs=["y2"]
-    )
+    model = log_softmax_model(extra_nodes=[helper.make_node("Log", ["sm"], ["y2"], name="log2")], extra_outputs=["y2"])
     _, report = assert_not_rewritten(model, "used outside the match")
     assert {d.node for d in report.engine.declined} == {"log", "log2"}
 
@@ -372,8 +382,8 @@ def test_huge_logits_are_stabilized(dtype, opset):
     # The same, by hand, on an explicit input.
     feeds = {"x": np.zeros((2, 3), dtype)}
     feeds["x"][1] = np.array([0.5, -1.0, 2.0], dtype)
-    before, = run(model, feeds)
-    got, = run(after, feeds)
+    (before,) = run(model, feeds)
+    (got,) = run(after, feeds)
     assert np.isneginf(before[0, 1:]).all() and np.isfinite(before[1]).all()
     assert np.isfinite(got).all()
     expected = np_log_softmax(feeds["x"] + bias, 1)

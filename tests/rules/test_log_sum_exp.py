@@ -45,7 +45,14 @@ from fuser.errors import RuleError
 from fuser.rules.log_sum_exp import log_sum_exp
 from fuser.verify import compare
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, initializer_value, make_model, nodes_of, op_types,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    initializer_value,
+    make_model,
+    nodes_of,
+    op_types,
     run,
 )
 
@@ -111,8 +118,16 @@ def lse_nodes(x="x", out="y", *, axes=None, keepdims=None, opset=13, noop=None, 
 
 
 def lse_model(
-    *, shape=SHAPE, axes=None, keepdims=None, opset=13, dtype=np.float32, noop=None, output="y",
-    extra_nodes=(), extra_outputs=(),
+    *,
+    shape=SHAPE,
+    axes=None,
+    keepdims=None,
+    opset=13,
+    dtype=np.float32,
+    noop=None,
+    output="y",
+    extra_nodes=(),
+    extra_outputs=(),
 ):
     nodes, inits = lse_nodes(out=output, axes=axes, keepdims=keepdims, opset=opset, noop=noop)
     rank = out_rank(len(shape), axes, keepdims) if noop != 1 or axes else len(shape)
@@ -129,7 +144,12 @@ def rewrite(model, *, expected_ops=("ReduceLogSumExp",), count=1):
     """Optimize (with fuser's check: every output "ok") and check structure, validity and the
     graph interface."""
     return assert_rewritten(
-        model, [log_sum_exp], counts={RULE: count}, expected_ops=expected_ops, check=True, all_outputs_ok=True,
+        model,
+        [log_sum_exp],
+        counts={RULE: count},
+        expected_ops=expected_ops,
+        check=True,
+        all_outputs_ok=True,
         trace=True,
     )
 
@@ -398,9 +418,7 @@ def test_overflow_and_underflow_stabilized(dtype, opset):
     bias[0], bias[1] = BIG, -BIG
     nodes, inits = lse_nodes(x="logits", axes=[-1], keepdims=1, opset=opset)
     nodes.insert(0, helper.make_node("Add", ["x", "bias"], ["logits"], name="add"))
-    model = make_model(
-        nodes, [("x", dtype, [3, 4])], [("y", dtype, [3, 1])], {**inits, "bias": bias}, opset=opset
-    )
+    model = make_model(nodes, [("x", dtype, [3, 4])], [("y", dtype, [3, 1])], {**inits, "bias": bias}, opset=opset)
     after, report = fuser.optimize(model, rules=[log_sum_exp], check=True, trace=True)
     assert report.counts == {RULE: 1}
     assert op_types(after) == ["Add", "ReduceLogSumExp"]
@@ -412,8 +430,8 @@ def test_overflow_and_underflow_stabilized(dtype, opset):
 
     # Half-integers: x +- 1000 is exact even in float16, so the reference sees the same logits.
     feeds = {"x": (np.random.default_rng(4).integers(-6, 7, (3, 4)) * 0.5).astype(dtype)}
-    before, = run(model, feeds)
-    got, = run(after, feeds)
+    (before,) = run(model, feeds)
+    (got,) = run(after, feeds)
     assert before[0, 0] == np.inf and before[1, 0] == -np.inf and np.isfinite(before[2, 0])
     assert np.isfinite(got).all()
     logits = (feeds["x"] + bias).astype(np.float64)

@@ -97,10 +97,20 @@ def assert_not_rewritten(model, reason: str | None, *, check=True):
 @pytest.mark.parametrize(
     "c_shape,m,n,ok",
     [
-        ((5,), 3, 5, True), ((1, 5), 3, 5, True), ((3, 1), 3, 5, True), ((3, 5), 3, 5, True), ((), 3, 5, True),
-        ((1,), 3, 5, True), ((1, 1), 3, 5, True), ((5,), "M", 5, True),
-        ((3,), 3, 5, False), ((2, 5), 3, 5, False), ((3, 5), 1, 5, False), ((1, 3, 5), 3, 5, False),
-        (("M", 5), "M", 5, False), ((5,), 3, "N", False),
+        ((5,), 3, 5, True),
+        ((1, 5), 3, 5, True),
+        ((3, 1), 3, 5, True),
+        ((3, 5), 3, 5, True),
+        ((), 3, 5, True),
+        ((1,), 3, 5, True),
+        ((1, 1), 3, 5, True),
+        ((5,), "M", 5, True),
+        ((3,), 3, 5, False),
+        ((2, 5), 3, 5, False),
+        ((3, 5), 1, 5, False),
+        ((1, 3, 5), 3, 5, False),
+        (("M", 5), "M", 5, False),
+        ((5,), 3, "N", False),
     ],
 )
 def test_broadcasts_into(c_shape, m, n, ok):
@@ -305,7 +315,9 @@ def test_add_of_matmul_with_itself():
         helper.make_node("Add", ["mm", "mm"], ["y"], name="add"),
     ]
     model = make_model(
-        nodes, [("a", np.float32, [M, K])], [("y", np.float32, [M, N])],
+        nodes,
+        [("a", np.float32, [M, K])],
+        [("y", np.float32, [M, N])],
         {"w": rng.standard_normal((K, N)).astype(np.float32)},
     )
     feeds = {"a": rng.standard_normal((M, K)).astype(np.float32)}

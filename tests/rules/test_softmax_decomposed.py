@@ -44,7 +44,14 @@ from fuser.rules.log_softmax import log_softmax
 from fuser.rules.softmax_decomposed import softmax_decomposed
 from fuser.verify import compare
 from tests.helpers import (
-    assert_declined, assert_rewritten, assert_same_outputs, attrs_of, make_model, nodes_of, np_log_softmax, op_types,
+    assert_declined,
+    assert_rewritten,
+    assert_same_outputs,
+    attrs_of,
+    make_model,
+    nodes_of,
+    np_log_softmax,
+    op_types,
     run,
 )
 
@@ -100,15 +107,20 @@ def decomposed_nodes(x="x", out="y", axes=(-1,), opset=13, keepdims=1, prefix=""
 
 
 def decomposed_model(
-    *, shape=(2, 3, 4), axes=(-1,), opset=13, dtype=np.float32, keepdims=1, output="y",
-    extra_nodes=(), extra_outputs=(),
+    *,
+    shape=(2, 3, 4),
+    axes=(-1,),
+    opset=13,
+    dtype=np.float32,
+    keepdims=1,
+    output="y",
+    extra_nodes=(),
+    extra_outputs=(),
 ):
     nodes, inits = decomposed_nodes(out=output, axes=axes, opset=opset, keepdims=keepdims)
     rank = len(shape)
     outputs = [(output, dtype, [None] * rank)] + [(n, dtype, [None] * rank) for n in extra_outputs]
-    return make_model(
-        nodes + list(extra_nodes), [("x", dtype, list(shape))], outputs, inits, opset=opset
-    )
+    return make_model(nodes + list(extra_nodes), [("x", dtype, list(shape))], outputs, inits, opset=opset)
 
 
 def feeds_for(shape, dtype=np.float32, seed=0) -> dict:
@@ -120,7 +132,12 @@ def rewrite(model, *, expected_ops, counts=None, rules=(softmax_decomposed,)):
     """Optimize (with fuser's check: every output "ok") and check structure, validity and the
     graph interface."""
     after, report = assert_rewritten(
-        model, rules, counts=counts or {RULE: 1}, expected_ops=expected_ops, check=True, all_outputs_ok=True,
+        model,
+        rules,
+        counts=counts or {RULE: 1},
+        expected_ops=expected_ops,
+        check=True,
+        all_outputs_ok=True,
         trace=True,
     )
     # The axes initializer of the decomposed form is gone with it.
@@ -207,7 +224,9 @@ def test_opset11_unknown_rank_declined():
     nodes, _ = decomposed_nodes(axes=[1], opset=11)
     nodes.insert(0, helper.make_node("Reshape", ["data", "shape"], ["x"], name="reshape"))
     model = make_model(
-        nodes, [("data", np.float32, [2, 3]), ("shape", np.int64, ["n"])], [("y", np.float32, [None, None])],
+        nodes,
+        [("data", np.float32, [2, 3]), ("shape", np.int64, ["n"])],
+        [("y", np.float32, [None, None])],
         opset=11,
     )
     assert_not_rewritten(model, "rank is unknown", check=False)
@@ -244,8 +263,10 @@ def test_bfloat16_fires():
     nodes, inits = decomposed_nodes(axes=[-1], opset=13)
     bf16 = onnx.TensorProto.BFLOAT16
     graph = helper.make_graph(
-        nodes, "test",
-        [helper.make_tensor_value_info("x", bf16, [2, 3])], [helper.make_tensor_value_info("y", bf16, [2, 3])],
+        nodes,
+        "test",
+        [helper.make_tensor_value_info("x", bf16, [2, 3])],
+        [helper.make_tensor_value_info("y", bf16, [2, 3])],
         [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
@@ -310,9 +331,7 @@ def test_log_of_decomposed_becomes_log_softmax(opset, axis, order):
     nodes.append(helper.make_node("Log", ["p"], ["y"], name="log"))
     model = make_model(nodes, [("x", np.float32, list(shape))], [("y", np.float32, [None] * 3)], inits, opset=opset)
     rules = [softmax_decomposed, log_softmax] if order == "decomposed-first" else [log_softmax, softmax_decomposed]
-    after, _ = rewrite(
-        model, expected_ops=["LogSoftmax"], counts={RULE: 1, "log-softmax": 1}, rules=rules
-    )
+    after, _ = rewrite(model, expected_ops=["LogSoftmax"], counts={RULE: 1, "log-softmax": 1}, rules=rules)
     (node,) = nodes_of(after, "LogSoftmax")
     assert attrs_of(node) == {"axis": axis} and list(node.output) == ["y"]
     feeds = feeds_for(shape)
@@ -339,9 +358,11 @@ def test_classifier_head_all_builtin_rules():
     assert not {"Exp", "ReduceSum", "Div", "Log"} & set(ops), ops
     assert sorted(o for o in ops if "Softmax" in o) == ["LogSoftmax", "LogSoftmax", "Softmax"]
     assert set(ops) - {"Softmax", "LogSoftmax"} <= {"Gemm", "MatMul", "Add"}
-    assert [o.name for o in after.graph.output] == [o.name for o in original.graph.output] == [
-        "logits", "log_probs", "probs", "log_probs_decomposed"
-    ]
+    assert (
+        [o.name for o in after.graph.output]
+        == [o.name for o in original.graph.output]
+        == ["logits", "log_probs", "probs", "log_probs_decomposed"]
+    )
     assert report.counts[RULE] == 2 and report.counts["log-softmax"] == 2
     assert report.verdict is not None and report.verdict.passed
     assert {o.name: o.status for o in report.verdict.outputs} == dict.fromkeys(
@@ -386,9 +407,7 @@ def test_empty_axes_input_declined():
 
 def test_axes_graph_input_is_no_match():
     nodes, _ = decomposed_nodes(axes=[-1])
-    model = make_model(
-        nodes, [("x", np.float32, [2, 3]), ("axes", np.int64, [1])], [("y", np.float32, [2, 3])]
-    )
+    model = make_model(nodes, [("x", np.float32, [2, 3]), ("axes", np.int64, [1])], [("y", np.float32, [2, 3])])
     assert_not_rewritten(model, None, check=False)
 
 
@@ -416,7 +435,9 @@ def test_exp_of_different_tensors_do_not_match():
         helper.make_node("Div", ["e1", "s"], ["y"], name="div"),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3]), ("z", np.float32, [2, 3])], [("y", np.float32, [2, 3])],
+        nodes,
+        [("x", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
         {"axes": np.array([-1], np.int64)},
     )
     assert_not_rewritten(model, None)
@@ -462,9 +483,7 @@ def test_overflow_is_stabilized(dtype, opset):
     bias[0] = BIG
     nodes, inits = decomposed_nodes(x="logits", axes=[-1], opset=opset)
     nodes.insert(0, helper.make_node("Add", ["x", "bias"], ["logits"], name="add"))
-    model = make_model(
-        nodes, [("x", dtype, [2, 4])], [("y", dtype, [2, 4])], {**inits, "bias": bias}, opset=opset
-    )
+    model = make_model(nodes, [("x", dtype, [2, 4])], [("y", dtype, [2, 4])], {**inits, "bias": bias}, opset=opset)
     after, report = fuser.optimize(model, rules=[softmax_decomposed], check=True, trace=True)
     assert report.counts == {RULE: 1}
     assert op_types(after) == ["Add", "Softmax"]
@@ -476,8 +495,8 @@ def test_overflow_is_stabilized(dtype, opset):
 
     # Half-integers: x + 1000 is exact even in float16, so the reference sees the same logits.
     feeds = {"x": (np.random.default_rng(3).integers(-6, 7, (2, 4)) * 0.5).astype(dtype)}
-    before, = run(model, feeds)
-    got, = run(after, feeds)
+    (before,) = run(model, feeds)
+    (got,) = run(after, feeds)
     assert np.isnan(before[0]).all() and np.isfinite(before[1]).all()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got.astype(np.float64), np_softmax(feeds["x"] + bias, -1), **REF_TOL[dtype])
