@@ -29,20 +29,9 @@ import fuser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from tests.helpers import randomize_constants  # noqa: E402
+from tests.helpers import LIGHT_MODELS, randomize_constants  # noqa: E402
 
 SAMPLES = ["resnet_small", "mlp", "classifier_head"]
-LIGHT = [
-    "resnet50",
-    "densenet121",
-    "inception_v1",
-    "inception_v2",
-    "shufflenet",
-    "squeezenet",
-    "vgg19",
-    "bvlc_alexnet",
-    "zfnet512",
-]
 
 
 def model_path(name: str) -> str:
@@ -91,7 +80,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", default=",".join(SAMPLES + [f"light_{n}" for n in LIGHT]))
+    parser.add_argument("--models", default=",".join(SAMPLES + [f"light_{n}" for n in LIGHT_MODELS]))
     args = parser.parse_args(argv)
     columns = [
         ("orig", "off"),

@@ -25,6 +25,20 @@ ONNX_DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "dat
 IR_VERSION = 8
 
 
+# The model-zoo architectures shipped (with placeholder weights) in onnx's backend test data.
+LIGHT_MODELS = [
+    "resnet50",
+    "densenet121",
+    "inception_v1",
+    "inception_v2",
+    "shufflenet",
+    "squeezenet",
+    "vgg19",
+    "bvlc_alexnet",
+    "zfnet512",
+]
+
+
 def backend_models(kind: str = "*") -> list[str]:
     """Every model.onnx (and light_*.onnx) shipped in the installed onnx wheel."""
     return sorted(glob.glob(os.path.join(ONNX_DATA, kind, "**", "*.onnx"), recursive=True))

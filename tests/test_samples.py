@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 import fuser
+from tests.helpers import LIGHT_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ["resnet_small", "mlp", "classifier_head"]
@@ -60,17 +61,6 @@ def test_readme_first_command(tmp_path):
     assert (tmp_path / "models" / "resnet_small.fused.onnx").exists()
 
 
-LIGHT = [
-    "resnet50",
-    "densenet121",
-    "inception_v1",
-    "inception_v2",
-    "shufflenet",
-    "squeezenet",
-    "vgg19",
-    "bvlc_alexnet",
-    "zfnet512",
-]
 
 
 def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
@@ -95,7 +85,7 @@ def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
 
 
 @pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
-@pytest.mark.parametrize("name", LIGHT)
+@pytest.mark.parametrize("name", LIGHT_MODELS)
 def test_light_models_leave_no_mission_pattern_unfused(name, target):
     from tests.helpers import light_model
 
