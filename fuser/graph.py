@@ -25,7 +25,7 @@ import networkx as nx
 import numpy as np
 import onnx
 from google.protobuf.message import Message
-from onnx import AttributeProto, GraphProto, NodeProto, TensorProto, ValueInfoProto
+from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 
 from fuser.errors import FuserError
 from fuser.tensors import TensorStore
@@ -433,12 +433,6 @@ class Graph:
                 stack.extend((i, False) for i in self.node(node_id).proto.input if i)
         return order
 
-    def value_info(self, tensor: str) -> ValueInfoProto | None:
-        for value in itertools.chain(self._inputs, self._outputs, self._value_info):
-            if value.name == tensor:
-                return value
-        return None
-
     def opset(self, domain: str = "") -> int | None:
         return self.opsets.get("" if domain in _DEFAULT_DOMAINS else domain)
 
@@ -570,9 +564,6 @@ class Graph:
                 self.nx.remove_edge(entry[0], node_id, key)
         self.modified = True
         self.remove_if_unused(tensor)
-
-    def mark_modified(self) -> None:
-        self.modified = True
 
     # --------------------------------------------------------------- conversion
 
