@@ -5,6 +5,7 @@ Messages for people go to stderr; data (JSON) goes to stdout.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -48,6 +49,9 @@ def _say(message: str, quiet: bool = False) -> None:
 
 
 def _fail(error: BaseException, debug: bool) -> int:
+    if isinstance(error, BrokenPipeError):  # the reader of our output went away (`| head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     if debug:
         traceback.print_exception(error)
     if isinstance(error, FuserError):
