@@ -35,6 +35,7 @@ class Report:
     blamed: list[Rewrite] = field(default_factory=list)
     dropped: list[Rewrite] = field(default_factory=list)
     blame_checks: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def rewrites(self):
@@ -60,6 +61,7 @@ class Report:
             "rewrites": [r.to_dict() for r in self.rewrites],
             "skipped_rules": self.engine.skipped_rules,
             "advice": [a.to_dict() for a in self.engine.advice],
+            "notes": self.notes,
             "numerics": None if self.verdict is None else self.verdict.to_dict(),
             "blamed": [r.to_dict() for r in self.blamed],
             "dropped": [r.to_dict() for r in self.dropped],
@@ -138,6 +140,15 @@ def optimize(
     )
     if not (check and result.rewrites):
         return optimized, report
+    if any(r.scope != "main" for r in result.rewrites):
+        # A branch the check inputs never take is not verified: widen the inputs, and say so.
+        if inputs is None and runs == 1:
+            runs = 3
+        report.notes.append(
+            "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
+            f"iterations its inputs reach ({runs} input set{'s' if runs > 1 else ''}): "
+            "use --check-runs or --inputs to cover the others"
+        )
     started = time.perf_counter()
     say(f"checking numerics in onnxruntime ({runs} input set{'s' if runs > 1 else ''})")
     checker = Checker(

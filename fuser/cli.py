@@ -270,6 +270,7 @@ def optimize(
     data: dict = {"input": None, "output": None}
     try:
         _check_destination(source, destination, force)
+        _check_report_path(report_path, source, destination)
         loaded = Model.load(source)
         check_writable_to(loaded.initializers(), destination, source.parent)  # fail before the long work
         data["input"] = report_module.file_entry(source)
@@ -280,7 +281,7 @@ def optimize(
             loaded,
             target=target,
             enable=enable,
-            disable=disable,
+            disable=_disable_list(enable, disable),
             rule_files=rule_files,
             check=not no_check,
             on_mismatch=on_mismatch,
@@ -310,9 +311,32 @@ def optimize(
         return code
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         code = _fail(error, ctx.debug)
+        if isinstance(error, ReportPathError):
+            report_path = None
         if report_path or fmt == "json":
             _emit_report(report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt)
         return code
+
+
+def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt) -> int:
+    """Map the error to its exit code and, when a report was asked for, say so in it too."""
+    code = _fail(error, debug)
+    if isinstance(error, ReportPathError):
+        report_path = None
+    if (report_path or fmt == "json") and not isinstance(error, BrokenPipeError):
+        try:
+            _emit_report(report_module.envelope(command, "error", code, error=str(error)), report_path, fmt)
+        except OSError:
+            pass  # the report's own path is unusable; the one-line error above already said why
+    return code
+
+
+def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[str, ...]:
+    """A rule named by --enable on the command line wins over a `disable` from [tool.fuser]."""
+    context = click.get_current_context()
+    if context.get_parameter_source("disable") == click.core.ParameterSource.DEFAULT_MAP:
+        return tuple(name for name in disable if name not in enable)
+    return disable
 
 
 def _progress(quiet: bool):
@@ -327,14 +351,32 @@ def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
 
     folder = Path(tempfile.mkdtemp(prefix=f"fuser-mismatch-{source.stem}-"))
     for name in ("original", "optimized"):
-        if name in error.evidence:
+        if name not in error.evidence:
+            continue
+        try:
             write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=None)
+        except FuserError as reason:  # weights in external data stay beside the input
+            (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder
 
 
 def _fused_name(name: str) -> str:
     stem = name[: -len(".onnx")] if name.endswith(".onnx") else name
     return f"{stem}.fused.onnx"
+
+
+class ReportPathError(UsageError):
+    """The report path is unusable, so the error report must not be written there either."""
+
+
+def _check_report_path(report_path: str | None, *models: Path) -> None:
+    """The report never lands on a model: `--report model.onnx` would destroy it."""
+    if report_path is None:
+        return
+    target = Path(report_path).resolve()
+    for model in models:
+        if target == model.resolve():
+            raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
 
 
 def _check_destination(source: Path, destination: Path, force: bool) -> None:
@@ -369,6 +411,7 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines.append(f"numerics check: {status}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")
+    lines += [f"  note: {note}" for note in result.notes]
     for rewrite in result.dropped:
         lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
     if verbose:
@@ -395,6 +438,8 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
     Exits 1 when there is at least one (a gate for "the exported model is fully fused").
     """
     try:
+        _check_report_path(report_path, Path(model))
+        disable = _disable_list(enable, disable)
         result = api.find_opportunities(model, target=target, enable=enable, disable=disable, rule_files=rule_files)
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
@@ -417,7 +462,7 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
             _say(f"{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
         return code
     except Exception as error:  # noqa: BLE001
-        return _fail(error, ctx.debug)
+        return _fail_with_report("check", error, ctx.debug, report_path, fmt)
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -435,6 +480,7 @@ def compare(
     from fuser.verify import Checker
 
     try:
+        _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         verdict = Checker(a.to_proto(), **settings).check(b.to_proto(), exact)
@@ -461,7 +507,7 @@ def compare(
                 )
         return code
     except Exception as error:  # noqa: BLE001
-        return _fail(error, ctx.debug)
+        return _fail_with_report("compare", error, ctx.debug, report_path, fmt)
 
 
 @cli.command(name="rules")
@@ -515,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as done:
         code = done.exit_code
     except click.ClickException as error:
-        error.show()
+        click.echo(f"fuser: error: {error.format_message()} (see fuser --help)", err=True)
         code = EXIT_USAGE
     except click.exceptions.Abort:
         click.echo("fuser: aborted", err=True)

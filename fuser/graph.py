@@ -164,7 +164,7 @@ class Graph:
         self._by_op: dict[tuple[str, str], dict[int, None]] = {}
         self._initializers: dict[str, TensorProto] = {}
         self._value_info = list(proto.value_info)
-        self._inputs = list(proto.input)
+        self._inputs = {value.name: value for value in proto.input}
         self._outputs = list(proto.output)
         self._constant_cache: dict[str, np.ndarray] = {}
         self._not_constant: set[str] = set()
@@ -515,7 +515,9 @@ class Graph:
         self._add_source(INITIALIZER, tensor.name, (-1, len(self._initializers)))
         if self.constant_initializer_inputs:
             # IR < 4 requires every initializer to be listed as a graph input as well.
-            self._inputs.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+            self._inputs[tensor.name] = onnx.helper.make_tensor_value_info(
+                tensor.name, tensor.data_type, list(tensor.dims)
+            )
         self.modified = True
 
     def remove_if_unused(self, tensor: str) -> None:
@@ -532,7 +534,7 @@ class Graph:
                 self.outer.release_capture(self.owner, tensor)
         elif kind == INITIALIZER:
             self._initializers.pop(tensor, None)
-            self._inputs = [v for v in self._inputs if v.name != tensor]
+            self._inputs.pop(tensor, None)
             del self._producer[tensor]
             self.nx.remove_node(node_id)
             self._constant_cache.pop(tensor, None)
@@ -605,7 +607,7 @@ class Graph:
     def _to_proto(self) -> GraphProto:
         graph = GraphProto()
         graph.CopyFrom(self._shell)
-        graph.input.extend(self._inputs)
+        graph.input.extend(self._inputs.values())
         graph.node.extend(self._node_proto(self.node(i)) for i in self.topological_order())
         graph.initializer.extend(self._initializers.values())
         live = set(self._producer)

@@ -81,6 +81,7 @@ REPORT_SCHEMA = {
             },
         },
         "skipped_rules": {"type": "object", "additionalProperties": {"type": "string"}},
+        "notes": {"type": "array", "items": {"type": "string"}},
         "advice": {
             "type": "array",
             "items": {

@@ -61,8 +61,6 @@ def test_readme_first_command(tmp_path):
     assert (tmp_path / "models" / "resnet_small.fused.onnx").exists()
 
 
-
-
 def _unfused(model: onnx.ModelProto, target: str) -> list[str]:
     """Mission patterns still present: Conv->BatchNormalization, 2-D MatMul->Add, Log(Softmax),
     and on the onnxruntime target Conv/Gemm -> activation."""

@@ -1,0 +1,129 @@
+"""The CLI's promises under awkward use: reports never land on models, errors stay one line,
+mismatches on external-data models still exit 3, rewrites inside If bodies are checked wider."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import fuser
+from tests.helpers import in_process_cli, make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+NEGATING_RULE = '''
+from fuser import op, rule, var
+
+
+@rule("relu-to-neg-wrong", pattern=op.Relu(var("x"), name="relu"))
+def relu_to_neg_wrong(m, b):
+    """Relu(x) => Neg(x): deliberately wrong."""
+    return b.Neg(m["x"])
+'''
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+@pytest.fixture
+def sample(tmp_path):
+    shutil.copy(ROOT / "models" / "resnet_small.onnx", tmp_path / "s.onnx")
+    return tmp_path / "s.onnx"
+
+
+@pytest.mark.parametrize("command", ["optimize", "check"])
+def test_report_never_overwrites_the_input_model(cli, sample, command):
+    before = sample.read_bytes()
+    result = cli(sample.parent, command, sample.name, "--report", sample.name)
+    assert result.returncode == 2 and "names a model file" in result.stderr
+    assert sample.read_bytes() == before
+
+
+def test_report_never_overwrites_the_output_model(cli, sample):
+    result = cli(sample.parent, "optimize", sample.name, "-o", "out.onnx", "--report", "out.onnx")
+    assert result.returncode == 2
+    assert not (sample.parent / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("args", [["optimize"], ["optimize", "x.onnx", "--target", "tpu"], ["no-such-command"]])
+def test_usage_errors_are_one_line(cli, tmp_path, args):
+    result = cli(tmp_path, *args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("fuser: error:")
+
+
+@pytest.mark.parametrize("command", [["check", "missing.onnx"], ["compare", "missing.onnx", "other.onnx"]])
+def test_errors_still_produce_the_requested_report(cli, tmp_path, command):
+    result = cli(tmp_path, *command, "--report", "r.json")
+    assert result.returncode == 2
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "error" and report["exit_code"] == 2 and "no such file" in report["error"]
+
+
+def test_enable_on_the_command_line_wins_over_a_configured_disable(cli, sample):
+    (sample.parent / "pyproject.toml").write_text('[tool.fuser]\ndisable = ["conv-bn-fold"]\n')
+    kept = cli(sample.parent, "optimize", sample.name, "-o", "a.onnx")
+    assert kept.returncode == 0 and "conv-bn-fold" not in kept.stderr
+    enabled = cli(sample.parent, "optimize", sample.name, "-o", "b.onnx", "--enable", "conv-bn-fold")
+    assert enabled.returncode == 0 and "conv-bn-fold" in enabled.stderr
+
+
+def test_mismatch_on_an_external_data_model_exits_3_with_evidence(cli, tmp_path):
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), helper.make_node("Relu", ["c"], ["y"], name="relu")],
+        [("x", np.float32, [1, 2, 4, 4])],
+        [("y", np.float32, [1, 2, 4, 4])],
+        {"w": rng.standard_normal((2, 2, 1, 1)).astype(np.float32)},
+    )
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save(model, folder / "m.onnx", save_as_external_data=True, location="m.bin", size_threshold=0)
+    (folder / "bad_rule.py").write_text(NEGATING_RULE)
+    result = cli(folder, "optimize", "m.onnx", "--rules", "bad_rule.py")
+    assert result.returncode == 3, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "relu-to-neg-wrong" in result.stderr
+    evidence = Path(re.search(r"evidence kept in (\S+)", result.stderr).group(1))
+    assert (evidence / "report.json").exists()
+    assert "external data" in (evidence / "original.onnx.txt").read_text()
+    assert sorted(p.name for p in folder.iterdir()) == ["bad_rule.py", "m.bin", "m.onnx"]
+
+
+def _if_model() -> onnx.ModelProto:
+    """y = If(cond, Relu(Relu(x)), Relu(Relu(-x))): each branch has a rewritable double Relu."""
+
+    def branch(name, source):
+        nodes = [
+            helper.make_node("Relu", [source], [f"{name}_a"], name=f"{name}_r1"),
+            helper.make_node("Relu", [f"{name}_a"], [f"{name}_b"], name=f"{name}_r2"),
+        ]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_b", 1, [2])])
+
+    nodes = [
+        helper.make_node("Neg", ["x"], ["nx"], name="neg"),
+        helper.make_node(
+            "If", ["cond"], ["y"], name="if", then_branch=branch("then", "x"), else_branch=branch("else", "nx")
+        ),
+    ]
+    return make_model(nodes, [("cond", np.bool_, []), ("x", np.float32, [2])], [("y", np.float32, [2])])
+
+
+def test_rewrites_inside_subgraphs_are_checked_with_more_inputs_and_said_so():
+    @fuser.rule("double-relu", pattern=fuser.op.Relu(fuser.op.Relu(fuser.var("x"), name="inner")), exact=True)
+    def double_relu(m, b):
+        """Relu(Relu(x)) => Relu(x)."""
+        return b.Relu(m["x"])
+
+    _, report = fuser.optimize(_if_model(), rules=[double_relu])
+    assert report.counts == {"double-relu": 2}
+    assert {r.scope for r in report.rewrites} == {"main/if.then_branch", "main/if.else_branch"}
+    assert len(report.notes) == 1 and "3 input sets" in report.notes[0]
+    assert report.verdict.passed
