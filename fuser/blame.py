@@ -48,7 +48,8 @@ def rewrite_and_check(
     candidate = model.to_proto()
     applied = set(result.counts())
     exact = all(r.exact for r in rules if r.name in applied)
-    return Attempt(candidate, result, checker.check(candidate, exact))
+    stabilizing = any(r.stabilizes for r in rules if r.name in applied)
+    return Attempt(candidate, result, checker.check(candidate, exact, stabilizing))
 
 
 def find_guilty(

@@ -45,6 +45,7 @@ class Rule:
     enabled_by_default: bool = True
     shared_interior: bool = False
     advisory: bool = False
+    stabilizes: bool = False
     source: SourceLocation | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +92,7 @@ def rule(
     enabled: bool = True,
     shared_interior: bool = False,
     advisory: bool = False,
+    stabilizes: bool = False,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -102,6 +104,9 @@ def rule(
         "and later"; outside it the rule is skipped.
     shared_interior: allow interior nodes whose outputs have other consumers; they are
         then kept alongside the replacement instead of the match being declined.
+    stabilizes: the replacement may be finite where the original overflows to inf/NaN (e.g.
+        LogSoftmax for Log(Softmax)); only then does the check accept such outputs, as
+        "stabilized", instead of calling them a mismatch.
     advisory: the rule never rewrites; its function is called as f(m, None) and returns a
         sentence telling the user why the matched pattern stays as it is (shown in reports).
     """
@@ -122,6 +127,7 @@ def rule(
             enabled_by_default=enabled,
             shared_interior=shared_interior,
             advisory=advisory,
+            stabilizes=stabilizes,
             source=location,
         )
 

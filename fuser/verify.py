@@ -177,8 +177,13 @@ def compare(
     exact: bool,
     rtol: float | None = None,
     atol: float | None = None,
+    allow_stabilized: bool = True,
 ) -> OutputCheck:
-    """Compare one output; NaN/Inf positions compare as values, not as comparison failures."""
+    """Compare one output; NaN/Inf positions compare as values, not as comparison failures.
+
+    With allow_stabilized, a finite value where the original is inf/NaN counts as
+    "stabilized"; without it (no applied rule claims to stabilize), as a mismatch.
+    """
     expected = np.asarray(expected)
     actual = np.asarray(actual)
     dtype = str(expected.dtype)
@@ -211,6 +216,8 @@ def compare(
     a = actual.astype(np.float64)
     e_finite, a_finite = np.isfinite(e), np.isfinite(a)
     stabilized = ~e_finite & a_finite
+    if not allow_stabilized:
+        stabilized = np.zeros_like(stabilized)
     same_special = (np.isnan(e) & np.isnan(a)) | (np.isinf(e) & (e == a))
     comparable = e_finite & a_finite
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is masked out below
@@ -305,7 +312,7 @@ class Checker:
             feeds[spec.name] = value
         return feeds
 
-    def check(self, candidate: onnx.ModelProto, exact: bool) -> Verdict:
+    def check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True) -> Verdict:
         try:
             after = session(candidate)
         except InputError as error:
@@ -328,7 +335,7 @@ class Checker:
             except Exception as error:  # noqa: BLE001
                 return Verdict(load_error=f"onnxruntime fails running it: {_first_line(error)}")
             for name, value in expected.items():
-                check = compare(name, value, actual[name], exact, self.rtol, self.atol)
+                check = compare(name, value, actual[name], exact, self.rtol, self.atol, stabilizing)
                 previous = next((o for o in verdict.outputs if o.name == name), None)
                 if previous is None:
                     verdict.outputs.append(check)

@@ -13,7 +13,7 @@ from fuser import Builder, Match, op, rule, var
 PRIORITY = 40
 
 
-@rule("log-softmax", pattern=op.Log(op.Softmax(var("x"), name="softmax"), name="log"))
+@rule("log-softmax", pattern=op.Log(op.Softmax(var("x"), name="softmax"), name="log"), stabilizes=True)
 def log_softmax(m: Match, b: Builder):
     """Log(Softmax(x))  =>  LogSoftmax(x)."""
     return b.LogSoftmax(m["x"], **m.attrs("softmax"))

@@ -18,6 +18,7 @@ PRIORITY = 45
 @rule(
     "log-sum-exp",
     pattern=op.Log(op.ReduceSum(op.Exp(var("x"), name="exp"), const("axes", optional=True), name="sum"), name="log"),
+    stabilizes=True,
 )
 def log_sum_exp(m: Match, b: Builder):
     """Log(ReduceSum(Exp(x)))  =>  ReduceLogSumExp(x)."""

@@ -36,6 +36,7 @@ def reduced_axes(m: Match, node: str, axes_input: str) -> list[int] | None:
         op.ReduceSum(op.Exp(var("x"), name="exp"), const("axes", optional=True), name="sum"),
         name="div",
     ),
+    stabilizes=True,
 )
 def softmax_decomposed(m: Match, b: Builder):
     """Exp(x) / ReduceSum(Exp(x), axis, keepdims=1)  =>  Softmax(x, axis)."""

@@ -127,3 +127,24 @@ def test_rewrites_inside_subgraphs_are_checked_with_more_inputs_and_said_so():
     assert {r.scope for r in report.rewrites} == {"main/if.then_branch", "main/if.else_branch"}
     assert len(report.notes) == 1 and "3 input sets" in report.notes[0]
     assert report.verdict.passed
+
+
+def test_a_rule_that_does_not_claim_to_stabilize_cannot_hide_behind_nan():
+    """Sqrt(x) => Sqrt(Abs(x)) agrees wherever x >= 0 and is finite where the original is NaN.
+    Only rules declared with stabilizes=True may turn inf/NaN into finite values."""
+    from fuser.errors import NumericsMismatch
+
+    @fuser.rule("sqrt-abs-wrong", pattern=fuser.op.Sqrt(fuser.var("x"), name="sqrt"))
+    def sqrt_abs_wrong(m, b):
+        """Sqrt(x) => Sqrt(Abs(x)): wrong for negative x."""
+        return b.Sqrt(b.Abs(m["x"]))
+
+    model = make_model(
+        [helper.make_node("Sqrt", ["x"], ["y"], name="sqrt")], [("x", np.float32, [64])], [("y", np.float32, [64])]
+    )
+    with pytest.raises(NumericsMismatch) as raised:
+        fuser.optimize(model, rules=[sqrt_abs_wrong])
+    assert "sqrt-abs-wrong" in str(raised.value)
+    sqrt_abs_wrong.stabilizes = True  # what a stabilizing rule would declare: now accepted
+    _, report = fuser.optimize(model, rules=[sqrt_abs_wrong])
+    assert report.verdict.passed and report.verdict.stabilized == ["y"]
