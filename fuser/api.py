@@ -13,6 +13,7 @@ import onnx
 from fuser.blame import Attempt, find_guilty
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
+from fuser.graph import all_graph_protos
 from fuser.model import Model
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
@@ -173,7 +174,7 @@ def optimize(
         report.engine = final.result
         report.dropped = blame.guilty
         report.verdict = final.verdict
-        report.nodes_after = Model(final.model).node_count()
+        report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
         return final.model, report
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),
