@@ -135,7 +135,9 @@ rule_options = [
         help="A Python file defining extra rules (repeatable).",
     ),
     click.option("--enable", multiple=True, metavar="RULE", help="Turn on a rule that is off by default."),
-    click.option("--disable", multiple=True, metavar="RULE", help="Turn off a rule."),
+    click.option(
+        "--disable", multiple=True, metavar="RULE", help="Turn off a rule; a pattern ('nchwc-*') turns off several."
+    ),
 ]
 
 

@@ -122,10 +122,8 @@ class Engine:
                 self.result.skipped_rules[candidate.name] = (
                     f"the model uses opset {opset}; the rule supports {supported}"
                 )
+        self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
-        for candidate in self.rules:
-            for op_type in candidate.root_types:
-                self._by_root.setdefault(op_type, []).append(candidate)
         self._depth = max((r.depth for r in self.rules), default=1)
         self._types = TypeInfo(model.to_proto)
         self._max_rewrites = max_rewrites
@@ -153,6 +151,15 @@ class Engine:
         return self.result
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
+        for phase in self._phases:
+            self._by_root = {}
+            for candidate in self.rules:
+                if candidate.phase == phase:
+                    for op_type in candidate.root_types:
+                        self._by_root.setdefault(op_type, []).append(candidate)
+            self._run_phase(graph, scope, apply)
+
+    def _run_phase(self, graph: Graph, scope: str, apply: bool) -> None:
         heap: list[tuple[tuple, int]] = []
         queued: set[int] = set()
 
@@ -161,8 +168,8 @@ class Engine:
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
-        for candidate in self.rules:
-            for op_type in candidate.root_types:
+        for op_type, candidates in self._by_root.items():
+            for candidate in candidates:
                 for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
                     push(node_id)
         while heap and not self._limit_reached():
@@ -318,6 +325,7 @@ class Engine:
         created = graph.replace_nodes(
             removed, builder.nodes, builder.initializers, graph.sort_key(root.id), candidate.name
         )
+        graph.shared.update(builder.shared_created)
         self._types.invalidate()
         rewrite = Rewrite(
             index=len(self.result.rewrites),

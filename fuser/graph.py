@@ -168,6 +168,7 @@ class Graph:
         self._outputs = list(proto.output)
         self._constant_cache: dict[str, np.ndarray] = {}
         self._not_constant: set[str] = set()
+        self.shared: dict[str, str] = {}  # Builder.once: key -> the tensor rewrites share
         with paused_gc():
             self._build(proto)
 

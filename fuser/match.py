@@ -79,6 +79,8 @@ def _match_inputs(graph: Graph, patterns: list, tensors: list, bindings: Binding
 def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) -> Iterator[Bindings]:
     if isinstance(pattern, OpPattern):
         if tensor is None:
+            if pattern.optional:
+                yield bindings
             return
         producer = graph.producer(tensor)
         if producer is None:
@@ -148,8 +150,8 @@ class Match:
         raise KeyError(f"the pattern binds no tensor or node named '{name}'")
 
     def has(self, name: str) -> bool:
-        """True when `name` is bound to a tensor (an optional input that is present)."""
-        return self._bindings.tensors.get(name) is not None
+        """True when `name` is bound: a present optional input, or a present optional node."""
+        return self._bindings.tensors.get(name) is not None or name in self._bindings.nodes
 
     def node(self, name: str) -> NodeInfo:
         return self.graph.node(self._bindings.nodes[name])

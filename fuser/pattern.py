@@ -9,6 +9,8 @@ with optional attribute constraints and a name the rule uses to reach the matche
     op.Add(a, b)                    Add, Mul, Max, Min, ... match their operands in either order
     op.BatchNormalization(..., name="bn", training_mode=0)
                                     attribute constraint (a value, or a predicate)
+    op.Concat(a, b, op.Relu(var("c"), optional=True))
+                                    an optional node input: absent or matching
 
 Patterns are checked when built: names must be unique per kind and a name used for a
 node cannot also name a tensor.
@@ -53,6 +55,7 @@ class OpPattern:
     attrs: tuple = ()
     output: int = 0
     commutative: bool = False
+    optional: bool = False
 
     @property
     def depth(self) -> int:
@@ -98,6 +101,7 @@ class OpBuilder:
         name: str | None = None,
         output: int = 0,
         commutative: bool | None = None,
+        optional: bool = False,
         **attrs,
     ) -> OpPattern:
         for value in inputs:
@@ -121,6 +125,7 @@ class OpBuilder:
             attrs=tuple(sorted(attrs.items())),
             output=output,
             commutative=commutative,
+            optional=optional,
         )
 
 

@@ -8,6 +8,7 @@ module holding Rules.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import importlib.util
 import pkgutil
@@ -88,13 +89,15 @@ def all_rules(rule_files: list[str | Path] = ()) -> list[Rule]:
 
 
 def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()) -> list[Rule]:
-    """Rules for `target`: the portable ones always, onnxruntime's only for that target."""
+    """Rules for `target`: the portable ones always, onnxruntime's only for that target.
+
+    enable/disable name rules, or shell-style patterns of names ('nchwc-*').
+    """
     if target not in TARGETS:
         raise UsageError(f"unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
-    names = {r.name for r in rules}
-    for name in list(enable) + list(disable):
-        if name not in names:
-            raise UsageError(f"unknown rule '{name}' (see `fuser rules`)")
+    names = [r.name for r in rules]
+    enable = _expand(enable, names)
+    disable = _expand(disable, names)
     chosen = []
     for candidate in rules:
         if candidate.target == "onnxruntime" and target != "onnxruntime":
@@ -105,3 +108,13 @@ def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disa
         if on:
             chosen.append(candidate)
     return chosen
+
+
+def _expand(patterns, names: list[str]) -> set[str]:
+    found: set[str] = set()
+    for pattern in patterns:
+        matching = fnmatch.filter(names, pattern)
+        if not matching:
+            raise UsageError(f"unknown rule '{pattern}' (see `fuser rules`)")
+        found.update(matching)
+    return found

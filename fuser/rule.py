@@ -46,6 +46,7 @@ class Rule:
     shared_interior: bool = False
     advisory: bool = False
     stabilizes: bool = False
+    phase: int = 0
     source: SourceLocation | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +94,7 @@ def rule(
     shared_interior: bool = False,
     advisory: bool = False,
     stabilizes: bool = False,
+    phase: int = 0,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -107,6 +109,9 @@ def rule(
     stabilizes: the replacement may be finite where the original overflows to inf/NaN (e.g.
         LogSoftmax for Log(Softmax)); only then does the check accept such outputs, as
         "stabilized", instead of calling them a mismatch.
+    phase: rules of a higher phase see a graph only after every lower-phase rule has
+        reached its fixed point there: for rewrites (a data layout change, say) that would
+        hide the patterns other rules look for.
     advisory: the rule never rewrites; its function is called as f(m, None) and returns a
         sentence telling the user why the matched pattern stays as it is (shown in reports).
     """
@@ -128,6 +133,7 @@ def rule(
             shared_interior=shared_interior,
             advisory=advisory,
             stabilizes=stabilizes,
+            phase=phase,
             source=location,
         )
 
@@ -147,6 +153,7 @@ class Builder:
         self.nodes: list[NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.opsets: dict[str, int] = {}
+        self.shared_created: dict[str, str] = {}
 
     def __getattr__(self, op_type: str):
         if op_type.startswith("_"):
@@ -176,6 +183,16 @@ class Builder:
             onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain, **attributes)
         )
         return output_names[0] if outputs == 1 else output_names
+
+    def once(self, key: str, make: Callable[[Builder], str]) -> str:
+        """A tensor every rewrite in this graph shares: `make(builder)` builds it the first
+        time a rewrite asks for `key`; later rewrites get the same tensor name back."""
+        existing = self._graph.shared.get(key)
+        if existing is not None and self._graph.defines(existing):
+            return existing
+        if key not in self.shared_created:
+            self.shared_created[key] = make(self)
+        return self.shared_created[key]
 
     def constant(self, value: np.ndarray, hint: str = "const") -> str:
         """A new initializer holding `value`; returns its (fresh) name."""

@@ -1,0 +1,145 @@
+"""onnxruntime's NCHWc layout: the blocked tensor format of its fastest CPU kernels.
+
+A tensor in NCHWc form keeps the shape [N, Cp, H, W] but stores [N, Cp/B, H, W, B]:
+channels are padded with zeros to Cp, a multiple of the block size B, and every run
+of B channels is interleaved so that one SIMD register holds one pixel of B channels.
+B is chosen by onnxruntime's MLAS library for the CPU it runs on (16 with AVX-512, 8
+with AVX2), so a model holding NCHWc weights is only correct where B is the same: the
+rewrite measures B here and plants a guard that makes the model fail to run, loudly,
+on a machine whose B differs.
+
+The padding channels of a NCHWc tensor hold finite junk (an activation of zero, say);
+every NCHWc consumer ignores them and ReorderOutput drops them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser import Builder, Match, op
+
+NCHWC = "com.microsoft.nchwc"
+nchwc = op.domain(NCHWC)
+EMITS = {NCHWC: 1}
+GUARD_KEY = "nchwc-block-size-guard"
+
+
+@functools.lru_cache(maxsize=None)
+def block_size() -> int:
+    """The block size onnxruntime's NCHWc transformer uses on this machine; 0 if it has none.
+
+    Read off the transformer itself: it pads a one-channel convolution's filter to B
+    output channels.
+    """
+    import onnxruntime as ort
+
+    weight = numpy_helper.from_array(np.ones((1, 3, 1, 1), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = os.path.join(folder, "probe.onnx")
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            optimized = onnx.load(options.optimized_model_filepath)
+        except Exception:  # noqa: BLE001 - no NCHWc support is an answer, not an error
+            return 0
+    sizes = {t.name: t.dims[0] for t in optimized.graph.initializer if len(t.dims) == 4}
+    for node in optimized.graph.node:
+        if node.domain == NCHWC and node.op_type == "Conv":
+            return int(sizes.get(node.input[1], 0))
+    return 0
+
+
+def require_block_size(m: Match) -> int:
+    size = block_size()
+    m.require(size > 1, "onnxruntime on this machine has no NCHWc kernels")
+    return size
+
+
+def padded(channels: int, block: int) -> int:
+    return -(-channels // block) * block
+
+
+def pad_channels(array: np.ndarray, block: int) -> np.ndarray:
+    """Zero-pad axis 0 to a multiple of `block`."""
+    out = np.zeros((padded(array.shape[0], block),) + array.shape[1:], array.dtype)
+    out[: array.shape[0]] = array
+    return out
+
+
+def blocked_filter(weight: np.ndarray, block: int, blocked_input: bool) -> np.ndarray:
+    """An OIHW filter in the layout NCHWc Conv reads, as an [Op, I, H, W] tensor.
+
+    blocked_input: the input is NCHWc too, so input channels are padded and blocked as
+    well (memory order [O/B, I/B, H, W, Bi, Bo]); otherwise only outputs are
+    ([O/B, I, H, W, Bo]). Padded filter entries are zero, so the input's padding
+    channels, whatever they hold, add nothing.
+    """
+    w = pad_channels(weight, block)
+    if blocked_input:
+        w = pad_channels(w.transpose(1, 0, 2, 3), block).transpose(1, 0, 2, 3)
+    out_channels, in_channels, height, width = w.shape
+    if blocked_input:
+        blocks = w.reshape(out_channels // block, block, in_channels // block, block, height, width)
+        ordered = blocks.transpose(0, 2, 4, 5, 3, 1)
+    else:
+        ordered = w.reshape(out_channels // block, block, in_channels, height, width).transpose(0, 2, 3, 4, 1)
+    return np.ascontiguousarray(ordered).reshape(w.shape)
+
+
+def channel_count(m: Match, tensor: str) -> int:
+    """The channel count of a 4-D NCHW tensor; declines if unknown."""
+    shape = m.shape(tensor)
+    m.require(shape is not None and len(shape) == 4, "the input is not known to be 4-D")
+    m.require(isinstance(shape[1], int), "the channel count is not fixed")
+    return shape[1]
+
+
+def guarded_bias(b: Builder, bias: np.ndarray | None, block: int, out_channels: int) -> str | np.ndarray | None:
+    """The padded bias, plus (in the first NCHWc rewrite of a graph) a zero that only a
+    machine with block size `block` can compute: elsewhere the model fails to run
+    instead of computing wrong values."""
+    created = []
+
+    def make(builder: Builder) -> str:
+        created.append(True)
+        probe = builder.op("ReorderInput", np.zeros((1, 4, 1, 1), np.float32), domain=NCHWC)
+        same_block = builder.Reshape(probe, np.array([block], np.int64))
+        return builder.Gather(same_block, np.array(0, np.int64))
+
+    guard = b.once(GUARD_KEY, make)
+    if not created:
+        return bias
+    if bias is None:
+        bias = np.zeros(padded(out_channels, block), np.float32)
+    return b.Add(bias, guard)
+
+
+def reorder_output(b: Builder, blocked: str, channels: int) -> str:
+    return b.op("ReorderOutput", blocked, domain=NCHWC, channels=int(channels))
+
+
+def is_float32(m: Match, tensor: str) -> None:
+    dtype = m.dtype(tensor)
+    m.require(dtype == np.dtype(np.float32), f"NCHWc kernels take float32, this tensor is {dtype}")
+
+
+def channels_of(m: Match, reorder_output_node: str) -> int:
+    """The logical channel count a matched ReorderOutput restores (NCHW order only)."""
+    m.require(m.attr(reorder_output_node, "channels_last", 0) == 0, "the reorder writes channels-last data")
+    return int(m.attr(reorder_output_node, "channels", 0))

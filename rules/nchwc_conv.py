@@ -1,0 +1,87 @@
+"""Conv / FusedConv  =>  ReorderOutput(NCHWc Conv(ReorderInput(X))) (onnxruntime target, CPU).
+
+onnxruntime's NCHWc convolution kernels are its fastest on x86 CPUs, but it only uses
+them when its own layout optimization runs at session start. This rewrite does it
+ahead of time, so a session with graph optimizations off runs them too. The filter is
+reordered once, here; the reorders around each convolution cancel between neighbours
+(nchwc-reorder-cancel), so a chain of convolutions stays in the blocked layout.
+
+Runs in phase 1, after every fusion, because NCHWc convolutions hide the Conv patterns
+the fusion rules look for. Which convolutions have a NCHWc kernel: 2-D, float32,
+constant filter and bias; output channels a multiple of the block size for grouped and
+depthwise ones; input channels fewer than the block (read as plain NCHW) or a multiple of it.
+"""
+
+from __future__ import annotations
+
+from fuser import Builder, Match, const, op, rule, var
+from fuser.rules._nchwc import (
+    EMITS,
+    NCHWC,
+    blocked_filter,
+    guarded_bias,
+    is_float32,
+    pad_channels,
+    reorder_output,
+    require_block_size,
+)
+
+PRIORITY = 90
+
+
+def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
+    block = require_block_size(m)
+    is_float32(m, m["x"])
+    weight = m.value("w")
+    m.require(weight.ndim == 4, f"NCHWc kernels are 2-D; this is a {weight.ndim - 2}-D convolution")
+    out_channels, in_channels = weight.shape[:2]
+    group = int(m.attr("conv", "group", 1))
+    depthwise = group > 1 and in_channels == 1 and out_channels == group
+    if group > 1:
+        m.require(out_channels % block == 0, f"grouped: {out_channels} output channels are not a multiple of {block}")
+        m.require(
+            depthwise or (in_channels % block == 0 and (out_channels // group) % block == 0),
+            f"grouped: channels per group are not a multiple of the block size {block}",
+        )
+    # Few input channels (an image's 3) are read straight from NCHW; all others blocked.
+    blocked_input = group > 1 or in_channels >= block
+    bias = m.value("b")
+    m.require(bias is None or bias.shape == (out_channels,), "the bias is not one value per output channel")
+    filter_layout = blocked_filter(weight, block, blocked_input=blocked_input and not depthwise)
+    new_bias = guarded_bias(b, None if bias is None else pad_channels(bias, block), block, out_channels)
+    x = b.op("ReorderInput", m["x"], domain=NCHWC) if blocked_input else m["x"]
+    inputs = [x, filter_layout, new_bias]
+    if residual is not None:
+        inputs.append(b.op("ReorderInput", residual, domain=NCHWC))
+    attrs = {k: v for k, v in m.attrs("conv").items() if k not in ("activation", "activation_params")}
+    blocked = b.op("Conv", *inputs, domain=NCHWC, **attrs, **fused)
+    return reorder_output(b, blocked, out_channels)
+
+
+@rule(
+    "nchwc-conv",
+    pattern=op.Conv(var("x"), const("w"), const("b", optional=True), name="conv"),
+    target="onnxruntime",
+    emits=EMITS,
+    phase=1,
+)
+def nchwc_conv(m: Match, b: Builder):
+    """Conv  =>  NCHWc Conv between reorders (blocked filter, computed here)."""
+    return _nchwc_conv(m, b, None)
+
+
+@rule(
+    "nchwc-fused-conv",
+    pattern=op.domain("com.microsoft").FusedConv(
+        var("x"), const("w"), const("b", optional=True), var("z", optional=True), name="conv"
+    ),
+    target="onnxruntime",
+    emits=EMITS,
+    phase=1,
+)
+def nchwc_fused_conv(m: Match, b: Builder):
+    """FusedConv(activation, Z)  =>  NCHWc Conv with the same activation and Z as its Sum input."""
+    m.require(m.shape("z") is None or m.shape("z") == m.shape("conv"), "the residual's shape differs")
+    activation = m.node("conv").attr("activation")
+    params = m.node("conv").attr("activation_params")
+    return _nchwc_conv(m, b, m["z"], activation=activation, activation_params=list(params) if params else None)
