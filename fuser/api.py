@@ -139,6 +139,9 @@ def optimize(
         timings=timings,
         input_path=str(model.path) if model.path else None,
     )
+    applied = set(report.counts)
+    for note in dict.fromkeys(r.note_text() for r in chosen if r.name in applied and r.note):
+        report.notes.append(note)
     if not (check and result.rewrites):
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
@@ -155,7 +158,6 @@ def optimize(
     checker = Checker(
         original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs, rtol=rtol, atol=atol
     )
-    applied = set(report.counts)
     exact = all(r.exact for r in chosen if r.name in applied)
     stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
     report.verdict = checker.check(optimized, exact, stabilizing)

@@ -47,6 +47,7 @@ class Rule:
     advisory: bool = False
     stabilizes: bool = False
     phase: int = 0
+    note: str | Callable[[], str] | None = None
     source: SourceLocation | None = None
 
     def __post_init__(self) -> None:
@@ -69,6 +70,9 @@ class Rule:
     @property
     def depth(self) -> int:
         return self.pattern.depth
+
+    def note_text(self) -> str | None:
+        return self.note() if callable(self.note) else self.note
 
     def supports_opset(self, opset: int) -> bool:
         if self.opsets is None:
@@ -95,6 +99,7 @@ def rule(
     advisory: bool = False,
     stabilizes: bool = False,
     phase: int = 0,
+    note: str | Callable[[], str] | None = None,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -112,6 +117,8 @@ def rule(
     phase: rules of a higher phase see a graph only after every lower-phase rule has
         reached its fixed point there: for rewrites (a data layout change, say) that would
         hide the patterns other rules look for.
+    note: a sentence for the report whenever the rule has rewritten something (or a
+        function returning it), for what the user must know about the result.
     advisory: the rule never rewrites; its function is called as f(m, None) and returns a
         sentence telling the user why the matched pattern stays as it is (shown in reports).
     """
@@ -134,6 +141,7 @@ def rule(
             advisory=advisory,
             stabilizes=stabilizes,
             phase=phase,
+            note=note,
             source=location,
         )
 

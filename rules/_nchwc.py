@@ -65,6 +65,14 @@ def block_size() -> int:
     return 0
 
 
+def machine_note() -> str:
+    return (
+        f"the model uses onnxruntime's NCHWc layout for block size {block_size()} (this machine's CPU); "
+        "on a machine with another block size onnxruntime refuses to run it: "
+        "use --disable 'nchwc-*' for a model meant for other machines or GPU providers"
+    )
+
+
 def require_block_size(m: Match) -> int:
     size = block_size()
     m.require(size > 1, "onnxruntime on this machine has no NCHWc kernels")

@@ -10,7 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 from fuser import Builder, Match, const, op, rule, var
-from fuser.rules._nchwc import EMITS, NCHWC, block_size, channels_of, nchwc, pad_channels, padded, reorder_output
+from fuser.rules._nchwc import (
+    EMITS,
+    NCHWC,
+    block_size,
+    channels_of,
+    guarded_bias,
+    machine_note,
+    nchwc,
+    pad_channels,
+    padded,
+    reorder_output,
+)
 
 PRIORITY = 95
 
@@ -27,6 +38,8 @@ PRIORITY = 95
     ),
     target="onnxruntime",
     emits=EMITS,
+    note=machine_note,
+    opsets=(7, None),
     phase=1,
     shared_interior=True,
 )
@@ -42,6 +55,6 @@ def nchwc_batchnorm(m: Match, b: Builder):
     scale, shift, mean, variance = params
     factor = scale / np.sqrt(variance + float(m.attr("bn", "epsilon", 1e-5)))
     weight = pad_channels(factor.astype(np.float32), block).reshape(-1, 1, 1, 1)
-    bias = pad_channels((shift - mean * factor).astype(np.float32), block)
+    bias = guarded_bias(b, pad_channels((shift - mean * factor).astype(np.float32), block), block, channels)
     blocked = b.op("Conv", m["x"], weight, bias, domain=NCHWC, group=padded(channels, block), kernel_shape=[1, 1])
     return reorder_output(b, blocked, channels)

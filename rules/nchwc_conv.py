@@ -21,6 +21,7 @@ from fuser.rules._nchwc import (
     blocked_filter,
     guarded_bias,
     is_float32,
+    machine_note,
     pad_channels,
     reorder_output,
     require_block_size,
@@ -63,6 +64,8 @@ def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     pattern=op.Conv(var("x"), const("w"), const("b", optional=True), name="conv"),
     target="onnxruntime",
     emits=EMITS,
+    note=machine_note,
+    opsets=(7, None),  # the block-size guard's Reshape takes its shape as an input from opset 5
     phase=1,
 )
 def nchwc_conv(m: Match, b: Builder):
@@ -77,6 +80,8 @@ def nchwc_conv(m: Match, b: Builder):
     ),
     target="onnxruntime",
     emits=EMITS,
+    note=machine_note,
+    opsets=(7, None),  # the block-size guard's Reshape takes its shape as an input from opset 5
     phase=1,
 )
 def nchwc_fused_conv(m: Match, b: Builder):

@@ -10,7 +10,16 @@ a multiple of the block size, as onnxruntime requires.
 from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._nchwc import EMITS, NCHWC, block_size, channel_count, channels_of, is_float32, nchwc, reorder_output
+from fuser.rules._nchwc import (
+    EMITS,
+    NCHWC,
+    block_size,
+    channel_count,
+    channels_of,
+    is_float32,
+    nchwc,
+    reorder_output,
+)
 
 PRIORITY = 93
 
