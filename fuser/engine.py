@@ -325,7 +325,7 @@ class Engine:
         created = graph.replace_nodes(
             removed, builder.nodes, builder.initializers, graph.sort_key(root.id), candidate.name
         )
-        graph.shared.update(builder.shared_created)
+        graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
         self._types.invalidate()
         rewrite = Rewrite(
             index=len(self.result.rewrites),

@@ -91,19 +91,20 @@ def all_rules(rule_files: list[str | Path] = ()) -> list[Rule]:
 def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()) -> list[Rule]:
     """Rules for `target`: the portable ones always, onnxruntime's only for that target.
 
-    enable/disable name rules, or shell-style patterns of names ('nchwc-*').
+    enable/disable name rules, or shell-style patterns of names ('nchwc-*'). Naming a rule
+    beats a pattern: disable=['nchwc-*'], enable=['nchwc-pool'] keeps that one rule.
     """
     if target not in TARGETS:
         raise UsageError(f"unknown target '{target}'; choose one of: {', '.join(TARGETS)}")
     names = [r.name for r in rules]
-    enable = _expand(enable, names)
-    disable = _expand(disable, names)
+    enabled, disabled = _expand(enable, names), _expand(disable, names)
+    named_on = set(enable) - set(disable)
     chosen = []
     for candidate in rules:
         if candidate.target == "onnxruntime" and target != "onnxruntime":
             continue
-        on = candidate.enabled_by_default or candidate.name in enable
-        if candidate.name in disable:
+        on = candidate.enabled_by_default or candidate.name in enabled
+        if candidate.name in disabled and candidate.name not in named_on:
             on = False
         if on:
             chosen.append(candidate)

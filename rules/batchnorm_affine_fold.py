@@ -38,6 +38,8 @@ def batchnorm_affine_fold(m: Match, b: Builder):
     values = per_channel(constant, rank, scale.shape[0])
     m.require(values is not None, f"the constant of shape {constant.shape} is not one value per channel")
     values = values.astype(np.float64)
+    # From opset 15 scale and shift may be narrower than x: the folded ones must not be.
+    dtype = np.result_type(scale.dtype, m.dtype("x") or scale.dtype)
     new_scale, new_shift = scale.astype(np.float64), shift.astype(np.float64)
     if m.node("affine").op_type == "Mul":
         new_scale, new_shift = new_scale * values, new_shift * values
@@ -45,8 +47,8 @@ def batchnorm_affine_fold(m: Match, b: Builder):
         new_shift = new_shift + values
     return b.BatchNormalization(
         m["x"],
-        b.constant(new_scale.astype(scale.dtype), "scale"),
-        b.constant(new_shift.astype(shift.dtype), "shift"),
+        b.constant(new_scale.astype(dtype), "scale"),
+        b.constant(new_shift.astype(dtype), "shift"),
         m["mean"],
         m["var"],
         **m.attrs("bn"),
