@@ -59,6 +59,13 @@ def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     return reorder_output(b, blocked, out_channels)
 
 
+def _may_equal(shape: tuple, other: tuple) -> bool:
+    """Equal wherever both dimensions are known numbers."""
+    return len(shape) == len(other) and all(
+        a == b or not isinstance(a, int) or not isinstance(b, int) for a, b in zip(shape, other)
+    )
+
+
 @rule(
     "nchwc-conv",
     pattern=op.Conv(var("x"), const("w"), const("b", optional=True), name="conv"),
@@ -86,7 +93,11 @@ def nchwc_conv(m: Match, b: Builder):
 )
 def nchwc_fused_conv(m: Match, b: Builder):
     """FusedConv(activation, Z)  =>  NCHWc Conv with the same activation and Z as its Sum input."""
-    m.require(m.shape("z") is None or m.shape("z") == m.shape("conv"), "the residual's shape differs")
+    residual_shape, output_shape = m.shape("z"), m.shape("conv")
+    m.require(
+        residual_shape is None or output_shape is None or _may_equal(residual_shape, output_shape),
+        f"the residual {residual_shape} does not have the output's shape {output_shape}",
+    )
     activation = m.node("conv").attr("activation")
     params = m.node("conv").attr("activation_params")
     return _nchwc_conv(m, b, m["z"], activation=activation, activation_params=list(params) if params else None)

@@ -30,6 +30,14 @@ def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     m.require(len([o for o in pool.outputs if o]) == 1, "MaxPool's indices output is used")
     m.require(m.rank("pool") == 4, "NCHWc pooling is 2-D")
     m.require(all(d == 1 for d in m.attr("pool", "dilations", [1, 1]) or [1, 1]), "dilated pooling")
+    # A ceil_mode window reaching past the padding: the NCHWc kernel divides by the whole
+    # window where AveragePool counts only the padded input's part.
+    m.require(
+        not (
+            pool.op_type == "AveragePool" and m.attr("pool", "ceil_mode", 0) and m.attr("pool", "count_include_pad", 0)
+        ),
+        "AveragePool with both ceil_mode and count_include_pad averages edge windows differently in NCHWc",
+    )
     attrs = {k: v for k, v in m.attrs("pool").items() if k not in ("storage_order", "dilations")}
     blocked = b.op(pool.op_type, x, domain=NCHWC, **attrs)
     return reorder_output(b, blocked, channels)
