@@ -6,7 +6,8 @@ For each sample model (models/) and each onnx light model-zoo model, prints the 
 latency (ms) of the original with onnxruntime's graph optimizations disabled ("off"), at
 the extended level ("ext": every fusion but the CPU-specific NCHWc layout) and fully
 enabled ("all"), and of fuser's output for each target with them off and all. Medians of
-many runs after warm-up; machines are noisy, so compare within one run of this script.
+many runs after warm-up, taken round-robin across the columns so that drift hits them
+alike; machines are noisy, so compare within one row of one run of this script.
 
 The light models keep their weights as ConstantOfShape placeholders (one value
 everywhere, which overflows to inf within a few layers); the benchmark replaces them with
@@ -65,15 +66,19 @@ def feeds_for(sess) -> dict:
     return feeds
 
 
-def median_ms(sess, feeds, runs: int) -> float:
-    for _ in range(max(3, runs // 10)):
-        sess.run(None, feeds)
-    samples = []
+def medians_ms(sessions: dict, feeds, runs: int) -> dict:
+    """Median latency of each session, timed round-robin (one run of each per round) so that
+    the machine's drift over the measurement hits every column alike."""
+    for sess in sessions.values():
+        for _ in range(max(3, runs // 10)):
+            sess.run(None, feeds)
+    samples = {key: [] for key in sessions}
     for _ in range(runs):
-        start = time.perf_counter()
-        sess.run(None, feeds)
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+        for key, sess in sessions.items():
+            start = time.perf_counter()
+            sess.run(None, feeds)
+            samples[key].append((time.perf_counter() - start) * 1000)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -103,12 +108,8 @@ def main(argv=None) -> int:
         variants = {"orig": original}
         for target in ("onnx", "onnxruntime"):
             variants[target], _ = fuser.optimize(original, target=target)
-        cells = {}
-        feeds = None
-        for label, level in columns:
-            sess = session(variants[label], level, args.threads)
-            feeds = feeds or feeds_for(sess)
-            cells[(label, level)] = median_ms(sess, feeds, args.runs)
+        sessions = {(label, level): session(variants[label], level, args.threads) for label, level in columns}
+        cells = medians_ms(sessions, feeds_for(sessions[columns[0]]), args.runs)
         row = f"{name:<22}" + "".join(f"{cells[c]:>10.3f}" for c in columns)
         row += f"{cells[('onnxruntime', 'off')] / cells[('orig', 'ext')]:>17.2f}x"
         row += f"{cells[('onnxruntime', 'off')] / cells[('orig', 'all')]:>17.2f}x"
