@@ -8,13 +8,12 @@ reordered once, here; the reorders around each convolution cancel between neighb
 
 Runs in phase 1, after every fusion, because NCHWc convolutions hide the Conv patterns
 the fusion rules look for. Which convolutions have a NCHWc kernel: 2-D, float32,
-constant filter and bias; output channels a multiple of the block size for grouped and
-depthwise ones; input channels fewer than the block (read as plain NCHW) or a multiple of it.
+constant filter and bias; for grouped ones, channels per group a multiple of the block
+size; depthwise ones (one filter per channel) any channel count, padded like the data.
 """
 
 from __future__ import annotations
 
-from fuser import Builder, Match, const, op, rule, var
 from fuser.rules._nchwc import (
     EMITS,
     NCHWC,
@@ -23,9 +22,12 @@ from fuser.rules._nchwc import (
     is_float32,
     machine_note,
     pad_channels,
+    padded,
     reorder_output,
     require_block_size,
 )
+
+from fuser import Builder, Match, const, op, rule, var
 
 PRIORITY = 90
 
@@ -38,10 +40,9 @@ def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     out_channels, in_channels = weight.shape[:2]
     group = int(m.attr("conv", "group", 1))
     depthwise = group > 1 and in_channels == 1 and out_channels == group
-    if group > 1:
-        m.require(out_channels % block == 0, f"grouped: {out_channels} output channels are not a multiple of {block}")
+    if group > 1 and not depthwise:
         m.require(
-            depthwise or (in_channels % block == 0 and (out_channels // group) % block == 0),
+            in_channels % block == 0 and (out_channels // group) % block == 0,
             f"grouped: channels per group are not a multiple of the block size {block}",
         )
     # Few input channels (an image's 3) are read straight from NCHW; all others blocked.
@@ -59,6 +60,8 @@ def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     if residual is not None:
         inputs.append(b.op("ReorderInput", residual, domain=NCHWC))
     attrs = {k: v for k, v in m.attrs("conv").items() if k not in ("activation", "activation_params")}
+    if depthwise:  # the padding channels are convolved too, each with its zero filter
+        attrs["group"] = padded(out_channels, block)
     blocked = b.op("Conv", *inputs, domain=NCHWC, **attrs, **fused)
     return reorder_output(b, blocked, out_channels)
 

@@ -317,19 +317,25 @@ def test_padded_output_feeds_next_conv_directly():
 
 @pytest.mark.parametrize(
     "channels,c_out,group,attrs",
-    [(2 * B, 2 * B, 2 * B, {}), (4 * B, 4 * B, 2, {}), (4 * B, 4 * B, 2, {"strides": [2, 2]})],
-    ids=["depthwise", "grouped-2", "grouped-2-strided"],
+    [
+        (2 * B, 2 * B, 2 * B, {}),
+        (HALF, HALF, HALF, {}),
+        (4 * B, 4 * B, 2, {}),
+        (4 * B, 4 * B, 2, {"strides": [2, 2]}),
+    ],
+    ids=["depthwise", "depthwise-padded", "grouped-2", "grouped-2-strided"],
 )
 def test_depthwise_and_grouped_conv(channels, c_out, group, attrs):
     """Depthwise (group == channels) and grouped convolutions whose channels per group are
-    multiples of the block: converted, group kept."""
+    multiples of the block: converted; a depthwise one of any channel count (a multiple of 4)
+    is padded to the block, with one zero filter and one group per padding channel."""
     net = Net(5)
     net.conv("x", channels, c_out, group=group, output="y", **attrs)
     model = net.model([("x", [1, channels, 10, 10])], ["y"])
     after, report = optimize_and_compare(model)
     assert report.counts == {"nchwc-conv": 1}
     conv = the_nchwc_conv(after)
-    assert attrs_of(conv)["group"] == group
+    assert attrs_of(conv)["group"] == (padded(group, B) if group == channels else group)
     assert standard_nodes(after, "Conv") == []
 
 
@@ -915,10 +921,10 @@ def test_non_2d_conv_not_converted(dims):
     "c_in,c_out,group,reason",
     [
         (2 * HALF, 4 * B, 2, "channels per group are not a multiple"),
-        (2 * B, 2 * (B + B // 8), 2, "output channels are not a multiple"),
-        (HALF, HALF, HALF, "output channels are not a multiple"),
+        (2 * B, 2 * (B + B // 8), 2, "channels per group are not a multiple"),
+        (B + 2, B + 2, B + 2, "input channels are not a multiple of 4"),
     ],
-    ids=["24-per-group", "output-not-multiple", "depthwise-24"],
+    ids=["24-per-group", "output-per-group-not-multiple", "depthwise-18"],
 )
 def test_grouped_conv_with_unaligned_channels_not_converted(c_in, c_out, group, reason):
     net = Net(26)
@@ -1074,9 +1080,12 @@ def test_light_model(name):
     assert set(left) <= block_declined, set(left) - block_declined
     if name != "shufflenet":
         assert left == []
-    elif 136 % B:  # shufflenet's grouped convolutions of 136 channels
+    elif 34 % B:  # shufflenet's 1x1 convolutions in 4 groups of 34 channels
         assert left
-        assert any("136 output channels are not a multiple" in d.reason for d in report.engine.declined)
+        assert any("channels per group are not a multiple" in d.reason for d in report.engine.declined)
+        # its depthwise 3x3 convolutions of 136 channels are converted, padded to the block
+        depthwise = [n for n in nchwc_nodes(after, "Conv") if attrs_of(n).get("group", 1) > 1]
+        assert depthwise and all(attrs_of(n)["group"] % B == 0 for n in depthwise)
     data = next(i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
     shape = [d.dim_value for d in data.type.tensor_type.shape.dim]
     feeds = {data.name: np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
