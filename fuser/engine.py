@@ -287,6 +287,10 @@ class Engine:
         produced = {o for node in builder.nodes for o in node.output}
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
         for old, new in zip(root_outputs, outputs):
+            if new is None:
+                if graph.consumers(old):
+                    raise Decline(f"'{old}', which the replacement drops, is still used")
+                continue
             if new in produced or new in {t.name for t in builder.initializers}:
                 continue
             if new == old:
@@ -297,6 +301,9 @@ class Engine:
                 raise RuleError(candidate.name, f"the replacement returns '{new}', which does not exist")
         rename: dict[str, str] = {}
         redirects: list[tuple[str, str]] = []
+        dropped = {old for old, new in zip(root_outputs, outputs) if new is None}
+        root_outputs = [o for o in root_outputs if o not in dropped]
+        outputs = [o for o in outputs if o is not None]
         for old, new in zip(root_outputs, outputs):
             if new in produced and new not in rename:
                 rename[new] = old

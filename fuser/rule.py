@@ -8,7 +8,7 @@
 
 The function returns the tensor(s) that take the place of the root node's outputs; the
 engine gives them the root's output names, so graph outputs and downstream consumers
-survive. Rules only describe the replacement; the engine alone changes the graph.
+survive. None in place of an output drops it (declined if anything uses it). Rules only describe the replacement; the engine alone changes the graph.
 """
 
 from __future__ import annotations
@@ -222,8 +222,10 @@ class Builder:
 def as_outputs(result, root_outputs: Sequence[str]) -> list[str]:
     if isinstance(result, str):
         result = [result]
-    if not isinstance(result, (list, tuple)) or not all(isinstance(r, str) for r in result):
+    if not isinstance(result, (list, tuple)) or not all(isinstance(r, str) or r is None for r in result):
         raise TypeError("a rule must return the replacement's output tensor name(s)")
+    if all(r is None for r in result):
+        raise TypeError("a rule must return at least one output tensor name")
     if len(result) != len([o for o in root_outputs if o]):
         raise TypeError(
             f"the rule returned {len(result)} output(s) but the matched root node has "
