@@ -139,9 +139,7 @@ def optimize(
         timings=timings,
         input_path=str(model.path) if model.path else None,
     )
-    applied = set(report.counts)
-    for note in dict.fromkeys(r.note_text() for r in chosen if r.name in applied and r.note):
-        report.notes.append(note)
+    report.notes.extend(_rule_notes(chosen, report.counts))
     if not (check and result.rewrites):
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
@@ -158,6 +156,7 @@ def optimize(
     checker = Checker(
         original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs, rtol=rtol, atol=atol
     )
+    applied = set(report.counts)
     exact = all(r.exact for r in chosen if r.name in applied)
     stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
     report.verdict = checker.check(optimized, exact, stabilizing)
@@ -173,7 +172,9 @@ def optimize(
     report.blame_checks = blame.checks
     final = blame.final
     if on_mismatch == "drop" and final.verdict.passed:
+        stale = set(_rule_notes(chosen, report.counts))
         report.engine = final.result
+        report.notes = [n for n in report.notes if n not in stale] + _rule_notes(chosen, report.counts)
         report.dropped = blame.guilty
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
@@ -182,6 +183,11 @@ def optimize(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
     )
+
+
+def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:
+    """The notes of the rules that rewrote something, each once."""
+    return list(dict.fromkeys(r.note_text() for r in chosen if counts.get(r.name) and r.note))
 
 
 def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:

@@ -122,6 +122,23 @@ def guarded_bias(b: Builder, bias: np.ndarray | None, block: int, out_channels: 
     """The padded bias, plus (in the first NCHWc rewrite of a graph) a zero that only a
     machine with block size `block` can compute: elsewhere the model fails to run
     instead of computing wrong values."""
+    guard = _new_guard(b, block)
+    if guard is None:
+        return bias
+    if bias is None:
+        bias = np.zeros(padded(out_channels, block), np.float32)
+    return b.Add(bias, guard)
+
+
+def guarded(b: Builder, tensor: str, block: int) -> str:
+    """`tensor`, plus the block-size guard's zero if this is the graph's first rewrite that
+    depends on the block size (see guarded_bias)."""
+    guard = _new_guard(b, block)
+    return tensor if guard is None else b.Add(tensor, guard)
+
+
+def _new_guard(b: Builder, block: int) -> str | None:
+    """The guard's zero when this rewrite creates it; None when the graph already has it."""
     created = []
 
     def make(builder: Builder) -> str:
@@ -131,11 +148,7 @@ def guarded_bias(b: Builder, bias: np.ndarray | None, block: int, out_channels: 
         return builder.Gather(same_block, np.array(0, np.int64))
 
     guard = b.once(GUARD_KEY, make)
-    if not created:
-        return bias
-    if bias is None:
-        bias = np.zeros(padded(out_channels, block), np.float32)
-    return b.Add(bias, guard)
+    return guard if created else None
 
 
 def reorder_output(b: Builder, blocked: str, channels: int) -> str:

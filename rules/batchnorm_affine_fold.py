@@ -9,9 +9,9 @@ leaves BatchNormalization -> Relu, which onnxruntime runs as one NCHWc kernel.
 from __future__ import annotations
 
 import numpy as np
+from fuser.rules.conv_add_bias import per_channel
 
 from fuser import Builder, Match, const, op, rule, var
-from fuser.rules.conv_add_bias import per_channel
 
 PRIORITY = 25
 

@@ -8,9 +8,9 @@ constants); with conv-add-bias after it, the whole affine folds into the Conv.
 from __future__ import annotations
 
 import numpy as np
+from fuser.rules.conv_add_bias import per_channel
 
 from fuser import Builder, Match, const, op, rule, var
-from fuser.rules.conv_add_bias import per_channel
 
 PRIORITY = 15
 

@@ -6,8 +6,9 @@ into `activation_params` (LeakyRelu alpha, HardSigmoid alpha and beta, Clip min 
 
 from __future__ import annotations
 
-from fuser import Builder, Match, op, rule, var
 from fuser.rules._activations import activation, activation_params, fusable_dtype
+
+from fuser import Builder, Match, op, rule, var
 
 PRIORITY = 60
 

@@ -7,8 +7,9 @@ output's shape: FusedConv does not broadcast it.
 
 from __future__ import annotations
 
-from fuser import Builder, Match, op, rule, var
 from fuser.rules._activations import activation, activation_params, fusable_dtype
+
+from fuser import Builder, Match, op, rule, var
 
 PRIORITY = 61
 

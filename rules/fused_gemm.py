@@ -7,8 +7,9 @@ and activation_beta.
 
 from __future__ import annotations
 
-from fuser import Builder, Match, op, rule, var
 from fuser.rules._activations import activation_params, fusable_dtype
+
+from fuser import Builder, Match, op, rule, var
 
 PRIORITY = 70
 

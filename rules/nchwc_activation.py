@@ -10,6 +10,7 @@ from fuser import Builder, Match, rule, var
 from fuser.rules._activations import activation, activation_params
 from fuser.rules._nchwc import EMITS, NCHWC, channels_of, nchwc, reorder_output
 
+
 PRIORITY = 92
 
 

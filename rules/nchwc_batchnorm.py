@@ -13,7 +13,6 @@ from fuser import Builder, Match, const, op, rule, var
 from fuser.rules._nchwc import (
     EMITS,
     NCHWC,
-    block_size,
     channels_of,
     guarded_bias,
     machine_note,
@@ -21,7 +20,9 @@ from fuser.rules._nchwc import (
     pad_channels,
     padded,
     reorder_output,
+    require_block_size,
 )
+
 
 PRIORITY = 95
 
@@ -46,7 +47,7 @@ PRIORITY = 95
 def nchwc_batchnorm(m: Match, b: Builder):
     """BatchNormalization(ReorderOutput(x))  =>  ReorderOutput(NCHWc Conv(x, group=channels))."""
     channels = channels_of(m, "to_plain")
-    block = block_size()
+    block = require_block_size(m)
     m.require(len([o for o in m.node("bn").outputs if o]) == 1, "BatchNormalization's training outputs are used")
     m.require(m.attr("bn", "training_mode", 0) == 0, "BatchNormalization is in training mode")
     m.require(m.attr("bn", "spatial", 1) == 1, "BatchNormalization is not spatial")

@@ -8,7 +8,8 @@ Inception and DenseNet blocks stay in the NCHWc layout. Up to eight parts.
 from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._nchwc import EMITS, block_size, channels_of, nchwc, reorder_output
+from fuser.rules._nchwc import EMITS, channels_of, guarded, machine_note, nchwc, reorder_output, require_block_size
+
 
 PRIORITY = 94
 MAX_PARTS = 8
@@ -23,6 +24,8 @@ def _part(index: int):
     pattern=op.Concat(*(_part(i) for i in range(MAX_PARTS)), name="concat", axis=1),
     target="onnxruntime",
     emits=EMITS,
+    note=machine_note,
+    opsets=(7, None),
     phase=1,
     shared_interior=True,
 )
@@ -30,8 +33,9 @@ def nchwc_concat(m: Match, b: Builder):
     """Concat(axis=1) of ReorderOutputs  =>  ReorderOutput(Concat of the blocked tensors)."""
     parts = [i for i in range(MAX_PARTS) if m.has(f"part{i}")]
     channels = [channels_of(m, f"part{i}") for i in parts]
-    block = block_size()
+    block = require_block_size(m)
     m.require(all(c % block == 0 for c in channels), f"part channels {channels} are not multiples of {block}")
     m.require(m.rank("concat") == 4, "the parts are not 4-D")
-    blocked = b.Concat(*(m[f"x{i}"] for i in parts), axis=1)
+    # Exact only where every part is a multiple of B: on a machine with another B, fail.
+    blocked = guarded(b, b.Concat(*(m[f"x{i}"] for i in parts), axis=1), block)
     return reorder_output(b, blocked, sum(channels))

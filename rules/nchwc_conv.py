@@ -14,6 +14,7 @@ size; depthwise ones (one filter per channel) any channel count, padded like the
 
 from __future__ import annotations
 
+from fuser import Builder, Match, const, op, rule, var
 from fuser.rules._nchwc import (
     EMITS,
     NCHWC,
@@ -27,7 +28,6 @@ from fuser.rules._nchwc import (
     require_block_size,
 )
 
-from fuser import Builder, Match, const, op, rule, var
 
 PRIORITY = 90
 

@@ -13,20 +13,21 @@ from fuser import Builder, Match, op, rule, var
 from fuser.rules._nchwc import (
     EMITS,
     NCHWC,
-    block_size,
     channel_count,
     channels_of,
     is_float32,
     nchwc,
     reorder_output,
+    require_block_size,
 )
+
 
 PRIORITY = 93
 
 
 def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     pool = m.node("pool")
-    m.require(channels % block_size() == 0, f"{channels} channels are not a multiple of the block size")
+    m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")
     m.require(len([o for o in pool.outputs if o]) == 1, "MaxPool's indices output is used")
     m.require(m.rank("pool") == 4, "NCHWc pooling is 2-D")
     m.require(all(d == 1 for d in m.attr("pool", "dilations", [1, 1]) or [1, 1]), "dilated pooling")

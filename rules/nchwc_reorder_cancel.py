@@ -10,6 +10,7 @@ from __future__ import annotations
 from fuser import Builder, Match, rule, var
 from fuser.rules._nchwc import channels_of, nchwc
 
+
 PRIORITY = 91
 
 

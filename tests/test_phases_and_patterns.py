@@ -715,3 +715,34 @@ def test_cli_enable_wins_over_a_configured_disable_pattern(tmp_path):
     result = fuser_cli("optimize", "m.onnx", "--enable", "conv-bn-fold", "-o", "out.onnx", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert op_types(onnx.load(tmp_path / "out.onnx")) == ["Conv"]
+
+
+# --------------------------------------------------------------------------- rule notes
+
+
+@rule("double-relu", pattern=op.Relu(op.Relu(var("x"), name="inner")), note="double-relu was here")
+def _double_relu(m: Match, b: Builder):
+    """Relu(Relu(x)) => Relu(x)."""
+    return b.Relu(m["x"])
+
+
+@rule("wrong-neg", pattern=op.Neg(var("x")), note=lambda: "wrong-neg was here")
+def _wrong_neg(m: Match, b: Builder):
+    """Neg(x) => Identity(x), deliberately wrong."""
+    return b.Identity(m["x"])
+
+
+def test_rule_notes_follow_the_rewrites_that_stay():
+    """A rule's note (a string or a function) reaches the report when the rule rewrote
+    something; after on_mismatch="drop" removes a rule's only rewrite, its note goes too."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Relu", ["a"], ["b"]),
+        helper.make_node("Neg", ["b"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", F32, [2, 3])], [("y", F32, [2, 3])])
+    _, report = fuser.optimize(model, rules=[_double_relu, _wrong_neg], check=False)
+    assert report.notes == ["double-relu was here", "wrong-neg was here"]
+    _, report = fuser.optimize(model, rules=[_double_relu, _wrong_neg], on_mismatch="drop")
+    assert report.counts == {"double-relu": 1}
+    assert report.notes == ["double-relu was here"]

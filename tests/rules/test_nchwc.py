@@ -771,6 +771,46 @@ def test_guard_fails_on_a_different_block_size():
         run(after, feeds)
 
 
+def test_concat_of_pools_alone_is_guarded():
+    """Concatenating blocked tensors is exact only where every part is a multiple of this
+    machine's block: a graph whose only block-dependent rewrite is such a Concat (of pooled
+    inputs, no convolution) gets the guard too, and the machine note."""
+    net = Net(40)
+    a = net.add("MaxPool", "a", kernel_shape=[2, 2])
+    c = net.add("MaxPool", "c", kernel_shape=[2, 2])
+    net.add("Concat", a, c, output="y", axis=1)
+    model = net.model([("a", [1, B, 6, 6]), ("c", [1, 2 * B, 6, 6])], ["y"])
+    after, report = optimize_and_compare(model)
+    assert report.counts == {"nchwc-pool-input": 2, "nchwc-concat": 1}
+    assert any("block size" in note for note in report.notes)
+    (guard,) = guards(after)
+    feeds = random_feeds(model)
+    (shape,) = [t for t in after.graph.initializer if t.name == guard.input[1]]
+    shape.CopyFrom(numpy_helper.from_array(np.array([B // 2], np.int64), shape.name))
+    with pytest.raises(Exception, match="(?i)reshape|shape"):
+        run(after, feeds)
+
+
+def test_without_nchwc_kernels_every_rule_declines(monkeypatch):
+    """Where onnxruntime has no NCHWc kernels (block size 0, as on ARM builds), every NCHWc
+    rule declines with that reason; nothing crashes and the fusions still happen."""
+    import fuser.rules._nchwc as nchwc_helpers
+
+    monkeypatch.setattr(nchwc_helpers, "block_size", lambda: 0)
+    net = Net(41)
+    r = net.add("Relu", net.conv("x", 2 * B, 2 * B))
+    pooled = net.add("MaxPool", r, kernel_shape=[2, 2])
+    other = net.add("AveragePool", "x", kernel_shape=[2, 2])
+    net.add("Concat", pooled, other, output="y", axis=1)
+    model = net.model([("x", [1, 2 * B, 8, 8])], ["y"])
+    after, report = fuser.optimize(model, target="onnxruntime", trace=True)
+    assert_no_nchwc(after)
+    assert report.counts == {"fused-conv": 1}
+    reasons = {d.reason for d in report.engine.declined if d.rule.startswith("nchwc-")}
+    assert reasons == {"onnxruntime on this machine has no NCHWc kernels"}
+    assert not any("block size" in note for note in report.notes)
+
+
 def test_one_guard_in_each_subgraph():
     """Convolutions in the main graph and in both branches of an If: each graph that holds
     NCHWc convolutions gets its own guard (a subgraph's guard is not shared with its parent)."""
