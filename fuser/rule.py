@@ -8,7 +8,8 @@
 
 The function returns the tensor(s) that take the place of the root node's outputs; the
 engine gives them the root's output names, so graph outputs and downstream consumers
-survive. None in place of an output drops it (declined if anything uses it). Rules only describe the replacement; the engine alone changes the graph.
+survive. None in place of an output drops it (declined if anything uses it). Rules only
+describe the replacement; the engine alone changes the graph.
 """
 
 from __future__ import annotations
