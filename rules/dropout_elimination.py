@@ -14,7 +14,7 @@ PRIORITY = 5
 
 @rule(
     "dropout-elimination",
-    pattern=op.Dropout(var("x"), const("ratio", optional=True), const("training_mode", optional=True)),
+    pattern=op.Dropout(var("x"), var("ratio", optional=True), const("training_mode", optional=True)),
     exact=True,
 )
 def dropout_elimination(m: Match, b: Builder):

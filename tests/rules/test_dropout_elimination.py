@@ -96,3 +96,14 @@ def test_used_mask_is_kept():
     """The mask is a graph output: dropping it would lose an output, so nothing changes."""
     model = dropout_model(13, mask="mask", mask_is_output=True)
     assert_declined(model, dropout_elimination, "which the replacement drops, is still used", check=False)
+
+
+def test_ratio_fed_at_run_time_does_not_matter():
+    """At inference the ratio is unused, so a ratio that is a graph input does not block the rewrite."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Dropout", ["r", "ratio"], ["d"])]
+    nodes.append(helper.make_node("Neg", ["d"], ["y"]))
+    model = make_model(
+        nodes, [("x", np.float32, [2, 3]), ("ratio", np.float32, [])], [("y", np.float32, [2, 3])], opset=13
+    )
+    after, report = fuser.optimize(model, rules=[dropout_elimination], check=False)
+    assert report.counts == {RULE: 1} and op_types(after) == ["Relu", "Neg"]
