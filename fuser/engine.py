@@ -155,8 +155,9 @@ class Engine:
             self._by_root = {}
             for candidate in self.rules:
                 if candidate.phase == phase:
-                    for op_type in candidate.root_types:
-                        self._by_root.setdefault(op_type, []).append(candidate)
+                    for op_type, _ in candidate.roots:
+                        if candidate not in self._by_root.get(op_type, ()):
+                            self._by_root.setdefault(op_type, []).append(candidate)
             self._run_phase(graph, scope, apply)
 
     def _run_phase(self, graph: Graph, scope: str, apply: bool) -> None:
@@ -170,8 +171,10 @@ class Engine:
 
         for op_type, candidates in self._by_root.items():
             for candidate in candidates:
-                for node_id in graph.nodes_of_type(op_type, candidate.root_domain):
-                    push(node_id)
+                for root_type, domain in candidate.roots:
+                    if root_type == op_type:
+                        for node_id in graph.nodes_of_type(op_type, domain):
+                            push(node_id)
         while heap and not self._limit_reached():
             _, node_id = heapq.heappop(heap)
             queued.discard(node_id)
@@ -184,8 +187,8 @@ class Engine:
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
-            for bindings in _guarded_matches(graph, candidate, node_id):
-                match = Match(graph, candidate.pattern, bindings, self._types)
+            for pattern, bindings in _guarded_matches(graph, candidate, node_id):
+                match = Match(graph, pattern, bindings, self._types)
                 if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
                     self.result.declined.append(
                         Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
@@ -193,14 +196,20 @@ class Engine:
                     continue
                 try:
                     self._inputs_check(match)
-                    keep = self._interior_check(graph, candidate, match)
+                    keep, escaping = self._interior_check(graph, candidate, match)
                     if candidate.condition is not None:
                         candidate.condition(match)
                     if candidate.advisory:
+                        _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)
                         continue
                     builder = Builder(graph, match.root.name or candidate.name)
-                    outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
+                    try:
+                        outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
+                    except Decline:
+                        _require_no_escape(escaping, {})  # the interior's reason comes first
+                        raise
+                    _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
                     if self.trace:
                         self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
@@ -243,10 +252,13 @@ class Engine:
             if tensor in interior:
                 raise Decline(f"'{name}' is bound to '{tensor}', which the match itself computes")
 
-    def _interior_check(self, graph: Graph, candidate: Rule, match: Match) -> set[int]:
-        """Matched nodes other than the root must feed only the match; returns nodes to keep."""
+    def _interior_check(self, graph: Graph, candidate: Rule, match: Match) -> tuple[set[int], dict[str, str]]:
+        """Matched nodes other than the root must feed only the match, unless the rule keeps
+        them (shared_interior) or its replacement stands in for their outputs (checked once
+        it is built). Returns the nodes to keep and {escaping output: why it may not go}."""
         matched = set(match.node_ids)
         keep: set[int] = set()
+        escaping: dict[str, str] = {}
         for info in match.nodes:
             if info.id == match.root.id:
                 continue
@@ -260,7 +272,7 @@ class Engine:
                         keep.add(info.id)
                         break
                     where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
-                    raise Decline(f"'{output}' (output of {info.name or info.op_type}) is {where}")
+                    escaping.setdefault(output, f"'{output}' (output of {info.name or info.op_type}) is {where}")
         # A kept node still needs the matched nodes it reads from.
         pending = list(keep)
         while pending:
@@ -270,7 +282,7 @@ class Engine:
                 if producer in matched and producer != match.root.id and producer not in keep:
                     keep.add(producer)
                     pending.append(producer)
-        return keep
+        return keep, escaping
 
     def _apply(
         self,
@@ -284,8 +296,13 @@ class Engine:
     ) -> list[int]:
         root = match.root
         root_outputs = [o for o in root.outputs if o]
-        produced = {o for node in builder.nodes for o in node.output}
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
+        for interior, tensor in builder.stand_ins.items():
+            if interior not in removed_outputs or interior in root_outputs:
+                raise RuleError(candidate.name, f"it stands in for '{interior}', which no removed interior node computes")
+            root_outputs.append(interior)
+            outputs = [*outputs, tensor]
+        produced = {o for node in builder.nodes for o in node.output}
         for old, new in zip(root_outputs, outputs):
             if new is None:
                 if graph.consumers(old):
@@ -398,15 +415,24 @@ def _signature(nodes) -> list:
 
 
 def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
-    """find_matches, with a crash in the rule's attribute predicates reported as the rule's bug."""
-    matches = find_matches(graph, candidate.pattern, node_id)
-    while True:
-        try:
-            yield next(matches)
-        except StopIteration:
-            return
-        except Exception as error:  # noqa: BLE001
-            raise RuleError(candidate.name, f"its pattern raised {type(error).__name__}: {error}") from error
+    """(pattern, bindings) for every match of each of the rule's patterns, with a crash in
+    its attribute predicates reported as the rule's bug."""
+    for pattern in candidate.alternatives:
+        matches = find_matches(graph, pattern, node_id)
+        while True:
+            try:
+                yield pattern, next(matches)
+            except StopIteration:
+                break
+            except Exception as error:  # noqa: BLE001
+                raise RuleError(candidate.name, f"its pattern raised {type(error).__name__}: {error}") from error
+
+
+def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> None:
+    """Decline when an interior output used outside the match has nothing standing in for it."""
+    for output, reason in escaping.items():
+        if output not in stand_ins:
+            raise Decline(reason)
 
 
 def _visible(graph: Graph | None, name: str) -> bool:

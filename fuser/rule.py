@@ -36,7 +36,7 @@ class Rule:
 
     name: str
     description: str
-    pattern: OpPattern
+    pattern: OpPattern | tuple[OpPattern, ...]
     build: Callable
     condition: Callable[[Match], None] | None = None
     target: str = "onnx"
@@ -58,19 +58,25 @@ class Rule:
             raise PatternError(f"rule '{self.name}': target must be one of {', '.join(TARGETS)}")
         if not self.description:
             raise PatternError(f"rule '{self.name}' needs a description (or a docstring)")
-        validate(self.pattern)
+        if isinstance(self.pattern, (list, tuple)) and not self.pattern:
+            raise PatternError(f"rule '{self.name}' has an empty list of patterns")
+        for alternative in self.alternatives:
+            validate(alternative)
 
     @property
-    def root_types(self) -> tuple[str, ...]:
-        return self.pattern.op_types
+    def alternatives(self) -> tuple[OpPattern, ...]:
+        """The patterns the rule matches: one, or several spellings of the same computation."""
+        return tuple(self.pattern) if isinstance(self.pattern, (list, tuple)) else (self.pattern,)
 
     @property
-    def root_domain(self) -> str:
-        return self.pattern.domain
+    def roots(self) -> list[tuple[str, str]]:
+        """(op type, domain) of every node a pattern of the rule can be rooted at."""
+        found = [(t, p.domain) for p in self.alternatives for t in p.op_types]
+        return list(dict.fromkeys(found))
 
     @property
     def depth(self) -> int:
-        return self.pattern.depth
+        return max(p.depth for p in self.alternatives)
 
     def note_text(self) -> str | None:
         return self.note() if callable(self.note) else self.note
@@ -88,7 +94,7 @@ class Rule:
 def rule(
     name: str,
     *,
-    pattern: OpPattern,
+    pattern: OpPattern | tuple[OpPattern, ...],
     description: str | None = None,
     condition: Callable[[Match], None] | None = None,
     target: str = "onnx",
@@ -103,6 +109,9 @@ def rule(
     note: str | Callable[[], str] | None = None,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
+
+    pattern: what the rule matches; a tuple of patterns for several spellings of one
+        computation (``(x * 0.5) * y`` and ``x * (0.5 * y)``), tried in order.
 
     exact: True for pure rewiring that must give bit-identical outputs; False for
         folding, which is equal up to rounding (verified with dtype tolerances).
@@ -163,6 +172,7 @@ class Builder:
         self.initializers: list[TensorProto] = []
         self.opsets: dict[str, int] = {}
         self.shared_created: dict[str, str] = {}
+        self.stand_ins: dict[str, str] = {}
 
     def __getattr__(self, op_type: str):
         if op_type.startswith("_"):
@@ -192,6 +202,13 @@ class Builder:
             onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain, **attributes)
         )
         return output_names[0] if outputs == 1 else output_names
+
+    def replaces(self, interior: str, tensor: str) -> None:
+        """The replacement also provides `interior`, an output of a matched node other than
+        the root that is used outside the match, as `tensor`: the node need not be kept.
+        (A residual Add feeding a normalization and the next block: the fused op's
+        sum output stands in for the Add.)"""
+        self.stand_ins[interior] = tensor
 
     def once(self, key: str, make: Callable[[Builder], str]) -> str:
         """A tensor every rewrite in this graph shares: `make(builder)` builds it the first

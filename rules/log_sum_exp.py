@@ -8,7 +8,7 @@ before opset 18, and an input after; the rewrite moves them between the two form
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules.softmax_decomposed import is_float, reduced_axes
+from fuser.rules._common import is_float, reduced_axes
 
 from fuser import Builder, Match, const, op, rule, var
 

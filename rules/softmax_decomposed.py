@@ -8,25 +8,11 @@ which equals the one-axis form only when the axis is the last one.
 
 from __future__ import annotations
 
-import numpy as np
+from fuser.rules._common import is_float, reduced_axes
 
 from fuser import Builder, Match, const, op, rule, var
 
 PRIORITY = 35
-
-
-def is_float(dtype) -> bool:
-    """float16/32/64 and bfloat16 (which numpy does not count as floating)."""
-    return dtype is not None and (np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16")
-
-
-def reduced_axes(m: Match, node: str, axes_input: str) -> list[int] | None:
-    """ReduceSum's axes: an attribute before opset 13, an optional input from 13 on."""
-    if m.opset < 13:
-        axes = m.attr(node, "axes")
-        return None if axes is None else [int(a) for a in axes]
-    value = m.value(axes_input)
-    return None if value is None else [int(a) for a in value.reshape(-1)]
 
 
 @rule(

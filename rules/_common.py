@@ -1,0 +1,87 @@
+"""Preconditions and small helpers the rules share, so each rule file states only its own logic."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuser import Decline, Match
+
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+
+
+def is_float(dtype) -> bool:
+    """float16/32/64 and bfloat16 (which numpy does not count as floating)."""
+    return dtype is not None and (np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16")
+
+
+def reduced_axes(m: Match, node: str, axes_input: str) -> list[int] | None:
+    """A Reduce* node's axes: an attribute up to the opset that made them an input (13 for
+    ReduceSum, 18 for the others), then an optional constant input."""
+    if m.node(node).op_type == "ReduceSum" and m.opset >= 13 or m.opset >= 18:
+        value = m.value(axes_input)
+        return None if value is None else [int(a) for a in value.reshape(-1)]
+    axes = m.attr(node, "axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
+def require_float(m: Match, tensor: str, allowed=FLOAT_DTYPES) -> np.dtype:
+    """The tensor's dtype, declining unless it is one of `allowed` (names of float dtypes)."""
+    dtype = m.dtype(tensor)
+    m.require(dtype is not None, "the input's element type is unknown")
+    name = np.dtype(dtype).name
+    m.require(name in allowed, f"the input is {name}; the fused op takes {', '.join(allowed)}")
+    return np.dtype(dtype)
+
+
+def scalar(m: Match, name: str) -> float | None:
+    """The value of a one-element constant bound to `name`, else None."""
+    value = m.value(name)
+    if value is None or value.size != 1:
+        return None
+    return float(np.asarray(value, dtype=np.float64).reshape(()))
+
+
+def require_scalar(m: Match, name: str, expected: float, what: str, rtol: float = 1e-4) -> None:
+    """Decline unless `name` is a one-element constant within `rtol` of `expected`."""
+    value = scalar(m, name)
+    m.require(value is not None, f"{what} is not a single constant")
+    m.require(abs(value - expected) <= rtol * abs(expected), f"{what} is {value:g}, not {expected:g}")
+
+
+def trailing_axes(m: Match, axes: list[int] | None, tensor: str) -> int:
+    """The first axis of `axes` when they are the trailing axes of `tensor` (normalized by a
+    LayerNormalization-style op from `axis` to the end); declines otherwise."""
+    m.require(bool(axes), "the reduction has no explicit axes")
+    rank = m.rank(tensor)
+    m.require(rank is not None, "the input's rank is unknown")
+    positive = sorted(a % rank for a in axes)
+    m.require(positive == list(range(rank - len(positive), rank)), f"axes {axes} are not the trailing axes")
+    return positive[0] - rank
+
+
+def static_dims(m: Match, tensor: str, first_axis: int) -> tuple[int, ...]:
+    """The sizes of `tensor` from `first_axis` (negative) to the end; declines if any is symbolic."""
+    shape = m.shape(tensor)
+    m.require(shape is not None, "the input's shape is unknown")
+    dims = tuple(shape[first_axis:])
+    m.require(all(isinstance(d, int) for d in dims), f"the normalized dimensions {dims} are not fixed sizes")
+    return dims
+
+
+def require_finite(m: Match, value: np.ndarray, dtype, what: str) -> np.ndarray:
+    """`value` cast to `dtype`, declining when the cast overflows (float16 folding)."""
+    cast = np.asarray(value).astype(dtype)
+    m.require(bool(np.all(np.isfinite(cast.astype(np.float64)))), f"{what} is not finite in {np.dtype(dtype).name}")
+    return cast
+
+
+def broadcast_over(m: Match, value: np.ndarray, dims: tuple[int, ...], rank: int, what: str) -> np.ndarray:
+    """`value` (a Mul/Add operand) as an array of shape `dims` when it varies only along the
+    trailing `dims` of a rank-`rank` tensor and does not grow the result; declines otherwise."""
+    m.require(value.ndim <= rank, f"{what} has more dimensions than the tensor it multiplies")
+    leading = value.shape[: max(0, value.ndim - len(dims))]
+    m.require(all(d == 1 for d in leading), f"{what} of shape {value.shape} varies outside the normalized axes")
+    try:
+        return np.broadcast_to(value.reshape(value.shape[len(leading) :]), dims)
+    except ValueError:
+        raise Decline(f"{what} of shape {value.shape} does not broadcast to {dims}") from None

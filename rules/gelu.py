@@ -1,0 +1,75 @@
+"""0.5 * x * (1 + erf(x / sqrt(2)))  =>  Gelu;  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+=>  Gelu(approximate="tanh").
+
+The two GELU forms as exports write them (BERT/ViT: erf; GPT-2's "new GELU": tanh). The
+products associate three ways — (x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5) —
+and x / sqrt(2) is also written x * (1 / sqrt(2)); each spelling is a pattern. The
+standard Gelu is opset 20; the onnxruntime target writes com.microsoft Gelu / FastGelu,
+which its CPU kernels run at any opset (bias-gelu then absorbs a bias Add in front).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fuser.rules._common import require_float, require_scalar
+
+from fuser import Builder, Match, const, op, rule, var
+
+PRIORITY = 26
+TANH_SCALE = math.sqrt(2 / math.pi)
+CUBIC = 0.044715
+
+
+def _erf_inner(x):
+    return op.Add(op.Erf((op.Div | op.Mul)(x, const("root_two"), name="scaled"), name="erf"), const("one"), name="plus")
+
+
+def _tanh_inner(x):
+    cube = op.Pow(x, const("three"), name="cube")
+    polynomial = op.Add(x, op.Mul(cube, const("cubic"), name="cubic_term"), name="polynomial")
+    tanh = op.Tanh(op.Mul(polynomial, const("tanh_scale"), name="scaled"), name="tanh")
+    return op.Add(tanh, const("one"), name="plus")
+
+
+def _products(inner_of):
+    x = var("x")
+    yield op.Mul(op.Mul(x, inner_of(x), name="product"), const("half"), name="gelu")
+    yield op.Mul(op.Mul(x, const("half"), name="product"), inner_of(x), name="gelu")
+    yield op.Mul(x, op.Mul(inner_of(x), const("half"), name="product"), name="gelu")
+
+
+ERF_FORMS = tuple(_products(_erf_inner))
+TANH_FORMS = tuple(_products(_tanh_inner))
+
+
+def _approximation(m: Match) -> str:
+    """'none' (erf) or 'tanh', once every constant of the matched form is checked."""
+    require_scalar(m, "half", 0.5, "the outer factor")
+    require_scalar(m, "one", 1.0, "the added constant")
+    if m.has("root_two"):
+        dividing = m.node("scaled").op_type == "Div"
+        require_scalar(m, "root_two", math.sqrt(2) if dividing else 1 / math.sqrt(2), "the erf argument's scale")
+        return "none"
+    require_scalar(m, "three", 3.0, "the exponent")
+    require_scalar(m, "cubic", CUBIC, "the cubic coefficient")
+    require_scalar(m, "tanh_scale", TANH_SCALE, "the tanh argument's scale")
+    return "tanh"
+
+
+@rule("gelu", pattern=ERF_FORMS + TANH_FORMS, opsets=(20, None))
+def gelu(m: Match, b: Builder):
+    """Written-out GELU (erf or tanh form)  =>  Gelu."""
+    require_float(m, "x")
+    approximate = _approximation(m)
+    return b.Gelu(m["x"], approximate=None if approximate == "none" else approximate)
+
+
+@rule("gelu-ort", pattern=ERF_FORMS + TANH_FORMS, target="onnxruntime", emits={"com.microsoft": 1})
+def gelu_ort(m: Match, b: Builder):
+    """Written-out GELU  =>  com.microsoft Gelu (erf form) or FastGelu (tanh form)."""
+    if _approximation(m) == "tanh":
+        require_float(m, "x", ("float16", "float32", "float64"))
+        return b.op("FastGelu", m["x"], domain="com.microsoft")
+    require_float(m, "x", ("float16", "float32"))
+    return b.op("Gelu", m["x"], domain="com.microsoft")

@@ -1,0 +1,48 @@
+"""(x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)  =>  LayerNormalization(x, 1, axis, eps).
+
+The written-out layer norm of exports and hand-written modules: mean and variance over
+the trailing axes, kept dims, the epsilon added inside the square root. LayerNormalization
+(opset 17) normalizes from `axis` to the last axis with the biased variance, the same
+computation, with a scale of ones; a following Mul/Add by the learned weight and bias is
+folded in by norm-scale-fold / norm-bias-fold. The square is Pow(d, 2) or d * d; the
+division is Div, or Mul by Reciprocal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from fuser.rules._common import reduced_axes, require_float, require_scalar, static_dims, trailing_axes
+
+from fuser import Builder, Match, const, op, rule, var
+
+PRIORITY = 20
+
+
+def _patterns():
+    x = var("x")
+    centered = op.Sub(x, op.ReduceMean(x, const("mean_axes", optional=True), name="mean"), name="sub")
+    squares = (op.Pow(centered, const("two"), name="square"), op.Mul(centered, centered, name="square"))
+    for square in squares:
+        variance = op.ReduceMean(square, const("var_axes", optional=True), name="var")
+        std = op.Sqrt(op.Add(variance, const("eps"), name="add_eps"), name="sqrt")
+        yield op.Div(centered, std, name="div")
+        yield op.Mul(centered, op.Reciprocal(std, name="reciprocal"), name="div")
+
+
+@rule("layer-norm", pattern=tuple(_patterns()), opsets=(17, None))
+def layer_norm(m: Match, b: Builder):
+    """Written-out layer normalization  =>  LayerNormalization (scale 1, no bias)."""
+    dtype = require_float(m, "x")
+    if m.has("two"):
+        require_scalar(m, "two", 2.0, "the exponent")
+    for node in ("mean", "var"):
+        m.require(m.attr(node, "keepdims", 1) == 1, "a ReduceMean drops the reduced axes (keepdims=0)")
+    axes = reduced_axes(m, "mean", "mean_axes")
+    m.require(axes == reduced_axes(m, "var", "var_axes"), "the mean and the variance reduce different axes")
+    axis = trailing_axes(m, axes, "x")
+    dims = static_dims(m, "x", axis)
+    epsilon = m.value("eps")
+    m.require(epsilon.size == 1, "epsilon is not a single value")
+    epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
+    m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
+    return b.LayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)
