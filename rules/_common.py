@@ -42,9 +42,15 @@ def scalar(m: Match, name: str) -> float | None:
 
 
 def require_scalar(m: Match, name: str, expected: float, what: str, rtol: float = 1e-4) -> None:
-    """Decline unless `name` is a one-element constant within `rtol` of `expected`."""
+    """Decline unless `name` is a one-element constant within `rtol` of `expected`, or as
+    near it as the constant's own dtype can be (float16 holds sqrt(2) as 1.4140625)."""
     value = scalar(m, name)
     m.require(value is not None, f"{what} is not a single constant")
+    dtype = m.value(name).dtype
+    if is_float(dtype):
+        rtol = max(rtol, 2 * float(np.finfo(np.float16 if dtype.name == "bfloat16" else dtype).eps))
+        if dtype.name == "bfloat16":
+            rtol = max(rtol, 2 ** -7)
     m.require(abs(value - expected) <= rtol * abs(expected), f"{what} is {value:g}, not {expected:g}")
 
 

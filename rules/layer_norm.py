@@ -29,9 +29,11 @@ def _patterns():
         yield op.Mul(centered, op.Reciprocal(std, name="reciprocal"), name="div")
 
 
-@rule("layer-norm", pattern=tuple(_patterns()), opsets=(17, None))
-def layer_norm(m: Match, b: Builder):
-    """Written-out layer normalization  =>  LayerNormalization (scale 1, no bias)."""
+PATTERNS = tuple(_patterns())
+
+
+def _normalization(m: Match) -> tuple[np.dtype, int, tuple[int, ...], float]:
+    """dtype, axis, normalized dims and epsilon of a matched layer normalization."""
     dtype = require_float(m, "x")
     if m.has("two"):
         require_scalar(m, "two", 2.0, "the exponent")
@@ -45,4 +47,27 @@ def layer_norm(m: Match, b: Builder):
     m.require(epsilon.size == 1, "epsilon is not a single value")
     epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
     m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
+    return dtype, axis, dims, epsilon
+
+
+@rule("layer-norm", pattern=PATTERNS, opsets=(17, None))
+def layer_norm(m: Match, b: Builder):
+    """Written-out layer normalization  =>  LayerNormalization (scale 1, no bias)."""
+    dtype, axis, dims, epsilon = _normalization(m)
+    return b.LayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)
+
+
+@rule(
+    "layer-norm-ort",
+    pattern=PATTERNS,
+    target="onnxruntime",
+    opsets=(1, 16),
+    note=(
+        "layer norms became LayerNormalization below its standard opset 17: onnxruntime runs it, "
+        "onnx.checker rejects it; --opset 17 writes a standard model instead"
+    ),
+)
+def layer_norm_ort(m: Match, b: Builder):
+    """Written-out layer normalization  =>  LayerNormalization (onnxruntime, below opset 17)."""
+    dtype, axis, dims, epsilon = _normalization(m)
     return b.LayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)

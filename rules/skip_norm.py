@@ -4,33 +4,52 @@ The residual Add in front of a transformer block's normalization. The fused kern
 normalize and (through their fourth output) return the sum, which stands in for the Add
 where the residual also feeds the next block (pre-norm GPT-2/Llama). onnxruntime's CPU
 kernels normalize the last axis of 2-D or 3-D float32/float16 inputs with a 1-D scale and
-take the two addends with the same shape.
+take the skip (second addend) with the input's shape, or [1, S, H] / [S, H] against a
+[B, S, H] input. With a skip of batch B and an input of batch 1 the kernel returns a batch-1
+result where Add broadcasts, so every dimension must be provably equal (the same size or the
+same symbolic name); where shape inference cannot show that, the rule declines.
 """
 
 from __future__ import annotations
 
 from fuser.rules._common import require_float
 
-from fuser import Builder, Match, const, op, rule, var
+from fuser import Builder, Decline, Match, const, op, rule, var
 
 PRIORITY = 24
 SKIP_DTYPES = ("float16", "float32")
 
 
-def _residual(m: Match) -> None:
+def _skip_fits(input_shape: tuple, skip: tuple) -> bool:
+    """Whether the kernel computes input + skip exactly as Add would broadcast it."""
+    known = all(d != "?" for d in input_shape + skip)
+    if not known or len(input_shape) not in (2, 3):
+        return False
+    if skip == input_shape:
+        return True
+    return len(input_shape) == 3 and (skip == (1, *input_shape[1:]) or skip == input_shape[1:])
+
+
+def _operands(m: Match) -> tuple[str, str]:
+    """(input, skip): the addends in the order the kernel takes them; declines if neither fits."""
     require_float(m, "a", SKIP_DTYPES)
     shape_a, shape_b = m.shape("a"), m.shape("b")
     m.require(shape_a is not None and shape_b is not None, "the addends' shapes are unknown")
-    m.require(shape_a == shape_b and "?" not in shape_a, f"the addends' shapes {shape_a} and {shape_b} differ")
-    m.require(len(shape_a) in (2, 3), f"the input has rank {len(shape_a)}; the kernel takes 2-D or 3-D")
     axis = int(m.attr("norm", "axis", -1))
     m.require(axis in (-1, len(shape_a) - 1), "the normalization is not over the last axis only")
     m.require(m.value("s").ndim == 1, "the scale is not one-dimensional")
-    m.require(m.value("beta") is None or m.value("beta").ndim == 1, "the bias is not one-dimensional")
+    if _skip_fits(shape_a, shape_b):
+        return m["a"], m["b"]
+    if _skip_fits(shape_b, shape_a):
+        return m["b"], m["a"]
+    raise Decline(
+        f"the addends' shapes {list(shape_a)} and {list(shape_b)} are not provably the same "
+        "[B, S, H] (or a [1, S, H] / [S, H] skip); the kernel takes 2-D or 3-D inputs"
+    )
 
 
 def _fused(m: Match, b: Builder, op_type: str, *params):
-    outputs = b.op(op_type, m["a"], m["b"], *params, domain="com.microsoft", outputs=4,
+    outputs = b.op(op_type, *_operands(m), *params, domain="com.microsoft", outputs=4,
                    epsilon=float(m.attr("norm", "epsilon", 1e-5)))
     if m.consumers("sum") > 1 or m.is_graph_output("sum"):
         b.replaces(m["sum"], outputs[3])
@@ -47,7 +66,7 @@ def _fused(m: Match, b: Builder, op_type: str, *params):
 )
 def skip_layer_norm(m: Match, b: Builder):
     """Add -> LayerNormalization  =>  SkipLayerNormalization (the sum as its fourth output)."""
-    _residual(m)
+    m.require(not m.has("beta") or m.value("beta").ndim == 1, "the bias is not one-dimensional")
     return _fused(m, b, "SkipLayerNormalization", m["s"], m["beta"])
 
 
@@ -61,5 +80,4 @@ def skip_layer_norm(m: Match, b: Builder):
 )
 def skip_rms_norm(m: Match, b: Builder):
     """Add -> RMS normalization  =>  SkipSimplifiedLayerNormalization (the sum as its fourth output)."""
-    _residual(m)
     return _fused(m, b, "SkipSimplifiedLayerNormalization", m["s"])
