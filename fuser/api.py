@@ -15,6 +15,7 @@ from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
 from fuser.model import Model
+from fuser.opset import upgrade
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
 from fuser.verify import Checker, Verdict
@@ -106,6 +107,7 @@ def optimize(
     atol: float | None = None,
     trace: bool = False,
     progress: Callable[[str], None] | None = None,
+    opset: int | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
@@ -114,6 +116,8 @@ def optimize(
     on_mismatch="fail" NumericsMismatch is raised naming them (its `evidence` holds both
     models and the verdict), with on_mismatch="drop" they are left out and the rest is
     verified again and returned, `report.dropped` listing what was left out.
+    `opset` upgrades the model to that default-domain opset first (onnx's version
+    converter), so that newer standard ops can be emitted; the check covers the upgrade.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
@@ -126,6 +130,12 @@ def optimize(
     original = model.to_proto() if check else None
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
+    opset_before = model.opsets.get("", 1)
+    if opset is not None:
+        say(f"upgrading to opset {opset}")
+        model = upgrade(model, opset)
+    upgraded = model.opsets.get("", 1) != opset_before
+    base = model.to_proto() if check and upgraded else original
     say(f"rewriting with {len(chosen)} rules")
     result = Engine(model, chosen, trace=trace).run(apply=True)
     timings["rewrite"] = result.seconds
@@ -140,7 +150,9 @@ def optimize(
         input_path=str(model.path) if model.path else None,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
-    if not (check and result.rewrites):
+    if upgraded:
+        report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+    if not (check and (result.rewrites or upgraded)):
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
@@ -156,6 +168,14 @@ def optimize(
     checker = Checker(
         original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs, rtol=rtol, atol=atol
     )
+    if upgraded:
+        # Checked on its own first, so a converter error is not blamed on a rewrite.
+        converted = checker.check(base, exact=False)
+        if not converted.passed:
+            raise NumericsMismatch(
+                f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
+                evidence={"original": original, "optimized": base, "report": report},
+            )
     applied = set(report.counts)
     exact = all(r.exact for r in chosen if r.name in applied)
     stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
@@ -166,7 +186,7 @@ def optimize(
     started = time.perf_counter()
     say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
     first = Attempt(optimized, result, report.verdict)
-    blame = find_guilty(original, model.base_dir, chosen, checker, first, progress=say)
+    blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=say)
     timings["blame"] = time.perf_counter() - started
     report.blamed = blame.guilty
     report.blame_checks = blame.checks
@@ -198,8 +218,10 @@ def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:
     return f"{verdict.summary()}; caused by {len(guilty)} rewrite(s): {named}{more}"
 
 
-def find_opportunities(model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=()):
-    """The rewrites the selected rules would make, without changing anything."""
+def find_opportunities(model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=(), opset=None):
+    """The rewrites the selected rules would make (after the upgrade to `opset`), without changing anything."""
     model = load(model_or_path)
+    if opset is not None:
+        model = upgrade(model, opset)
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     return Engine(model, chosen).run(apply=False)

@@ -128,6 +128,12 @@ rule_options = [
         help="onnx: standard operators only; onnxruntime: may use com.microsoft fused ops.",
     ),
     click.option(
+        "--opset",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Upgrade the model to this opset first (onnx's version converter, checked), so newer fused ops apply.",
+    ),
+    click.option(
         "--rules",
         "rule_files",
         multiple=True,
@@ -248,6 +254,7 @@ def optimize(
     output,
     force,
     target,
+    opset,
     rule_files,
     enable,
     disable,
@@ -282,6 +289,7 @@ def optimize(
         optimized, result = api.optimize(
             loaded,
             target=target,
+            opset=opset,
             enable=enable,
             disable=_disable_list(enable, disable),
             rule_files=rule_files,
@@ -399,8 +407,13 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
     else:
         lines.append("  no rule applied: nothing to fuse")
-    for name, reason in result.engine.skipped_rules.items():
-        lines.append(f"  skipped {name}: {reason}")
+    skipped = result.engine.skipped_rules
+    if verbose:
+        lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()]
+    else:
+        newer = [name for name, reason in skipped.items() if reason.endswith("and later")]
+        if newer:
+            lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
     advice = result.engine.advice
     if advice:
         lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
@@ -434,7 +447,7 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
-def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
+def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
     """List the fusions the enabled rules would make in MODEL; write nothing.
 
     Exits 1 when there is at least one (a gate for "the exported model is fully fused").
@@ -442,7 +455,9 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
     try:
         _check_report_path(report_path, Path(model))
         disable = _disable_list(enable, disable)
-        result = api.find_opportunities(model, target=target, enable=enable, disable=disable, rule_files=rule_files)
+        result = api.find_opportunities(
+            model, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset
+        )
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
         _emit_report(

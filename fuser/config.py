@@ -31,6 +31,7 @@ else:  # pragma: no cover - Python 3.10
 # key -> (expected type, commands it applies to)
 KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
     "target": (str, ("optimize", "check")),
+    "opset": (int, ("optimize", "check")),
     "enable": (list, ("optimize", "check")),
     "disable": (list, ("optimize", "check")),
     "rules": (list, ("optimize", "check", "rules")),

@@ -1,0 +1,108 @@
+"""`--opset N`: an explicit upgrade with onnx's version converter before the rules run.
+
+The portable target emits a standard fused op only at its opset (Gelu 20): a GELU written
+out in an opset-14 model stays as it is unless the user asks for the upgrade, and then
+becomes Gelu, with the converted model checked against the original.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import fuser
+from fuser.errors import UsageError
+from tests.helpers import in_process_cli, make_model, opsets_of, op_types, run
+
+
+def erf_gelu_model(opset: int) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Div", ["x", "root_two"], ["scaled"]),
+        helper.make_node("Erf", ["scaled"], ["erf"]),
+        helper.make_node("Add", ["erf", "one"], ["plus"]),
+        helper.make_node("Mul", ["x", "plus"], ["product"]),
+        helper.make_node("Mul", ["product", "half"], ["y"]),
+    ]
+    constants = {"root_two": np.float32(np.sqrt(2)), "one": np.float32(1), "half": np.float32(0.5)}
+    return make_model(nodes, [("x", np.float32, ["batch", 16])], [("y", np.float32, ["batch", 16])], constants, opset)
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+def test_without_opset_the_model_keeps_its_opset_and_the_gelu():
+    after, report = fuser.optimize(erf_gelu_model(14))
+    assert opsets_of(after)[""] == 14
+    assert "Erf" in op_types(after)
+    assert report.counts == {}
+
+
+def test_opset_upgrades_then_fuses_and_checks_against_the_original():
+    before = erf_gelu_model(14)
+    after, report = fuser.optimize(before, opset=20)
+    assert opsets_of(after)[""] == 20
+    assert op_types(after) == ["Gelu"]
+    assert report.counts == {"gelu": 1}
+    assert report.verdict is not None and report.verdict.passed
+    assert any("upgraded from opset 14 to 20" in note for note in report.notes)
+    onnx.checker.check_model(after, full_check=True)
+    x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    np.testing.assert_allclose(run(after, {"x": x})[0], run(before, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_an_upgrade_alone_is_checked_and_reported():
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], opset=13
+    )
+    after, report = fuser.optimize(model, opset=18)
+    assert opsets_of(after)[""] == 18 and report.counts == {}
+    assert report.verdict is not None and report.verdict.passed
+
+
+def test_the_same_opset_changes_nothing():
+    after, report = fuser.optimize(erf_gelu_model(20), opset=20)
+    assert report.counts == {"gelu": 1}
+    assert not any("upgraded" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("opset, message", [(13, "below the model's opset 14"), (999, "beyond the newest opset")])
+def test_downgrades_and_unknown_opsets_are_usage_errors(opset, message):
+    with pytest.raises(UsageError, match=message):
+        fuser.optimize(erf_gelu_model(14), opset=opset)
+
+
+def test_the_command_line_and_pyproject_take_the_opset(cli, tmp_path):
+    onnx.save(erf_gelu_model(14), tmp_path / "m.onnx")
+    done = cli(tmp_path, "optimize", "m.onnx", "--opset", "20", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rule_counts"] == {"gelu": 1}
+    assert opsets_of(onnx.load(tmp_path / "m.fused.onnx"))[""] == 20
+
+    (tmp_path / "pyproject.toml").write_text("[tool.fuser]\nopset = 20\n")
+    done = cli(tmp_path, "optimize", "m.onnx", "-o", "from_config.onnx")
+    assert done.returncode == 0, done.stderr
+    assert op_types(onnx.load(tmp_path / "from_config.onnx")) == ["Gelu"]
+
+    done = cli(tmp_path, "optimize", "m.onnx", "-o", "low.onnx", "--opset", "12")
+    assert done.returncode == 2
+    assert "below the model's opset 14" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "low.onnx").exists()
+
+
+def test_check_mode_counts_what_the_upgrade_would_allow(cli, tmp_path):
+    onnx.save(erf_gelu_model(14), tmp_path / "m.onnx")
+    assert cli(tmp_path, "check", "m.onnx").returncode == 0
+    done = cli(tmp_path, "check", "m.onnx", "--opset", "20")
+    assert done.returncode == 1, done.stderr
+
+
+def test_the_summary_says_which_rules_need_a_newer_opset(cli, tmp_path):
+    onnx.save(erf_gelu_model(14), tmp_path / "m.onnx")
+    done = cli(tmp_path, "optimize", "m.onnx")
+    assert "need a newer opset:" in done.stderr and "gelu" in done.stderr
