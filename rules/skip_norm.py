@@ -7,7 +7,9 @@ kernels normalize the last axis of 2-D or 3-D float32/float16 inputs with a 1-D 
 take the skip (second addend) with the input's shape, or [1, S, H] / [S, H] against a
 [B, S, H] input. With a skip of batch B and an input of batch 1 the kernel returns a batch-1
 result where Add broadcasts, so every dimension must be provably equal (the same size or the
-same symbolic name); where shape inference cannot show that, the rule declines.
+same symbolic name); where shape inference cannot show that, the rule declines. A constant
+1-D bias added to one addend first (the projection's bias: MatMul -> Add(bias) -> residual
+Add) goes into the kernel's bias input.
 """
 
 from __future__ import annotations
@@ -28,6 +30,23 @@ def _skip_fits(input_shape: tuple, skip: tuple) -> bool:
     if skip == input_shape:
         return True
     return len(input_shape) == 3 and (skip == (1, *input_shape[1:]) or skip == input_shape[1:])
+
+
+def _sums(norm, *params):
+    """norm((a + bias) + b, params), then norm(a + b, params): the bias goes in where it can."""
+    biased = op.Add(var("a"), const("skip_bias"), name="bias_add")
+    yield norm(op.Add(biased, var("b"), name="sum"), *params, name="norm")
+    yield norm(op.Add(var("a"), var("b"), name="sum"), *params, name="norm")
+
+
+def _skip_bias(m: Match) -> str | None:
+    """The constant bias added to the input first, when there is one the kernel can take."""
+    if not m.has("skip_bias"):
+        return None
+    bias, shape = m.value("skip_bias"), m.shape("a")
+    m.require(bias.ndim == 1 and shape is not None and shape[-1] == bias.shape[0], "the bias is not one value per channel")
+    m.require(m.dtype("skip_bias") == m.dtype("a"), "the bias and the input have different dtypes")
+    return m["skip_bias"]
 
 
 def _operands(m: Match) -> tuple[str, str]:
@@ -58,26 +77,22 @@ def _fused(m: Match, b: Builder, op_type: str, *params):
 
 @rule(
     "skip-layer-norm",
-    pattern=op.LayerNormalization(
-        op.Add(var("a"), var("b"), name="sum"), const("s"), const("beta", optional=True), name="norm"
-    ),
+    pattern=tuple(_sums(op.LayerNormalization, const("s"), const("beta", optional=True))),
     target="onnxruntime",
     emits={"com.microsoft": 1},
 )
 def skip_layer_norm(m: Match, b: Builder):
     """Add -> LayerNormalization  =>  SkipLayerNormalization (the sum as its fourth output)."""
     m.require(not m.has("beta") or m.value("beta").ndim == 1, "the bias is not one-dimensional")
-    return _fused(m, b, "SkipLayerNormalization", m["s"], m["beta"])
+    return _fused(m, b, "SkipLayerNormalization", m["s"], m["beta"], _skip_bias(m))
 
 
 @rule(
     "skip-rms-norm",
-    pattern=(op.RMSNormalization | op.SimplifiedLayerNormalization)(
-        op.Add(var("a"), var("b"), name="sum"), const("s"), name="norm"
-    ),
+    pattern=tuple(_sums(op.RMSNormalization | op.SimplifiedLayerNormalization, const("s"))),
     target="onnxruntime",
     emits={"com.microsoft": 1},
 )
 def skip_rms_norm(m: Match, b: Builder):
     """Add -> RMS normalization  =>  SkipSimplifiedLayerNormalization (the sum as its fourth output)."""
-    return _fused(m, b, "SkipSimplifiedLayerNormalization", m["s"])
+    return _fused(m, b, "SkipSimplifiedLayerNormalization", m["s"], _skip_bias(m))
