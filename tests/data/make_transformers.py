@@ -1,0 +1,358 @@
+"""Make the transformer export corpus: random-weight BERT, GPT-2, ViT and Llama-style models,
+each exported by both torch exporters (TorchScript-based "legacy" and "dynamo"), opset 18.
+
+    python tests/data/make_transformers.py                              # tiny, into tests/data/transformers/
+    python tests/data/make_transformers.py --size real --out bench/models/
+
+Needs torch and transformers only when run; the tests read the files it wrote and never import
+torch. Models are built from Config objects with seeded random initialisation (nothing is
+downloaded), so running it again gives the same weights; the exporters' output may still
+change between torch versions.
+
+Files, for NAME in bert, gpt2, vit, llama (a LlamaModel with grouped-query attention):
+  NAME_legacy.onnx, NAME_dynamo.onnx    transformers' default attention (SDPA), opset 18
+  NAME_legacy_eager.onnx, ..._eager     eager attention (explicit MatMul, Softmax, MatMul)
+  bert/gpt2_legacy_opset14.onnx         opset 14, where LayerNorm is still decomposed (tiny only)
+  bert/llama_legacy_fp16.onnx           float16, legacy exporter (see export_fp16 for the fallbacks)
+
+Every model has dynamic batch and sequence dimensions (ViT: dynamic batch; its image size is
+fixed by the position embeddings). Tiny files are single files; real-size files keep their
+weights in one external data file beside the model (`NAME.onnx.data`). Each file passes
+onnx.checker (full check) and runs once in onnxruntime with its optimizations disabled before
+the script moves on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OPSET = 18
+SEED = 0
+
+SIZES = {
+    "tiny": {
+        "bert": dict(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            type_vocab_size=2,
+        ),
+        "gpt2": dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+        "vit": dict(
+            image_size=32,
+            patch_size=8,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+        ),
+        "llama": dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+    },
+    "real": {
+        "bert": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
+        "gpt2": dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+        "vit": dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
+        "llama": dict(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+        ),
+    },
+}
+
+# Dimensions used for the example inputs the exporters trace with; dynamic dims are exported symbolic.
+EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 8
+FP16_MODELS = ("bert", "llama")
+# At opset 17+ both exporters write LayerNormalization; an older opset shows the decomposed form
+# (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add) that older exports carry.
+OLD_OPSET, OLD_OPSET_MODELS = 14, ("bert", "gpt2")
+
+
+def build(kind: str, size: str, attention: str = "sdpa"):
+    """A seeded random-weight model; `attention` is transformers' attn_implementation ("sdpa", its
+    default, or "eager", the explicit matmul-softmax-matmul code)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(SEED)
+    params = dict(SIZES[size][kind])
+    common = dict(attn_implementation=attention)
+    if kind == "bert":
+        config = tf.BertConfig(**params, **common)
+        model = tf.BertModel(config, add_pooling_layer=False)
+    elif kind == "gpt2":
+        last = params["vocab_size"] - 1
+        config = tf.GPT2Config(**params, bos_token_id=last, eos_token_id=last, use_cache=False, **common)
+        model = tf.GPT2Model(config)
+    elif kind == "vit":
+        config = tf.ViTConfig(**params, **common)
+        model = tf.ViTModel(config, add_pooling_layer=False)
+    else:
+        config = tf.LlamaConfig(**params, use_cache=False, **common)
+        model = tf.LlamaModel(config)
+    model.eval()
+    return model, config
+
+
+def example_inputs(kind: str, config):
+    """Example inputs (as a dict of keyword arguments) and the dynamic axes of each."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED)
+    batch, seq = EXAMPLE_BATCH, EXAMPLE_SEQ
+    if kind == "vit":
+        image = torch.randn(batch, config.num_channels, config.image_size, config.image_size, generator=generator)
+        return {"pixel_values": image}, {"pixel_values": {0: "batch"}}
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.int64)}
+    if kind == "bert":
+        inputs["token_type_ids"] = torch.randint(0, 2, (batch, seq), generator=generator)
+    return inputs, {name: {0: "batch", 1: "sequence"} for name in inputs}
+
+
+class Positional:
+    """Front ends with named positional arguments, returning the last hidden state only (a plain tensor output)."""
+
+    @staticmethod
+    def make(model, kind):
+        import torch
+
+        class Encoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, token_type_ids):
+                return self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, return_dict=False
+                )[0]
+
+        class Decoder(Encoder):
+            def forward(self, input_ids, attention_mask):
+                return self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=False)[0]
+
+        class Vision(Encoder):
+            def forward(self, pixel_values):
+                return self.model(pixel_values=pixel_values, return_dict=False)[0]
+
+        front = {"bert": Encoder, "vit": Vision}.get(kind, Decoder)
+        return front().eval()
+
+
+def export(kind: str, model, config, exporter: str, path: str, external: bool, dtype=None, opset=OPSET) -> None:
+    import torch
+
+    inputs, axes = example_inputs(kind, config)
+    if dtype is not None:
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    names = list(inputs)
+    module = Positional.make(model, kind)
+    args = tuple(inputs.values())
+    if exporter == "legacy":
+        dynamic_axes = dict(axes)
+        dynamic_axes["last_hidden_state"] = {0: "batch"} if kind == "vit" else {0: "batch", 1: "sequence"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module,
+                args,
+                path,
+                input_names=names,
+                output_names=["last_hidden_state"],
+                dynamic_axes=dynamic_axes,
+                opset_version=opset,
+                dynamo=False,
+                do_constant_folding=True,
+            )
+    else:
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        sequence = torch.export.Dim("sequence", min=2, max=1024 if kind != "gpt2" else config.n_positions)
+        dims = {0: batch} if kind == "vit" else {0: batch, 1: sequence}
+        dynamic_shapes = {name: dims for name in names}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module,
+                args,
+                input_names=names,
+                output_names=["last_hidden_state"],
+                dynamic_shapes=dynamic_shapes,
+                opset_version=opset,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+        program.save(path, external_data=False)
+    normalize(path, external)
+
+
+def normalize(path: str, external: bool) -> None:
+    """Save as one file (tiny) or with all weights in one external file beside it (real size).
+    The dynamo exporter's per-node metadata (source stack traces with this machine's paths) is
+    dropped so that regeneration is reproducible; it does not change the graph."""
+    import onnx
+
+    model = onnx.load(path)
+    for node in model.graph.node:
+        del node.metadata_props[:]
+    data_name = os.path.basename(path) + ".data"
+    for stale in (os.path.join(os.path.dirname(path), data_name),):
+        if os.path.exists(stale):
+            os.remove(stale)
+    if external:
+        onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
+    else:
+        onnx.save(model, path)
+
+
+def cast_to_fp16(source: str, path: str, external: bool) -> None:
+    """The documented fallback: every float32 initializer, Constant value, Cast-to-float and graph
+    input/output becomes float16; the graph's arithmetic is otherwise untouched."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.load(source)
+    graph = model.graph
+
+    def cast_tensor(tensor):
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+
+    for init in graph.initializer:
+        cast_tensor(init)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                cast_tensor(attr.t)
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.FLOAT16
+    for value in list(graph.input) + list(graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    del graph.value_info[:]
+    onnx.save(model, path)
+    normalize(path, external)
+
+
+def verify(path: str, kind: str, config) -> None:
+    """onnx.checker plus one onnxruntime run with its graph optimizations disabled."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    onnx.checker.check_model(path, full_check=True)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    inputs, _ = example_inputs(kind, config)
+    feeds = {}
+    for spec in session.get_inputs():
+        value = inputs[spec.name].numpy()
+        feeds[spec.name] = value.astype(np.float16) if spec.type == "tensor(float16)" else value
+    (output,) = session.run(None, feeds)
+    if not np.isfinite(output).all():
+        raise SystemExit(f"{path}: non-finite output")
+
+
+def export_fp16(kind: str, size: str, path: str, external: bool) -> None:
+    """The legacy exporter on the float16 model with the default attention; if its graph is
+    invalid (the SDPA symbolic of some torch versions mixes float32 into a float16 graph), with
+    eager attention; if that fails too, the documented cast of the float32 export."""
+    import torch
+
+    for attention in ("sdpa", "eager"):
+        model, config = build(kind, size, attention)
+        try:
+            export(kind, model.half(), config, "legacy", path, external, dtype=torch.float16)
+            verify(path, kind, config)
+        except Exception as error:  # noqa: BLE001 - any exporter or runtime failure means: try the next way
+            print(f"{kind}: float16 legacy export with {attention} attention failed ({type(error).__name__}: {error})")
+            continue
+        print(f"{kind}: float16 legacy export with {attention} attention")
+        report(path)
+        return
+    print(f"{kind}: casting the float32 export to float16 instead")
+    cast_to_fp16(path.replace("_fp16.onnx", ".onnx"), path, external)
+    finish(path, kind, config)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--out", default=None, help="output folder (default tests/data/transformers for tiny)")
+    parser.add_argument("--models", default="bert,gpt2,vit,llama")
+    parser.add_argument("--exporters", default="legacy,dynamo")
+    parser.add_argument(
+        "--no-eager", dest="eager", action="store_false", help="skip the *_eager variants (eager attention code)"
+    )
+    args = parser.parse_args(argv)
+    if args.out is None and args.size != "tiny":
+        parser.error("--out is required for --size real")
+    out = args.out or os.path.join(HERE, "transformers")
+    os.makedirs(out, exist_ok=True)
+    external = args.size != "tiny"
+
+    import torch
+
+    exporters = args.exporters.split(",")
+    for kind in args.models.split(","):
+        for attention, suffix in (("sdpa", ""), ("eager", "_eager")):
+            if attention == "eager" and not args.eager:
+                continue
+            model, config = build(kind, args.size, attention)
+            for exporter in exporters:
+                path = os.path.join(out, f"{kind}_{exporter}{suffix}.onnx")
+                export(kind, model, config, exporter, path, external)
+                finish(path, kind, config)
+        model, config = build(kind, args.size)
+        if kind in OLD_OPSET_MODELS and "legacy" in exporters and args.size == "tiny":
+            path = os.path.join(out, f"{kind}_legacy_opset{OLD_OPSET}.onnx")
+            export(kind, model, config, "legacy", path, external, opset=OLD_OPSET)
+            finish(path, kind, config)
+        if kind in FP16_MODELS and "legacy" in exporters:
+            export_fp16(kind, args.size, os.path.join(out, f"{kind}_legacy_fp16.onnx"), external)
+    return 0
+
+
+def finish(path: str, kind: str, config) -> None:
+    verify(path, kind, config)
+    report(path)
+
+
+def report(path: str) -> None:
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    size = os.path.getsize(path) + sum(
+        os.path.getsize(os.path.join(os.path.dirname(path), f))
+        for f in os.listdir(os.path.dirname(path))
+        if f == os.path.basename(path) + ".data"
+    )
+    print(f"{path}: {len(model.graph.node)} nodes, {size / 1e6:.2f} MB")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
