@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 import fuser
-from fuser import api, report as report_module
+from fuser import api, verify, report as report_module
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -28,6 +28,7 @@ from fuser.model import (
     EXTERNAL_DATA_MODES,
     Model,
     external_data_path,
+    refuse_input_data_file,
     write_bytes_atomically,
     write_model,
     writes_external_data,
@@ -222,10 +223,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Settings can live in [tool.fuser] of the nearest pyproject.toml; flags override them.
     """
     ctx.obj = Context(debug)
-    if debug:
-        from fuser import verify
-
-        verify.LOG_SEVERITY = 2  # onnxruntime's warnings and errors too
+    verify.LOG_SEVERITY = 2 if debug else verify.QUIET  # under --debug, onnxruntime's warnings and errors too
     try:
         ctx.default_map = default_map(Path.cwd())
     except FuserError as error:
@@ -304,7 +302,9 @@ def optimize(
         original_proto = loaded.to_proto()
         check_names(original_proto, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
         if writes_external_data(original_proto, external_data):  # fail before the long work
+            refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
+            external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
         if no_check:
             _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
         optimized, result = api.optimize(

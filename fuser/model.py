@@ -33,6 +33,9 @@ class Model:
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
         self.tensors = TensorStore(base_dir)
+        self.had_external_data = any(
+            uses_external_data(t) for g in all_graph_protos(proto.graph) for t in g.initializer
+        )
         self.graph = Graph(
             proto.graph,
             names=self.names,
@@ -78,6 +81,8 @@ class Model:
 
     def save(self, path: str | os.PathLike, external_data: str = "auto") -> None:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
+        if external_data == "auto" and self.had_external_data:
+            external_data = "always"
         write_model(self.to_proto(), Path(path), source_dir=self.base_dir, external_data=external_data)
 
 
@@ -175,29 +180,36 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None, external
         _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
         return
     data_path = external_data_path(path)
-    inputs_files = {
-        store.resolve(external_data_fields(t).get("location", "")) for t in tensors if uses_external_data(t)
-    }
-    if data_path.resolve() in inputs_files:
-        raise UsageError(
-            f"{path}: its weights would go to {data_path.name}, which is the input's own data file; "
-            "choose another output name"
-        )
+    refuse_input_data_file(data_path, tensors, store)
+    outside = [
+        t
+        for t in tensors
+        if t.data_type != TensorProto.STRING and (uses_external_data(t) or nbytes(t) >= EXTERNAL_DATA_THRESHOLD)
+    ]
 
     def write_data(stream) -> None:
         offset = 0
-        for tensor in tensors:
-            if tensor.data_type == TensorProto.STRING or not (
-                uses_external_data(tensor) or nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD
-            ):
-                continue
+        for tensor in outside:
             raw = store.raw_bytes(tensor)
             stream.write(raw)
             _point_to(tensor, data_path.name, offset, len(raw))
             offset += len(raw)
 
-    _write_atomically(data_path, write_data)
+    if outside:
+        _write_atomically(data_path, write_data)
     _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
+
+
+def refuse_input_data_file(data_path: Path, tensors, store: TensorStore) -> None:
+    """The output's data file must never be one the input reads its weights from."""
+    inputs_files = {
+        store.resolve(external_data_fields(t).get("location", "")) for t in tensors if uses_external_data(t)
+    }
+    if data_path.resolve() in inputs_files:
+        raise UsageError(
+            f"{data_path.with_suffix('')}: its weights would go to {data_path.name}, which is the input's own data "
+            "file; choose another output name"
+        )
 
 
 def _inline(tensor: TensorProto, raw: bytes) -> None:

@@ -105,7 +105,8 @@ class Verdict:
 
 # onnxruntime's own log lines (errors included: trying input sizes provokes some) would reach
 # the user before fuser's one-line message; 4 keeps only fatal ones. The CLI lowers it under --debug.
-LOG_SEVERITY = 4
+QUIET = 4
+LOG_SEVERITY = QUIET
 
 
 def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
@@ -380,8 +381,12 @@ def _numpy_dtype(ort_type: str):
 
 
 def run(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = LOG_SEVERITY  # a failing kernel logs through the run's logger
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+    return dict(zip(names, sess.run(names, feeds, options)))
 
 
 def compare(
