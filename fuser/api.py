@@ -14,7 +14,7 @@ from fuser.blame import Attempt, find_guilty
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
-from fuser.model import Model
+from fuser.model import Model, count_op_types
 from fuser.opset import upgrade
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
@@ -38,6 +38,8 @@ class Report:
     dropped: list[Rewrite] = field(default_factory=list)
     blame_checks: int = 0
     notes: list[str] = field(default_factory=list)
+    op_types_before: dict[str, int] = field(default_factory=dict)
+    op_types_after: dict[str, int] = field(default_factory=dict)
 
     @property
     def rewrites(self):
@@ -59,6 +61,8 @@ class Report:
             "output": self.output_path,
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
+            "op_types_before": self.op_types_before,
+            "op_types_after": self.op_types_after,
             "rule_counts": self.counts,
             "rewrites": [r.to_dict() for r in self.rewrites],
             "skipped_rules": self.engine.skipped_rules,
@@ -130,6 +134,7 @@ def optimize(
     original = model.to_proto() if check else None
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
+    op_types_before = model.op_counts()
     opset_before = model.opsets.get("", 1)
     if opset is not None:
         say(f"upgrading to opset {opset}")
@@ -145,6 +150,8 @@ def optimize(
         rules=[r.name for r in chosen],
         nodes_before=nodes_before,
         nodes_after=model.node_count(),
+        op_types_before=op_types_before,
+        op_types_after=model.op_counts(),
         engine=result,
         timings=timings,
         input_path=str(model.path) if model.path else None,
@@ -166,7 +173,16 @@ def optimize(
     started = time.perf_counter()
     say(f"checking numerics in onnxruntime ({runs} input set{'s' if runs > 1 else ''})")
     checker = Checker(
-        original, seed=seed, runs=runs, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs, rtol=rtol, atol=atol
+        original,
+        seed=seed,
+        runs=runs,
+        dims=dims,
+        shapes=shapes,
+        ranges=ranges,
+        inputs=inputs,
+        rtol=rtol,
+        atol=atol,
+        base_dir=model.base_dir,
     )
     if upgraded:
         # Checked on its own first, so a converter error is not blamed on a rewrite.
@@ -198,6 +214,7 @@ def optimize(
         report.dropped = blame.guilty
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
+        report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
         return final.model, report
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),

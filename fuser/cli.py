@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 import fuser
-from fuser import api, report as report_module
+from fuser import api, verify, report as report_module
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -24,9 +24,19 @@ from fuser.errors import (
     NumericsMismatch,
     UsageError,
 )
-from fuser.model import Model, check_writable_to, write_model
+from fuser.model import (
+    EXTERNAL_DATA_MODES,
+    Model,
+    external_data_path,
+    refuse_input_data_file,
+    write_bytes_atomically,
+    write_model,
+    writes_external_data,
+)
 from fuser.config import default_map
 from fuser.registry import all_rules, select
+from fuser.tensors import external_data_fields, uses_external_data
+from fuser.verify import check_names
 
 EXIT_CODES_HELP = """\b
 Exit codes (every command):
@@ -113,10 +123,7 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text + "\n")
-    temporary.replace(path)
+    write_bytes_atomically(path, (text + "\n").encode())
 
 
 rule_options = [
@@ -148,7 +155,9 @@ rule_options = [
 
 
 check_options = [
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed for synthesized check inputs."),
+    click.option(
+        "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for synthesized check inputs."
+    ),
     click.option(
         "--check-runs",
         "runs",
@@ -164,7 +173,11 @@ check_options = [
         help="Real inputs: a .npz file, or a folder of input_*.pb (onnx test-data layout).",
     ),
     click.option(
-        "--dim", "dims", multiple=True, metavar="NAME=SIZE", help="Value of a symbolic dimension (default 1)."
+        "--dim",
+        "dims",
+        multiple=True,
+        metavar="NAME=SIZE",
+        help="Value of a symbolic dimension (default: batch 1, others a size the model runs on).",
     ),
     click.option("--input-shape", "shapes", multiple=True, metavar="NAME:D1,D2", help="Shape of one input."),
     click.option(
@@ -172,10 +185,10 @@ check_options = [
         "ranges",
         multiple=True,
         metavar="NAME:LO,HI",
-        help="Value range of one input (integers default to [0, 10)).",
+        help="Value range of one input (integers default to their embedding table's rows, else [0, 10)).",
     ),
-    click.option("--atol", type=float, help="Absolute tolerance (default: per dtype)."),
-    click.option("--rtol", type=float, help="Relative tolerance (default: per dtype)."),
+    click.option("--atol", type=click.FloatRange(0), help="Absolute tolerance (default: per dtype)."),
+    click.option("--rtol", type=click.FloatRange(0), help="Relative tolerance (default: per dtype)."),
 ]
 
 
@@ -216,6 +229,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Settings can live in [tool.fuser] of the nearest pyproject.toml; flags override them.
     """
     ctx.obj = Context(debug)
+    verify.LOG_SEVERITY = 2 if debug else verify.QUIET  # under --debug, onnxruntime's warnings and errors too
     try:
         ctx.default_map = default_map(Path.cwd())
     except FuserError as error:
@@ -226,6 +240,13 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.argument("model", type=click.Path(dir_okay=True))
 @click.option("-o", "--output", type=click.Path(), help="Where to write (default: MODEL.fused.onnx beside MODEL).")
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+@click.option(
+    "--external-data",
+    type=click.Choice(EXTERNAL_DATA_MODES),
+    default="auto",
+    show_default=True,
+    help="Weights in a file beside the output (OUT.onnx.data): auto = when the input did or over 2 GB.",
+)
 @with_rule_options
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime numerics check (not recommended).")
 @click.option(
@@ -253,6 +274,7 @@ def optimize(
     model,
     output,
     force,
+    external_data,
     target,
     opset,
     rule_files,
@@ -281,9 +303,15 @@ def optimize(
         _check_destination(source, destination, force)
         _check_report_path(report_path, source, destination)
         loaded = Model.load(source)
-        check_writable_to(loaded.initializers(), destination, source.parent)  # fail before the long work
         data["input"] = report_module.file_entry(source)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        size_before = _size_on_disk(source, loaded)
+        original_proto = loaded.to_proto()
+        check_names(original_proto, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
+        if writes_external_data(original_proto, external_data):  # fail before the long work
+            refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
+            _check_destination(source, external_data_path(destination), force)
+            external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
         if no_check:
             _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
         optimized, result = api.optimize(
@@ -298,14 +326,20 @@ def optimize(
             progress=_progress(quiet),
             **settings,
         )
-        write_model(optimized, destination, source_dir=source.parent)
+        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
         result.output_path = str(destination)
         body = result.to_dict()
-        body.update(input=data["input"], output=report_module.file_entry(destination))
+        size_after = _size_on_disk(destination)
+        body.update(
+            input=data["input"],
+            output=report_module.file_entry(destination),
+            size_before=size_before,
+            size_after=size_after,
+        )
         verdict = "optimized" if result.rewrites else "unchanged"
         _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
         if fmt == "text":
-            _print_summary(result, destination, verbose, quiet)
+            _print_summary(result, destination, verbose, quiet, (size_before, size_after))
         return EXIT_OK
     except NumericsMismatch as error:
         folder = _keep_evidence(error, source)
@@ -341,6 +375,31 @@ def _fail_with_report(command: str, error: BaseException, debug: bool, report_pa
     return code
 
 
+TOP_OP_TYPES = 8
+
+
+def _op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The op types that changed most, before -> after, largest first (at most TOP_OP_TYPES)."""
+    changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name, 0) != after.get(name, 0)]
+    if not changed:
+        return []
+    changed.sort(key=lambda name: (-max(before.get(name, 0), after.get(name, 0)), name))
+    shown = changed[:TOP_OP_TYPES]
+    width = max(len(name) for name in shown)
+    lines = [f"  {name:<{width}}  {before.get(name, 0):>6} -> {after.get(name, 0)}" for name in shown]
+    if len(changed) > len(shown):
+        lines.append(f"  ... and {len(changed) - len(shown)} more op types changed")
+    return ["op types:", *lines]
+
+
+def _bytes_text(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size} B"
+
+
 def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[str, ...]:
     """A rule named by --enable on the command line wins over a `disable` from [tool.fuser]."""
     context = click.get_current_context()
@@ -364,7 +423,7 @@ def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
         if name not in error.evidence:
             continue
         try:
-            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=None)
+            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
         except FuserError as reason:  # weights in external data stay beside the input
             (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder
@@ -389,7 +448,28 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
             raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
 
 
+def _size_on_disk(path: Path, model: Model | None = None) -> int:
+    """The model file plus the external data files it references (each counted once)."""
+    files = {path.resolve()}
+    if model is None:
+        data = external_data_path(path)
+        if data.exists():
+            files.add(data.resolve())
+    else:
+        files |= {
+            model.tensors.resolve(external_data_fields(t).get("location", ""))
+            for t in model.initializers()
+            if uses_external_data(t)
+        }
+    return sum(f.stat().st_size for f in files)
+
+
 def _check_destination(source: Path, destination: Path, force: bool) -> None:
+    folder = destination.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{destination}: cannot write there, {folder} is not a folder")
     if destination.exists() and source.exists() and destination.resolve() == source.resolve():
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
     if destination.exists() and not force:
@@ -398,7 +478,7 @@ def _check_destination(source: Path, destination: Path, force: bool) -> None:
         raise UsageError(f"{destination} is a directory")
 
 
-def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: bool) -> None:
+def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: bool, sizes=None) -> None:
     if quiet:
         return
     lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
@@ -419,11 +499,16 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
         if verbose:
             lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
+    lines += _op_type_table(result.op_types_before, result.op_types_after)
+    if sizes is not None:
+        lines.append(f"size on disk: {_bytes_text(sizes[0])} -> {_bytes_text(sizes[1])}")
     if result.verdict is not None:
         stabilized = result.verdict.stabilized
         status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
         worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
-        lines.append(f"numerics check: {status}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
+        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")
     lines += [f"  note: {note}" for note in result.notes]
@@ -500,7 +585,7 @@ def compare(
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        verdict = Checker(a.to_proto(), **settings).check(b.to_proto(), exact)
+        verdict = Checker(a.to_proto(), base_dir=a.base_dir, **settings).check(b.to_proto(), exact, base_dir=b.base_dir)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(
@@ -572,7 +657,16 @@ def list_rules(ctx: Context, target, rule_files, fmt):
         return _fail(error, ctx.debug)
 
 
+def _debug_first(argv: list[str]) -> list[str]:
+    """`--debug` is an option of the group; accept it anywhere, as the error messages suggest."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[:end]:
+        return argv
+    return ["--debug", *(a for i, a in enumerate(argv) if not (a == "--debug" and i < end))]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
         code = cli.main(args=argv, prog_name="fuser", standalone_mode=False)
     except click.exceptions.Exit as done:

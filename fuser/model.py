@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import ModelProto
+from onnx import ModelProto, TensorProto
 
 from fuser.errors import InputError, UsageError
 from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except
-from fuser.tensors import TensorStore, external_data_fields, uses_external_data
+from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
 
 class Model:
@@ -31,6 +33,9 @@ class Model:
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
         self.tensors = TensorStore(base_dir)
+        self.had_external_data = any(
+            uses_external_data(t) for g in all_graph_protos(proto.graph) for t in g.initializer
+        )
         self.graph = Graph(
             proto.graph,
             names=self.names,
@@ -70,9 +75,24 @@ class Model:
     def node_count(self) -> int:
         return sum(g.node_count() for g in self.graph.all_graphs())
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write atomically; external-data references stay valid only beside the input."""
-        write_model(self.to_proto(), Path(path), source_dir=self.base_dir)
+    def op_counts(self) -> dict[str, int]:
+        """How many nodes of each op type (domain-qualified outside ai.onnx), subgraphs included."""
+        return count_op_types(node for g in self.graph.all_graphs() for node in g.nodes())
+
+    def save(self, path: str | os.PathLike, external_data: str = "auto") -> None:
+        """Write atomically, with the weights of a model kept in external data in a file beside it."""
+        if external_data == "auto" and self.had_external_data:
+            external_data = "always"
+        write_model(self.to_proto(), Path(path), source_dir=self.base_dir, external_data=external_data)
+
+
+def count_op_types(nodes) -> dict[str, int]:
+    """Nodes per op type, most frequent first; op types outside ai.onnx carry their domain."""
+    counts: dict[str, int] = {}
+    for node in nodes:
+        key = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def read_model(path: Path) -> ModelProto:
@@ -99,38 +119,157 @@ def read_model(path: Path) -> ModelProto:
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
     try:
-        # The path form resolves external data against the model's folder and handles >2 GB.
-        onnx.checker.check_model(str(path))
-    except (onnx.checker.ValidationError, ValueError, RuntimeError) as error:
+        # The path form resolves external data against the model's folder and handles >2 GB;
+        # the full check adds type and shape inference, which catches attributes of the wrong
+        # type (float `axes`) before a rule reads them.
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
     return model
 
 
-def check_writable_to(initializers, path: Path, source_dir: Path | None) -> None:
-    """External-data references are relative to the model's folder: refuse to move them."""
-    first = next((t for t in initializers if uses_external_data(t)), None)
-    if first is not None and (source_dir is None or path.parent.resolve() != source_dir.resolve()):
-        location = external_data_fields(first).get("location", "")
+EXTERNAL_DATA_MODES = ("auto", "always", "never")
+# Protobuf cannot serialize a message of 2 GB or more: such models keep their weights outside.
+PROTOBUF_LIMIT = 2**31 - 1
+# In a model written with external data, tensors smaller than this stay inline (as onnx does).
+EXTERNAL_DATA_THRESHOLD = 1024
+
+
+def external_data_path(path: Path) -> Path:
+    """The file beside `path` that holds the weights of a model written with external data."""
+    return path.with_name(f"{path.name}.data")
+
+
+def writes_external_data(model: ModelProto, mode: str) -> bool:
+    """Whether `mode` ("auto", "always", "never") writes `model`'s weights to a file beside it.
+
+    auto: when the input kept its weights outside, or when the model is too large for protobuf.
+    """
+    if mode not in EXTERNAL_DATA_MODES:
+        raise UsageError(f"external data mode must be one of {', '.join(EXTERNAL_DATA_MODES)}, not '{mode}'")
+    tensors = [t for g in all_graph_protos(model.graph) for t in g.initializer]
+    if mode == "always":
+        return True
+    too_large = sum(nbytes(t) for t in tensors) > PROTOBUF_LIMIT
+    if mode == "never":
+        if too_large:
+            raise UsageError("the model's weights exceed 2 GB, which ONNX can only store as external data")
+        return False
+    return too_large or any(uses_external_data(t) for t in tensors)
+
+
+def write_model(model: ModelProto, path: Path, source_dir: Path | None, external_data: str = "auto") -> None:
+    """Serialize deterministically to temporary files beside `path`, then rename them into place.
+
+    External data of the input (resolved against `source_dir`) is copied into the output's own
+    file, `external_data_path(path)`, referenced relatively; the output never points into the
+    input's files, so it can be written to any folder.
+    """
+    path = Path(path)
+    external = writes_external_data(model, external_data)
+    store = TensorStore(source_dir)
+    model_copy = ModelProto()
+    model_copy.CopyFrom(model)
+    tensors = [t for g in all_graph_protos(model_copy.graph) for t in g.initializer]
+    _make_parent(path)
+    if not external:
+        for tensor in tensors:
+            if uses_external_data(tensor):
+                _inline(tensor, store.raw_bytes(tensor))
+        _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
+        return
+    data_path = external_data_path(path)
+    refuse_input_data_file(data_path, tensors, store)
+    outside = [
+        t
+        for t in tensors
+        if t.data_type != TensorProto.STRING and (uses_external_data(t) or nbytes(t) >= EXTERNAL_DATA_THRESHOLD)
+    ]
+
+    def write_data(stream) -> None:
+        offset = 0
+        for tensor in outside:
+            raw = store.raw_bytes(tensor)
+            stream.write(raw)
+            _point_to(tensor, data_path.name, offset, len(raw))
+            offset += len(raw)
+
+    if outside:
+        _write_atomically(data_path, write_data)
+    _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
+
+
+def refuse_input_data_file(data_path: Path, tensors, store: TensorStore) -> None:
+    """The output's data file must never be one the input reads its weights from."""
+    inputs_files = {
+        store.resolve(external_data_fields(t).get("location", "")) for t in tensors if uses_external_data(t)
+    }
+    if data_path.resolve() in inputs_files:
         raise UsageError(
-            f"the model keeps weights in external data ('{location}'); write the output into "
-            f"the input's folder ({source_dir}) so those references stay valid"
+            f"{data_path.with_suffix('')}: its weights would go to {data_path.name}, which is the input's own data "
+            "file; choose another output name"
         )
 
 
-def write_model(model: ModelProto, path: Path, source_dir: Path | None) -> None:
-    """Serialize deterministically to a temporary file beside `path`, then rename over it."""
-    check_writable_to((t for g in all_graph_protos(model.graph) for t in g.initializer), path, source_dir)
-    data = model.SerializeToString(deterministic=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _inline(tensor: TensorProto, raw: bytes) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.DEFAULT
+    tensor.raw_data = raw
+
+
+def _point_to(tensor: TensorProto, location: str, offset: int, length: int) -> None:
+    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "raw_data"):
+        tensor.ClearField(name)
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _make_parent(path: Path) -> None:
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{path}: cannot create its folder ({error.strerror or error})") from error
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write through a temporary file in the same folder, then rename: readers never see half a file.
+
+    The file gets the permissions any tool's new file gets (0666 minus the umask), not mkstemp's 0600.
+    """
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise UsageError(f"{path}: cannot write there ({error.strerror or error})") from error
+    try:
+        os.fchmod(handle, 0o666 & ~_umask())
         with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
+            write(stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
+    except OSError as error:
+        _remove(temporary)
+        raise UsageError(f"{path}: cannot write it ({error.strerror or error})") from error
     except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        _remove(temporary)
         raise
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    _make_parent(Path(path))
+    _write_atomically(Path(path), lambda stream: stream.write(data))

@@ -13,7 +13,21 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from fuser.errors import UnsafePathError
+from fuser.errors import InputError, UnsafePathError
+
+# The TensorProto field that holds each data type's values when raw_data is not used, and
+# how many entries one element takes there.
+_TYPED_FIELDS = {
+    TensorProto.FLOAT: ("float_data", 1),
+    TensorProto.DOUBLE: ("double_data", 1),
+    TensorProto.INT64: ("int64_data", 1),
+    TensorProto.UINT64: ("uint64_data", 1),
+    TensorProto.UINT32: ("uint64_data", 1),
+    TensorProto.COMPLEX64: ("float_data", 2),
+    TensorProto.COMPLEX128: ("double_data", 2),
+    TensorProto.STRING: ("string_data", 1),
+}
+_PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
 
 
 def external_data_fields(tensor: TensorProto) -> dict[str, str]:
@@ -51,22 +65,71 @@ class TensorStore:
         return resolved
 
     def check(self, tensor: TensorProto) -> None:
+        """Refuse a tensor whose stored data cannot be its dtype and dims (InputError naming it).
+
+        External data must resolve inside the model's folder and the file must hold the range.
+        """
+        count = _element_count(tensor)
+        if tensor.data_type == TensorProto.STRING:
+            return
+        needed = _byte_size(tensor.data_type, count)
+        if needed is None:
+            raise InputError(f"initializer '{tensor.name}' has an unknown data type ({tensor.data_type})")
         if uses_external_data(tensor):
-            self.resolve(external_data_fields(tensor).get("location", ""))
+            fields = external_data_fields(tensor)
+            path = self.resolve(fields.get("location", ""))
+            try:
+                offset = int(fields.get("offset", 0))
+                length = int(fields["length"]) if "length" in fields else path.stat().st_size - offset
+            except ValueError as error:
+                raise InputError(
+                    f"initializer '{tensor.name}' has a malformed external-data offset or length"
+                ) from error
+            if offset < 0 or length != needed or offset + length > path.stat().st_size:
+                raise InputError(
+                    f"initializer '{tensor.name}': its external data ({length} bytes at offset {offset} of "
+                    f"'{fields.get('location', '')}', {path.stat().st_size} bytes) does not hold the {needed} bytes "
+                    f"its dtype {_type_name(tensor.data_type)} and dims {list(tensor.dims)} need"
+                )
+            return
+        if tensor.HasField("raw_data"):
+            stored = len(tensor.raw_data)
+        else:
+            field, per_element = _TYPED_FIELDS.get(tensor.data_type, ("int32_data", 1))
+            stored = len(getattr(tensor, field)) // per_element
+            needed = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count
+            if stored == needed:
+                return
+            raise InputError(
+                f"initializer '{tensor.name}' holds {stored} values but its dtype {_type_name(tensor.data_type)} "
+                f"and dims {list(tensor.dims)} need {needed}"
+            )
+        if stored != needed:
+            raise InputError(
+                f"initializer '{tensor.name}' holds {stored} bytes but its dtype {_type_name(tensor.data_type)} "
+                f"and dims {list(tensor.dims)} need {needed}"
+            )
+
+    def raw_bytes(self, tensor: TensorProto) -> bytes:
+        """The tensor's data in ONNX's raw (little-endian) layout, wherever it is stored."""
+        if uses_external_data(tensor):
+            fields = external_data_fields(tensor)
+            path = self.resolve(fields.get("location", ""))
+            with open(path, "rb") as handle:
+                handle.seek(int(fields.get("offset", 0)))
+                return handle.read(int(fields["length"])) if "length" in fields else handle.read()
+        if tensor.HasField("raw_data"):
+            return tensor.raw_data
+        return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
 
     def value(self, tensor: TensorProto, max_bytes: int | None = None) -> np.ndarray | None:
         """Decode `tensor`; None when it is larger than `max_bytes`."""
         if max_bytes is not None and nbytes(tensor) > max_bytes:
             return None
+        self.check(tensor)  # a rule must never see bytes that do not fit the dtype and dims
         if not uses_external_data(tensor):
             return numpy_helper.to_array(tensor)
-        fields = external_data_fields(tensor)
-        path = self.resolve(fields.get("location", ""))
-        offset = int(fields.get("offset", 0))
-        length = int(fields["length"]) if "length" in fields else None
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            raw = handle.read() if length is None else handle.read(length)
+        raw = self.raw_bytes(tensor)
         inline = TensorProto()
         inline.CopyFrom(tensor)
         del inline.external_data[:]
@@ -84,3 +147,28 @@ def nbytes(tensor: TensorProto) -> int:
     except (KeyError, ValueError, TypeError):
         itemsize = 8
     return count * itemsize
+
+
+def _element_count(tensor: TensorProto) -> int:
+    if any(d < 0 for d in tensor.dims):
+        raise InputError(f"initializer '{tensor.name}' has a negative dimension: {list(tensor.dims)}")
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count
+
+
+def _byte_size(data_type: int, count: int) -> int | None:
+    if data_type in _PACKED_4BIT:
+        return (count + 1) // 2
+    try:
+        return count * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _type_name(data_type: int) -> str:
+    try:
+        return TensorProto.DataType.Name(data_type).lower()
+    except ValueError:
+        return str(data_type)

@@ -6,12 +6,16 @@ fusions neither hide nor cause differences. This is the only module importing on
 
 from __future__ import annotations
 
+import ast
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 
-from fuser.errors import InputError
+from fuser.errors import InputError, UsageError
 
 # (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -58,6 +62,8 @@ class OutputCheck:
 class Verdict:
     outputs: list[OutputCheck] = field(default_factory=list)
     load_error: str | None = None  # onnxruntime could not load the optimized model
+    input_shapes: dict[str, tuple] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -81,7 +87,13 @@ class Verdict:
             "passed": self.passed,
             "load_error": self.load_error,
             "outputs": [o.to_dict() for o in self.outputs],
+            "input_shapes": {name: list(shape) for name, shape in self.input_shapes.items()},
+            "warnings": self.warnings,
         }
+
+    def inputs_text(self) -> str:
+        """`input_ids[1,128], pixel_values[1,3,224,224]`: what the check ran on."""
+        return ", ".join(f"{name}{_shape_text(shape)}" for name, shape in self.input_shapes.items())
 
     @property
     def stabilized(self) -> list[str]:
@@ -91,12 +103,29 @@ class Verdict:
         return [o for o in self.outputs if o.status == "mismatch"]
 
 
-def session(model: onnx.ModelProto):
+# onnxruntime's own log lines (errors included: trying input sizes provokes some) would reach
+# the user before fuser's one-line message; 4 keeps only fatal ones. The CLI lowers it under --debug.
+QUIET = 4
+LOG_SEVERITY = QUIET
+
+
+def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
+    """A CPU session with onnxruntime's graph optimizations off.
+
+    External data is resolved against `base_dir` (the model's folder), whatever the
+    current directory is: onnxruntime otherwise resolves it against the working directory
+    for a model given as bytes.
+    """
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(LOG_SEVERITY)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = LOG_SEVERITY
+    if base_dir is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())
+        )
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
@@ -115,7 +144,11 @@ def synthesize_inputs(
     shapes: dict[str, tuple] | None = None,
     ranges: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Seeded inputs for every graph input: normal floats, small non-negative ints, random bools."""
+    """Seeded inputs for every graph input.
+
+    Floats are standard normal, integers in `ranges` (default [0, 10)), bools random;
+    integer and bool inputs named like an attention mask are all ones, as real masks mostly are.
+    """
     dims = dims or {}
     shapes = shapes or {}
     ranges = ranges or {}
@@ -131,20 +164,202 @@ def synthesize_inputs(
         dtype = _numpy_dtype(spec.type)
         if dtype is None:
             raise InputError(f"input '{spec.name}' has type {spec.type}, which fuser cannot synthesize")
-        if dtype == np.bool_:
-            value = rng.integers(0, 2, size=shape).astype(np.bool_)
-        elif np.issubdtype(dtype, np.integer):
-            low, high = ranges.get(spec.name, INT_RANGE)
-            if int(high) <= int(low):
-                raise InputError(f"input range {low},{high} of '{spec.name}' holds no integer")
-            value = rng.integers(int(low), int(high), size=shape, endpoint=False).astype(dtype)
-        elif spec.name in ranges:
-            low, high = ranges[spec.name]
-            value = rng.uniform(low, high, size=shape).astype(dtype)
-        else:
-            value = rng.standard_normal(size=shape).astype(dtype)
-        feeds[spec.name] = value
+        try:
+            feeds[spec.name] = _synthesize(rng, spec.name, shape, dtype, ranges.get(spec.name))
+        except (MemoryError, ValueError) as error:
+            raise InputError(
+                f"cannot make a check input '{spec.name}' of shape {_shape_text(shape)}: {_first_line(error)}; "
+                "choose smaller sizes with --dim or --input-shape"
+            ) from error
     return feeds
+
+
+def _synthesize(rng, name: str, shape: tuple, dtype, value_range) -> np.ndarray:
+    integral = dtype == np.bool_ or np.issubdtype(dtype, np.integer)
+    if integral and value_range is None and is_mask_name(name):
+        return np.ones(shape, dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        low, high = value_range or INT_RANGE
+        if int(high) <= int(low):
+            raise InputError(f"input range {low},{high} of '{name}' holds no integer")
+        return rng.integers(int(low), int(high), size=shape, endpoint=False).astype(dtype)
+    if value_range is not None:
+        return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)
+    return rng.standard_normal(size=shape).astype(dtype)
+
+
+def is_mask_name(name: str) -> bool:
+    return "mask" in name.lower()
+
+
+def _shape_text(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+# Ops through which an integer input keeps indexing the same table (values move, not meaning).
+_INDEX_PASSTHROUGH = {
+    "Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Expand", "Slice", "Concat",
+    "Transpose", "Tile", "Add", "Sub", "Gather", "Where", "Clip",
+}  # fmt: skip
+
+
+def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    """[0, rows) for each integer graph input that indexes an embedding table (Gather's indices).
+
+    The input is followed through Cast/Unsqueeze/Add and the like; when it reaches several
+    tables the smallest one bounds it. Only tables of known size (initializers, Constants) count.
+    """
+    graph = model.graph
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    rows: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            rows[node.output[0]] = list(node.attribute[0].t.dims)
+    initializers = {t.name for t in graph.initializer}
+    result = {}
+    for spec in graph.input:
+        if spec.name in initializers or spec.type.tensor_type.elem_type not in _INTEGER_TYPES:
+            continue
+        bounds = []
+        seen, frontier = {spec.name}, [spec.name]
+        while frontier:
+            tensor = frontier.pop()
+            for node in consumers.get(tensor, []):
+                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == tensor:
+                    table = rows.get(node.input[0])
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    if table and -len(table) <= axis < len(table) and table[axis] > 0:
+                        bounds.append(table[axis])
+                        continue
+                if node.op_type in _INDEX_PASSTHROUGH:
+                    for output in node.output:
+                        if output and output not in seen:
+                            seen.add(output)
+                            frontier.append(output)
+        if bounds:
+            result[spec.name] = (0, min(bounds))
+    return result
+
+
+_INTEGER_TYPES = {
+    onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64,
+}  # fmt: skip
+
+# Sizes tried for symbolic dims, in order; the first the original model runs on is kept.
+IMAGE_SIZES = (224, 640, 320, 64, 32)
+SEQUENCE_SIZES = (128, 64, 32, 16)
+_IMAGE_SIZE_KEYS = ("imgsz", "image_size", "img_size", "input_size")
+
+
+def shape_candidates(
+    sess, model: onnx.ModelProto, dims: dict[str, int] | None = None, shapes: dict[str, tuple] | None = None
+) -> list[dict[str, tuple]]:
+    """Input shapes to try, most plausible first.
+
+    Leading (batch) dims are 1; symbolic image dims (axes 2, 3 of a 4-D input) take the size
+    in the model's metadata if it says one, then IMAGE_SIZES; other symbolic dims take
+    SEQUENCE_SIZES; dims named like `a + b` follow the values of `a` and `b`; `dims` and
+    `shapes` given by the user are kept in every candidate.
+    """
+    dims, shapes = dims or {}, shapes or {}
+    specs = [spec for spec in sess.get_inputs() if spec.name not in shapes]
+    kinds: dict[str, str] = {}  # symbol -> "batch" | "image" | "sequence"
+    for spec in specs:
+        shape = list(spec.shape or [])
+        for axis, d in enumerate(shape):
+            if isinstance(d, int) and d >= 0:
+                continue
+            key = _symbol(spec.name, axis, d)
+            if key in dims or _expression_names(key):
+                continue
+            if axis == 0 and len(shape) >= 2 or "batch" in key.lower():
+                kind = "batch"
+            elif len(shape) == 4 and axis >= 2:
+                kind = "image"
+            else:
+                kind = "sequence"
+            kinds.setdefault(key, kind)
+    image_sizes = list(IMAGE_SIZES)
+    declared = _metadata_image_size(model)
+    if declared is not None:
+        image_sizes.insert(0, declared)
+    has_free = any(kind != "batch" for kind in kinds.values())
+    attempts = max(len(image_sizes), len(SEQUENCE_SIZES)) if has_free else 0
+    sizes = {"image": image_sizes, "sequence": list(SEQUENCE_SIZES)}
+    candidates = []
+    # The last attempt sets every free dim to 1, as fuser always did, for models no typical size fits.
+    for index in [*range(attempts), None]:
+        values = dict(dims)
+        for key, kind in kinds.items():
+            if kind == "batch" or index is None:
+                values[key] = DEFAULT_DIM
+            else:
+                values[key] = sizes[kind][min(index, len(sizes[kind]) - 1)]
+        candidate = {name: tuple(shape) for name, shape in shapes.items()}
+        for spec in specs:
+            candidate[spec.name] = tuple(
+                d if isinstance(d, int) and d >= 0 else _dim_value(_symbol(spec.name, axis, d), values)
+                for axis, d in enumerate(spec.shape or [])
+            )
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+def _symbol(input_name: str, axis: int, dim) -> str:
+    return dim if isinstance(dim, str) and dim else f"{input_name}:{axis}"
+
+
+def _expression_names(symbol: str) -> list[str]:
+    """The names in a dim like `past_sequence + sequence`; [] for a plain name."""
+    try:
+        tree = ast.parse(symbol, mode="eval")
+    except SyntaxError:
+        return []
+    if isinstance(tree.body, ast.Name):
+        return []
+    return [node.id for node in ast.walk(tree) if isinstance(node, ast.Name)]
+
+
+def _dim_value(symbol: str, values: dict[str, int]) -> int:
+    if symbol in values:
+        return values[symbol]
+    names = _expression_names(symbol)
+    if names and all(name in values for name in names):
+        try:
+            return int(_evaluate(ast.parse(symbol, mode="eval").body, values))
+        except (ValueError, ZeroDivisionError):
+            pass
+    return DEFAULT_DIM
+
+
+def _evaluate(node, values: dict[str, int]) -> int:
+    if isinstance(node, ast.Name):
+        return values[node.id]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
+        operations = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.FloorDiv: int.__floordiv__}
+        if type(node.op) in operations:
+            return operations[type(node.op)](left, right)
+    raise ValueError("not a dimension expression")
+
+
+def _metadata_image_size(model: onnx.ModelProto) -> int | None:
+    """The image size an exporter recorded (ultralytics writes imgsz: '[640, 640]')."""
+    for prop in model.metadata_props:
+        if prop.key.lower() in _IMAGE_SIZE_KEYS:
+            numbers = [int(n) for n in re.findall(r"\d+", prop.value)]
+            if numbers and 0 < numbers[0] <= 8192:
+                return numbers[0]
+    return None
 
 
 def _numpy_dtype(ort_type: str):
@@ -166,8 +381,12 @@ def _numpy_dtype(ort_type: str):
 
 
 def run(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = LOG_SEVERITY  # a failing kernel logs through the run's logger
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+    return dict(zip(names, sess.run(names, feeds, options)))
 
 
 def compare(
@@ -287,20 +506,71 @@ class Checker:
         inputs: dict[str, np.ndarray] | None = None,
         rtol: float | None = None,
         atol: float | None = None,
+        base_dir: str | os.PathLike | None = None,
     ):
         self.rtol, self.atol = rtol, atol
-        self.session = session(original)
+        self.base_dir = base_dir
+        check_names(original, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs)
+        self.session = session(original, base_dir)
         if inputs is not None:
             self.feeds = [self._named(inputs)]
+            self.expected = [self._run_original(self.feeds[0])]
         else:
-            self.feeds = [
-                synthesize_inputs(self.session, seed=seed + i, dims=dims, shapes=shapes, ranges=ranges)
-                for i in range(runs)
+            # Embedding indices stay inside their table unless the user says otherwise.
+            ranges = {**index_ranges(original), **(ranges or {})}
+            self.feeds, self.expected = self._synthesize(original, seed, runs, dims, shapes, ranges)
+        self.input_shapes = {name: tuple(value.shape) for name, value in self.feeds[0].items()}
+        self.warnings = self._meaningless_outputs(seed + runs, ranges if inputs is None else None)
+
+    def _synthesize(self, original, seed, runs, dims, shapes, ranges):
+        """Feeds of the first candidate shapes the original runs on, and its outputs for them."""
+        candidates = shape_candidates(self.session, original, dims, shapes)
+        for number, candidate in enumerate(candidates):
+            feeds = [
+                synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges) for i in range(runs)
             ]
+            try:
+                return feeds, [self._run_original(f) for f in feeds]
+            except InputError:
+                if number == len(candidates) - 1:
+                    raise
+        raise AssertionError("shape_candidates always gives at least one candidate")
+
+    def _run_original(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
-            self.expected = [run(self.session, feeds) for feeds in self.feeds]
+            return run(self.session, feeds)
         except Exception as error:  # noqa: BLE001 - onnxruntime's errors for feeds that do not fit
-            raise InputError(f"the original model cannot run on these inputs: {_first_line(error)}") from error
+            shapes = ", ".join(f"{name}{_shape_text(value.shape)}" for name, value in feeds.items())
+            raise InputError(
+                f"the original model cannot run on these inputs ({shapes}): {_first_line(error)}"
+            ) from error
+
+    def _meaningless_outputs(self, probe_seed: int, ranges) -> list[str]:
+        """Outputs whose comparison proves little: non-finite everywhere, or blind to the inputs."""
+        warnings = []
+        first = self.expected[0]
+        for name, value in first.items():
+            if value.size and _is_float(value) and not np.isfinite(value.astype(np.float64)).any():
+                warnings.append(f"output '{name}' is entirely inf/NaN on the check inputs")
+        if ranges is None and len(self.feeds) < 2:
+            return warnings  # real inputs: one set, nothing to vary
+        if len(self.feeds) >= 2:
+            other_feeds, other = self.feeds[1], self.expected[1]
+        else:
+            other_feeds = synthesize_inputs(self.session, seed=probe_seed, shapes=self.input_shapes, ranges=ranges)
+            try:
+                other = run(self.session, other_feeds)
+            except Exception:  # noqa: BLE001 - a probe only; the check itself ran
+                return warnings
+        if all(np.array_equal(other_feeds[n], v) for n, v in self.feeds[0].items()):
+            return warnings  # the inputs cannot vary (only masks, say): nothing to conclude
+        for name, value in first.items():
+            if value.size and np.array_equal(value, other[name], equal_nan=_is_float(value)):
+                warnings.append(
+                    f"output '{name}' is the same for different inputs (constant or independent of them): "
+                    "the check compares it but cannot tell much from it"
+                )
+        return warnings
 
     def _named(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         specs = self.session.get_inputs()
@@ -312,9 +582,16 @@ class Checker:
             feeds[spec.name] = value
         return feeds
 
-    def check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True) -> Verdict:
+    def check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None) -> Verdict:
+        """Compare `candidate` (external data beside `base_dir`, default the original's folder)."""
+        verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir)
+        verdict.input_shapes = dict(self.input_shapes)
+        verdict.warnings = list(self.warnings)
+        return verdict
+
+    def _check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool, base_dir) -> Verdict:
         try:
-            after = session(candidate)
+            after = session(candidate, base_dir)
         except InputError as error:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
         verdict = Verdict()
@@ -342,6 +619,47 @@ class Checker:
                 elif (_severity(check), check.max_abs_error) > (_severity(previous), previous.max_abs_error):
                     verdict.outputs[verdict.outputs.index(previous)] = check
         return verdict
+
+
+def _is_float(value: np.ndarray) -> bool:
+    return np.issubdtype(value.dtype, np.floating)
+
+
+def check_names(
+    model: onnx.ModelProto,
+    *,
+    dims: dict | None = None,
+    shapes: dict | None = None,
+    ranges: dict | None = None,
+    inputs: dict | None = None,
+) -> None:
+    """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+    initializers = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    symbols = sorted(
+        {
+            d.dim_param
+            for i in model.graph.input
+            if i.name not in initializers
+            for d in i.type.tensor_type.shape.dim
+            if d.HasField("dim_param") and d.dim_param
+        }
+    )
+    listed = ", ".join(names) or "none"
+    for option, given in (("--input-shape", shapes), ("--input-range", ranges)):
+        unknown = sorted(set(given or {}) - set(names))
+        if unknown:
+            raise UsageError(f"{option}: the model has no input {', '.join(unknown)} (its inputs: {listed})")
+    unknown = sorted(set(dims or {}) - set(symbols))
+    if unknown:
+        raise UsageError(
+            f"--dim: the model's inputs have no symbolic dimension {', '.join(unknown)} "
+            f"(symbolic dimensions: {', '.join(symbols) or 'none'})"
+        )
+    positional = {f"#{index}" for index in range(len(names))}
+    unknown = sorted(set(inputs or {}) - set(names) - positional)
+    if unknown:
+        raise UsageError(f"--inputs: the model has no input {', '.join(unknown)} (its inputs: {listed})")
 
 
 def verify(

@@ -93,7 +93,12 @@ def test_mismatch_on_an_external_data_model_exits_3_with_evidence(cli, tmp_path)
     assert len(result.stderr.strip().splitlines()) == 1 and "relu-to-neg-wrong" in result.stderr
     evidence = Path(re.search(r"evidence kept in (\S+)", result.stderr).group(1))
     assert (evidence / "report.json").exists()
-    assert "external data" in (evidence / "original.onnx.txt").read_text()
+    for name in ("original", "optimized"):  # each with its own weights, runnable from the evidence folder
+        written = onnx.load(evidence / f"{name}.onnx", load_external_data=False)
+        assert {e.value for t in written.graph.initializer for e in t.external_data if e.key == "location"} == {
+            f"{name}.onnx.data"
+        }
+        onnx.checker.check_model(str(evidence / f"{name}.onnx"), full_check=True)
     assert sorted(p.name for p in folder.iterdir()) == ["bad_rule.py", "m.bin", "m.onnx"]
 
 
@@ -149,3 +154,85 @@ def test_a_rule_that_does_not_claim_to_stabilize_cannot_hide_behind_nan():
     sqrt_abs_wrong.stabilizes = True  # what a stabilizing rule would declare: now accepted
     _, report = fuser.optimize(model, rules=[sqrt_abs_wrong])
     assert report.verdict.passed and report.verdict.stabilized == ["y"]
+
+
+# --------------------------------------------------------------------------- clean failures
+
+
+def _assert_clean_failure(result, folder: Path, before: dict, message: str) -> None:
+    """Exit 2, one line naming the problem, no traceback, nothing written, the input untouched."""
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("fuser: error:"), result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def _symbolic_model(folder: Path) -> Path:
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["y"])],
+        [("x", np.float32, ["batch", 4])],
+        [("y", np.float32, ["batch", 4])],
+        {"w": np.eye(4, dtype=np.float32), "b": np.ones(4, np.float32)},
+    )
+    onnx.save(model, folder / "m.onnx")
+    return folder / "m.onnx"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dim", "btch=8"], "--dim: the model's inputs have no symbolic dimension btch (symbolic dimensions: batch)"),
+        (["--input-shape", "nosuch:1,4"], "--input-shape: the model has no input nosuch (its inputs: x)"),
+        (["--input-range", "nosuch:0,3"], "--input-range: the model has no input nosuch (its inputs: x)"),
+        (["--seed", "-1"], "Invalid value for '--seed'"),
+        (["--atol", "-1"], "Invalid value for '--atol'"),
+        (["--rtol", "-0.5"], "Invalid value for '--rtol'"),
+        (["--dim", f"batch={2**40}"], "cannot make a check input 'x' of shape [1099511627776,4]"),
+        (["--input-shape", f"x:{2**40},4"], "cannot make a check input 'x'"),
+        (["-o", "m.onnx/inside.onnx"], "m.onnx is not a folder"),
+    ],
+)
+def test_unusable_settings_and_paths_exit_2_with_one_line(cli, tmp_path, args, message):
+    model = _symbolic_model(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", model.name, *args)
+    _assert_clean_failure(result, tmp_path, before, message)
+
+
+def test_unknown_names_in_given_inputs_are_listed(cli, tmp_path):
+    model = _symbolic_model(tmp_path)
+    np.savez(tmp_path / "inputs.npz", x=np.ones((2, 4), np.float32), typo=np.ones(1, np.float32))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", model.name, "--inputs", "inputs.npz")
+    _assert_clean_failure(result, tmp_path, before, "--inputs: the model has no input typo (its inputs: x)")
+
+
+def test_unknown_names_in_compare_are_usage_errors(cli, tmp_path):
+    model = _symbolic_model(tmp_path)
+    result = cli(tmp_path, "compare", model.name, model.name, "--input-shape", "y:2,4")
+    assert result.returncode == 2 and "no input y (its inputs: x)" in result.stderr
+
+
+def test_debug_is_accepted_anywhere(cli, tmp_path):
+    _symbolic_model(tmp_path)
+    for args in (["--debug", "optimize", "missing.onnx"], ["optimize", "missing.onnx", "--debug"]):
+        result = cli(tmp_path, *args)
+        assert result.returncode == 2 and "no such file" in result.stderr, result.stderr
+    passed = cli(tmp_path, "optimize", "m.onnx", "--debug")
+    assert passed.returncode == 0, passed.stderr
+
+
+def test_onnxruntime_log_lines_never_reach_the_user(cli, tmp_path):
+    """A model the original cannot run on the given inputs: onnxruntime logs an error of its own,
+    which fuser keeps to itself; the user sees fuser's one line."""
+    model = make_model(
+        [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+        [("x", np.float32, ["n"])],
+        [("y", np.float32, [2, 3])],
+        {"shape": np.array([2, 3], np.int64)},
+    )
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "compare", "m.onnx", "m.onnx", "--input-shape", "x:5")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "[E:onnxruntime" not in result.stderr, result.stderr
+    assert "the original model cannot run on these inputs (x[5])" in result.stderr

@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fuser.errors import InputError
+from fuser.errors import InputError, UsageError
 from fuser.verify import TOLERANCES, Checker, compare, load_inputs, session, synthesize_inputs
 from tests.helpers import fuser_cli, in_process_cli, make_model
 
@@ -339,8 +339,10 @@ def test_checker_with_given_inputs_by_name_or_position():
     assert Checker(model, inputs={"x": positive}).check(identity, False).passed
     assert Checker(model, inputs={"#0": positive}).check(identity, False).passed
     assert not Checker(model, inputs={"x": -positive}).check(identity, False).passed
-    with pytest.raises(InputError, match="'x'"):
-        Checker(model, inputs={"other": positive})
+    with pytest.raises(InputError, match="no value for graph input 'x'"):
+        Checker(model, inputs={})
+    with pytest.raises(UsageError, match=r"--inputs: the model has no input other \(its inputs: x\)"):
+        Checker(model, inputs={"x": positive, "other": positive})
 
 
 def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():

@@ -1,0 +1,244 @@
+"""Real models with default settings: check inputs that run, checks that mean something.
+
+Small stand-ins of the shapes real exports have: a BERT-like graph (embedding tables indexed
+by the inputs, a 2-row token-type table, an attention mask, a sequence length the position
+table fixes) and a YOLO-like detector (symbolic height and width, a stride-2 Conv and a Resize
+back up, which cannot run on a 1x1 image). The tiny torch exports in tests/data/transformers
+are used when present.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from fuser.verify import Checker, index_ranges, session, shape_candidates, synthesize_inputs
+from tests.helpers import in_process_cli, make_model
+
+EXPORTS = Path(__file__).parent / "data" / "transformers"
+HIDDEN = 8
+POSITIONS = 16
+
+
+def bert_like(vocabulary: int = 50) -> onnx.ModelProto:
+    """Embeddings of input_ids and token_type_ids plus a [POSITIONS, HIDDEN] position table, masked,
+    then MatMul + Add (a rewrite for the check to verify)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Gather", ["words", "input_ids"], ["word_embedding"]),
+        helper.make_node("Cast", ["token_type_ids"], ["types_int32"], to=onnx.TensorProto.INT32),
+        helper.make_node("Gather", ["token_types", "types_int32"], ["type_embedding"]),
+        helper.make_node("Add", ["word_embedding", "type_embedding"], ["summed"]),
+        helper.make_node("Add", ["summed", "positions"], ["embedded"]),  # only broadcasts for POSITIONS tokens
+        helper.make_node("Cast", ["attention_mask"], ["mask_float"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mask_float", "last_axis"], ["mask_column"]),
+        helper.make_node("Mul", ["embedded", "mask_column"], ["masked"]),
+        helper.make_node("Reshape", ["masked", "rows"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "dense_w"], ["projected"]),
+        helper.make_node("Add", ["projected", "dense_b"], ["logits"]),
+    ]
+    return make_model(
+        nodes,
+        [
+            ("input_ids", np.int64, ["batch", "sequence"]),
+            ("token_type_ids", np.int64, ["batch", "sequence"]),
+            ("attention_mask", np.int64, ["batch", "sequence"]),
+        ],
+        [("logits", np.float32, [None, HIDDEN])],
+        {
+            "words": rng.standard_normal((vocabulary, HIDDEN)).astype(np.float32),
+            "token_types": rng.standard_normal((2, HIDDEN)).astype(np.float32),
+            "positions": rng.standard_normal((POSITIONS, HIDDEN)).astype(np.float32),
+            "last_axis": np.array([-1], np.int64),
+            "rows": np.array([-1, HIDDEN], np.int64),
+            "dense_w": rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32),
+            "dense_b": rng.standard_normal(HIDDEN).astype(np.float32),
+        },
+    )
+
+
+def yolo_like() -> onnx.ModelProto:
+    """Conv -> BatchNormalization, a stride-2 branch resized back up and concatenated: on a 1x1 image
+    the halves are 1x1 and 2x2 and Concat refuses them."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Conv", ["images", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "scale", "shift", "mean", "var"], ["b1"]),
+        helper.make_node("Conv", ["b1", "w2"], ["down"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Resize", ["down", "", "factors"], ["up"], mode="nearest"),
+        helper.make_node("Concat", ["b1", "up"], ["features"], axis=1),
+    ]
+    return make_model(
+        nodes,
+        [("images", np.float32, ["batch", 3, "height", "width"])],
+        [("features", np.float32, ["batch", 8, "height", "width"])],
+        {
+            "w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+            "scale": rng.uniform(0.5, 1.5, 4).astype(np.float32),
+            "shift": rng.standard_normal(4).astype(np.float32),
+            "mean": rng.standard_normal(4).astype(np.float32),
+            "var": rng.uniform(0.5, 1.5, 4).astype(np.float32),
+            "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+            "factors": np.array([1, 1, 2, 2], np.float32),
+        },
+    )
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+# --------------------------------------------------------------------------- inputs that run
+
+
+def test_embedding_indices_stay_inside_the_smallest_table():
+    model = bert_like()
+    assert index_ranges(model) == {"input_ids": (0, 50), "token_type_ids": (0, 2)}
+    feeds = synthesize_inputs(
+        session(model),
+        shapes={n: (1, 64) for n in ("input_ids", "token_type_ids", "attention_mask")},
+        ranges=index_ranges(model),
+    )
+    assert set(np.unique(feeds["token_type_ids"])) <= {0, 1} and feeds["input_ids"].max() < 50
+    assert feeds["input_ids"].max() >= 10  # the whole table, not the old [0, 10)
+    assert (feeds["attention_mask"] == 1).all()
+
+
+def test_an_index_reaching_two_tables_is_bounded_by_the_smaller():
+    model = make_model(
+        [
+            helper.make_node("Gather", ["big", "ids"], ["a"]),
+            helper.make_node("Unsqueeze", ["ids", "axes"], ["ids2"]),
+            helper.make_node("Gather", ["small", "ids2"], ["b"]),
+        ],
+        [("ids", np.int64, [4])],
+        [("a", np.float32, [4, 2]), ("b", np.float32, [1, 4, 2])],
+        {"big": np.zeros((100, 2), np.float32), "small": np.zeros((3, 2), np.float32), "axes": np.array([0])},
+    )
+    assert index_ranges(model) == {"ids": (0, 3)}
+
+
+def test_a_sequence_length_the_model_fixes_is_found_and_the_batch_stays_1():
+    checker = Checker(bert_like())
+    assert checker.input_shapes == {
+        "input_ids": (1, POSITIONS),
+        "token_type_ids": (1, POSITIONS),
+        "attention_mask": (1, POSITIONS),
+    }
+    assert checker.warnings == []
+
+
+def test_symbolic_image_dims_get_a_size_the_detector_runs_on():
+    model = yolo_like()
+    candidates = shape_candidates(session(model), model)
+    assert candidates[0] == {"images": (1, 3, 224, 224)} and candidates[-1] == {"images": (1, 3, 1, 1)}
+    with pytest.raises(Exception, match="Concat|concat"):
+        Checker(model, shapes={"images": (1, 3, 1, 1)})  # what fuser used to try
+    assert Checker(model).input_shapes == {"images": (1, 3, 224, 224)}
+
+
+def test_an_image_size_in_the_metadata_comes_first():
+    model = yolo_like()
+    helper.set_model_props(model, {"imgsz": "[64, 64]"})
+    assert Checker(model).input_shapes == {"images": (1, 3, 64, 64)}
+
+
+def test_user_dims_and_shapes_win():
+    model = yolo_like()
+    assert Checker(model, dims={"height": 32, "width": 64}).input_shapes == {"images": (1, 3, 32, 64)}
+    assert Checker(model, shapes={"images": (2, 3, 16, 16)}).input_shapes == {"images": (2, 3, 16, 16)}
+
+
+def test_a_dim_written_as_a_sum_follows_its_parts():
+    model = make_model(
+        [helper.make_node("Concat", ["past", "new"], ["all"], axis=1), helper.make_node("Mul", ["all", "mask"], ["y"])],
+        [
+            ("past", np.float32, ["batch", "past_len"]),
+            ("new", np.float32, ["batch", "seq"]),
+            ("mask", np.float32, ["batch", "past_len + seq"]),
+        ],
+        [("y", np.float32, ["batch", None])],
+    )
+    shapes = Checker(model).input_shapes
+    assert shapes["mask"][1] == shapes["past"][1] + shapes["new"][1] == 256
+
+
+def test_optimize_a_detector_with_symbolic_image_dims_by_default(cli, tmp_path):
+    onnx.save(yolo_like(), tmp_path / "detector.onnx")
+    result = cli(tmp_path, "optimize", "detector.onnx", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    assert "numerics check: passed on images[1,3,224,224], 1 outputs" in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["numerics"]["input_shapes"] == {"images": [1, 3, 224, 224]}
+    assert report["op_types_before"]["BatchNormalization"] == 1 and "BatchNormalization" not in report["op_types_after"]
+    assert report["size_before"] == (tmp_path / "detector.onnx").stat().st_size
+    assert report["size_after"] == (tmp_path / "detector.fused.onnx").stat().st_size
+    assert "  BatchNormalization       1 -> 0" in result.stderr and "size on disk: " in result.stderr
+
+
+def test_optimize_a_bert_like_model_by_default(cli, tmp_path):
+    onnx.save(bert_like(vocabulary=30), tmp_path / "bert.onnx")
+    result = cli(tmp_path, "optimize", "bert.onnx")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "numerics check: passed on input_ids[1,16], token_type_ids[1,16], attention_mask[1,16], 1 outputs"
+        in result.stderr
+    )
+    assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["bert_legacy", "bert_dynamo", "gpt2_legacy", "gpt2_dynamo", "vit_legacy", "vit_dynamo", "llama_legacy"]
+)
+def test_tiny_torch_exports_get_inputs_they_run_on(name):
+    path = EXPORTS / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} is made by tests/data/make_transformers.py (needs torch); not present here")
+    model = onnx.load(path)
+    checker = Checker(model, base_dir=path.parent)
+    assert checker.check(model, exact=True).passed
+    assert checker.warnings == []
+    if "token_type_ids" in checker.input_shapes:
+        assert set(np.unique(checker.feeds[0]["token_type_ids"])) <= {0, 1}
+    if "attention_mask" in checker.input_shapes:
+        assert (checker.feeds[0]["attention_mask"] == 1).all()
+    assert all(d > 1 for shape in checker.input_shapes.values() for d in shape[1:])
+
+
+# --------------------------------------------------------------------------- checks that mean something
+
+
+def test_outputs_blind_to_the_inputs_and_non_finite_outputs_are_warned_about(cli, tmp_path):
+    model = make_model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["product"]),
+            helper.make_node("Add", ["product", "b"], ["y"]),
+            helper.make_node("Shape", ["x"], ["size"]),
+            helper.make_node("Abs", ["x"], ["magnitude"]),
+            helper.make_node("Neg", ["magnitude"], ["negative"]),
+            helper.make_node("Sub", ["negative", "b"], ["below"]),
+            helper.make_node("Log", ["below"], ["nan"]),
+        ],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3]), ("size", np.int64, [2]), ("nan", np.float32, [2, 3])],
+        {"w": np.eye(3, dtype=np.float32), "b": np.ones(3, np.float32)},
+    )
+    blind = "is the same for different inputs (constant or independent of them)"
+    warnings = Checker(model).warnings
+    assert len(warnings) == 3, warnings
+    assert warnings[0] == "output 'nan' is entirely inf/NaN on the check inputs"
+    assert f"output 'size' {blind}" in warnings[1] and f"output 'nan' {blind}" in warnings[2]
+    assert not Checker(model, runs=2).warnings[0].startswith("output 'y'")
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", "m.onnx", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    assert "numerics check: passed on x[2,3]" in result.stderr
+    assert f"  warning: output 'size' {blind}" in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["numerics"]["warnings"] == warnings

@@ -1,0 +1,178 @@
+"""Models whose weights live in external data files, run from anywhere, written anywhere.
+
+Every CLI test here runs from a third, unrelated folder: the input lives in one folder, the
+output goes to another, so nothing works by accident of the working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import fuser
+from fuser.errors import UsageError
+from fuser.model import writes_external_data
+from tests.helpers import in_process_cli, make_model, run
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def conv_bn(channels: int = 8) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("BatchNormalization", ["c", "scale", "shift", "mean", "var"], ["y"]),
+        ],
+        [("x", np.float32, ["batch", 3, "height", "width"])],
+        [("y", np.float32, ["batch", channels, "height", "width"])],
+        {
+            "w": rng.standard_normal((channels, 3, 3, 3)).astype(np.float32),
+            "scale": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+            "shift": rng.standard_normal(channels).astype(np.float32),
+            "mean": rng.standard_normal(channels).astype(np.float32),
+            "var": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        },
+    )
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """(input model with external data, an output folder, an unrelated working folder)."""
+    source, target, elsewhere = tmp_path / "in", tmp_path / "out", tmp_path / "cwd"
+    for folder in (source, target, elsewhere):
+        folder.mkdir()
+    onnx.save(conv_bn(16), source / "m.onnx", save_as_external_data=True, location="m.weights", size_threshold=0)
+    return source / "m.onnx", target, elsewhere
+
+
+def locations(path: Path) -> set[str]:
+    model = onnx.load(path, load_external_data=False)
+    return {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_external_data_model_optimized_from_elsewhere_into_a_third_folder(cli, folders):
+    source, target, elsewhere = folders
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 0, result.stderr
+    assert "numerics check: passed on x[1,3,224,224]" in result.stderr
+    assert sorted(p.name for p in target.iterdir()) == ["fused.onnx", "fused.onnx.data"]
+    assert locations(target / "fused.onnx") == {"fused.onnx.data"}  # relative, never the input's file
+    assert snapshot(source.parent) == before and list(elsewhere.iterdir()) == []
+    # The output stands alone: it runs with the input's folder gone, from yet another folder.
+    os.rename(source.parent, source.parent.with_name("moved"))
+    written = onnx.load(target / "fused.onnx")
+    assert [n.op_type for n in written.graph.node] == ["Conv"]
+    x = np.random.default_rng(1).standard_normal((1, 3, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(run(written, {"x": x})[0], run(conv_bn(16), {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_external_data_never_writes_one_self_contained_file(cli, folders):
+    source, target, elsewhere = folders
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx", "--external-data", "never")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in target.iterdir()) == ["fused.onnx"] and locations(target / "fused.onnx") == set()
+    onnx.checker.check_model(str(target / "fused.onnx"), full_check=True)
+
+
+def test_external_data_always_moves_inline_weights_out(cli, tmp_path):
+    (tmp_path / "cwd").mkdir()
+    onnx.save(conv_bn(channels=16), tmp_path / "m.onnx")
+    result = cli(tmp_path / "cwd", "optimize", tmp_path / "m.onnx", "--external-data", "always")
+    assert result.returncode == 0, result.stderr
+    assert locations(tmp_path / "m.fused.onnx") == {"m.fused.onnx.data"}
+    model = onnx.load(tmp_path / "m.fused.onnx", load_external_data=False)
+    inline = [t.name for t in model.graph.initializer if not t.external_data]
+    assert len(inline) == 1  # the 64-byte bias stays inline; the 1.7 KB weight goes out
+    onnx.checker.check_model(str(tmp_path / "m.fused.onnx"), full_check=True)
+
+
+def test_compare_and_check_work_from_elsewhere(cli, folders):
+    source, target, elsewhere = folders
+    assert cli(elsewhere, "optimize", source, "-o", target / "fused.onnx").returncode == 0
+    compared = cli(elsewhere, "compare", source, target / "fused.onnx")
+    assert compared.returncode == 0, compared.stderr
+    assert cli(elsewhere, "check", target / "fused.onnx").returncode == 0
+
+
+def test_python_api_from_elsewhere(folders, monkeypatch):
+    source, target, elsewhere = folders
+    monkeypatch.chdir(elsewhere)
+    optimized, report = fuser.optimize(source)
+    assert report.verdict.passed and report.verdict.input_shapes == {"x": (1, 3, 224, 224)}
+
+
+def test_files_get_the_usual_permissions(cli, folders, umask_022):
+    source, target, elsewhere = folders
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx", "--report", target / "r.json")
+    assert result.returncode == 0, result.stderr
+    for name in ("fused.onnx", "fused.onnx.data", "r.json"):
+        assert stat.S_IMODE((target / name).stat().st_mode) == 0o644, name
+    assert [p.name for p in target.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_an_existing_data_file_is_not_replaced_without_force(cli, folders):
+    source, target, elsewhere = folders
+    (target / "fused.onnx.data").write_bytes(b"someone else's")
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "fused.onnx.data already exists; pass --force" in result.stderr
+    assert sorted(p.name for p in target.iterdir()) == ["fused.onnx.data"]
+    assert cli(elsewhere, "optimize", source, "-o", target / "fused.onnx", "--force").returncode == 0
+
+
+def test_the_output_may_not_take_the_inputs_data_file(cli, folders):
+    source, target, elsewhere = folders
+    os.rename(source.parent / "m.weights", source.parent / "out.onnx.data")
+    model = onnx.load(source, load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "out.onnx.data"
+    onnx.save(model, source)
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", source.parent / "out.onnx", "--force")
+    assert result.returncode == 2 and "input's own data file" in result.stderr, result.stderr
+    assert snapshot(source.parent) == before
+
+
+def test_locations_escaping_the_models_folder_are_still_refused(cli, folders):
+    source, target, elsewhere = folders
+    model = onnx.load(source, load_external_data=False)
+    model.graph.initializer[0].external_data[0].value = "../cwd/stolen"
+    (elsewhere / "stolen").write_bytes(b"\0" * 4096)
+    onnx.save(model, source)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2 and "outside the model's folder" in result.stderr
+    assert list(target.iterdir()) == []
+
+
+def test_models_over_2_gb_are_always_written_with_external_data():
+    huge = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[2**29 + 1])  # 2 GB + 4 bytes
+    model = helper.make_model(helper.make_graph([], "g", [], [], [huge]))
+    assert writes_external_data(model, "auto") and writes_external_data(model, "always")
+    with pytest.raises(UsageError, match="exceed 2 GB"):
+        writes_external_data(model, "never")
+    small = helper.make_model(helper.make_graph([], "g", [], [], []))
+    assert not writes_external_data(small, "auto")
