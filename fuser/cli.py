@@ -491,7 +491,7 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
     if verbose:
         lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()]
     else:
-        newer = [name for name, reason in skipped.items() if reason.endswith("and later")]
+        newer = result.engine.need_newer_opset
         if newer:
             lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
     advice = result.engine.advice

@@ -85,6 +85,8 @@ class EngineResult:
     opportunities: list[Opportunity] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     skipped_rules: dict[str, str] = field(default_factory=dict)
+    # skipped rules that need a newer opset and whose root op type the model has
+    need_newer_opset: list[str] = field(default_factory=list)
     advice: list[Advice] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -122,6 +124,8 @@ class Engine:
                 self.result.skipped_rules[candidate.name] = (
                     f"the model uses opset {opset}; the rule supports {supported}"
                 )
+                if opset < low and any(model.graph.nodes_of_type(t, d) for t, d in candidate.roots):
+                    self.result.need_newer_opset.append(candidate.name)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
         self._depth = max((r.depth for r in self.rules), default=1)
