@@ -152,6 +152,8 @@ class Engine:
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
         for phase in self._phases:
+            if self.result.rewrites:
+                self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
             self._by_root = {}
             for candidate in self.rules:
                 if candidate.phase == phase:
