@@ -156,6 +156,8 @@ class Engine:
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
         for phase in self._phases:
+            if self.result.rewrites:
+                self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
             self._by_root = {}
             for candidate in self.rules:
                 if candidate.phase == phase:
@@ -344,15 +346,19 @@ class Engine:
         if _signature(builder.nodes) == _signature(graph.node(i).proto for i in removed):
             raise Decline("the replacement is identical to the match")
         self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
-        for old, new in redirects:  # the graph changes only once every check has passed
+        # The graph changes only once every check has passed; new initializers come first,
+        # as a replacement may be one of them (a folded constant) that consumers now read.
+        for tensor in builder.initializers:
+            graph.add_initializer(tensor)
+        for old, new in redirects:
             graph.redirect(old, new)
+        # Consumers now reading another tensor (a folded constant, say) may match rules anew.
+        redirected_readers = {c for _, new in redirects for c in graph.op_consumers(new)}
         for domain, version in candidate.emits.items():
             self.model.require_opset(domain, version)
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
-        created = graph.replace_nodes(
-            removed, builder.nodes, builder.initializers, graph.sort_key(root.id), candidate.name
-        )
+        created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
         self._types.invalidate()
         rewrite = Rewrite(
@@ -370,7 +376,8 @@ class Engine:
                 f"no fixed point after {self._max_rewrites} rewrites; rules {names} keep rewriting "
                 "each other's output (please report this with the model attached)"
             )
-        return self._downstream(graph, set(created) | {n for n in neighbours if graph.has_node(n)})
+        touched = set(created) | neighbours | redirected_readers
+        return self._downstream(graph, {n for n in touched if graph.has_node(n)})
 
     def _check_replacement(
         self,

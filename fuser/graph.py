@@ -468,13 +468,29 @@ class Graph:
             info = self.node(consumer)
             if slot == SUBGRAPH_SLOT:
                 raise FuserError(f"tensor '{old}' is read inside a subgraph and cannot be renamed")
+            if not self.nx.nodes[consumer].get("owned"):
+                # The loaded NodeProto belongs to the caller's model, which must stay as it was.
+                copy = NodeProto()
+                copy.CopyFrom(info.proto)
+                info.proto = copy
+                self.nx.nodes[consumer]["owned"] = True
             info.proto.input[slot] = new
             producer = self._producer[old][0]
             for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
                 if data["tensor"] == old and data["slot"] == slot:
                     self.nx.remove_edge(producer, consumer, key)
             self._connect(new, consumer, slot)
+            self._forget_not_constant(info.proto.output)
         self.modified = True
+
+    def _forget_not_constant(self, tensors: Iterable[str]) -> None:
+        """A node now reads another tensor: what it computes may have become constant."""
+        pending = [t for t in tensors if t in self._not_constant]
+        while pending:
+            tensor = pending.pop()
+            self._not_constant.discard(tensor)
+            for consumer in self.op_consumers(tensor):
+                pending.extend(t for t in self.node(consumer).proto.output if t in self._not_constant)
 
     def replace_nodes(
         self,

@@ -240,11 +240,18 @@ class TypeInfo:
     def __init__(self, model_proto_factory):
         self._factory = model_proto_factory
         self._table: dict[str, onnx.TypeProto] | None = None
+        self._previous: dict[str, onnx.TypeProto] = {}
         self._stale = False
 
     def invalidate(self) -> None:
         """The graph changed: tensors created since the last inference are looked up anew."""
         self._stale = True
+
+    def refresh(self) -> None:
+        """Infer every shape again at the next query: rewrites (folded Reshape targets, say)
+        may have made shapes known that the previous inference could not know."""
+        if self._table is not None:
+            self._previous, self._table, self._stale = self._table, None, False
 
     def _entry(self, tensor: str | None) -> onnx.TypeProto | None:
         if not tensor:
@@ -274,7 +281,8 @@ class TypeInfo:
                 for tensor in graph.initializer:
                     proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
                     table.setdefault(tensor.name, proto)
-            self._table = table
+            self._table = {**self._previous, **table}
+            self._previous = {}
         return self._table
 
     def dtype(self, tensor: str | None) -> np.dtype | None:

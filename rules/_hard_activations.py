@@ -1,0 +1,61 @@
+"""The decomposed HardSigmoid/HardSwish exporters write: Clip(x + 3, 0, 6) / 6 and friends.
+
+    HardSigmoid(x; 1/6, 1/2) = max(0, min(1, x/6 + 1/2)) = Clip(x + 3, 0, 6) / 6
+    HardSwish(x)             = x * HardSigmoid(x; 1/6, 1/2)
+
+The constants must be single values that do not broadcast x to a larger shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuser import Match, const, op, var
+
+x = var("x")
+
+# Clip(x + 3, 0, 6); a Relu6 of x + 3 as torch exports it
+RELU6_OF_X_PLUS_3 = op.Clip(
+    op.Add(x, const("three"), name="add"),
+    const("low", optional=True),
+    const("high", optional=True),
+    name="clip",
+)
+
+# Clip(x + 3, 0, 6) / 6, or the same times 1/6
+HARD_SIGMOID_FORM = (op.Div | op.Mul)(RELU6_OF_X_PLUS_3, const("six"), name="scale", commutative=False)
+
+
+def scalar(m: Match, name: str) -> float:
+    """The single value of constant `name`; declines a value that could broadcast x."""
+    value = m.value(name)
+    m.require(value.size == 1, f"'{name}' has {value.size} values, not one")
+    rank = m.rank("x")
+    m.require(
+        value.ndim == 0 or (rank is not None and value.ndim <= rank), f"'{name}' may broadcast x to a higher rank"
+    )
+    m.require(np.issubdtype(value.dtype, np.floating), f"'{name}' is {value.dtype}, not a float type")
+    return float(value.reshape(-1)[0])
+
+
+def close_to(value: float, expected: float) -> bool:
+    return abs(value - expected) <= 1e-3 * abs(expected)  # fp16 stores 1/6 to 3 digits
+
+
+def require_relu6_of_x_plus_3(m: Match) -> None:
+    m.require(scalar(m, "three") == 3.0, "the Add does not add 3")
+    if m.opset < 11:
+        low, high = m.attr("clip", "min", None), m.attr("clip", "max", None)
+    else:
+        low = scalar(m, "low") if m.has("low") else None
+        high = scalar(m, "high") if m.has("high") else None
+    m.require(low == 0.0 and high == 6.0, f"the Clip is to [{low}, {high}], not [0, 6]")
+
+
+def require_hard_sigmoid_form(m: Match) -> None:
+    require_relu6_of_x_plus_3(m)
+    six = scalar(m, "six")
+    divides = m.node("scale").op_type == "Div"
+    m.require(
+        close_to(six, 6.0) if divides else close_to(six, 1 / 6), "the Clip is not divided by 6 (or multiplied by 1/6)"
+    )

@@ -1,0 +1,58 @@
+"""A node whose inputs are all constants  =>  an initializer holding its result.
+
+Exporters compute shapes, pads and index tensors in the graph; once their inputs are fixed
+these are constants, and a Pad or Reshape reading a constant is what the other rules (and
+onnxruntime's kernels) want to see. `Constant` nodes become initializers the same way.
+Values come from onnx's reference evaluator (fuser/constants.py). A result larger than both
+the constants it replaces and FOLD_BYTES stays a computation, so a ConstantOfShape that builds
+a large weight does not grow the file. Initializers a graph input can override (listed as
+inputs since IR 4) are not constants and are never folded.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, used
+
+from fuser import Builder, Match, const, op, rule
+
+PRIORITY = 1
+
+MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they are
+
+# Identity is left to identity-elimination, which rewires to the constant instead of copying it.
+FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
+
+
+@rule(
+    "constant-fold",
+    pattern=FOLDABLE(*[const(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
+    phase=SIMPLIFY_PHASE,
+)
+def constant_fold(m: Match, b: Builder):
+    """A node of constant inputs  =>  its value, as an initializer."""
+    node = m.node("node")
+    inputs = [m.value(f"input{i}") for i in range(len(node.inputs)) if node.inputs[i]]
+    given = sum(value.nbytes for value in inputs)
+    limit = None if node.op_type == "Constant" else max(FOLD_BYTES, given)
+    results = []
+    for output in node.outputs:
+        if not output:
+            continue
+        if not used(m, output):
+            results.append(None)
+            continue
+        value = m.graph.constant_value(output) if limit is None else m.graph.constant_value(output, max_bytes=limit)
+        if value is None and limit is not None:
+            large = m.graph.constant_value(output)
+            m.require(
+                large is None,
+                f"the result would take {0 if large is None else large.nbytes} bytes, more than its "
+                f"constant inputs ({given}) and {FOLD_BYTES}: it stays a computation",
+            )
+        m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
+        results.append(b.constant(value, "folded"))
+    m.require(any(r is not None for r in results), "no output is used")
+    return results

@@ -1,0 +1,45 @@
+"""x * HardSigmoid(x, 1/6, 0.5)  or  x * Clip(x + 3, 0, 6) / 6  =>  HardSwish(x) (opset 14).
+
+MobileNetV3-style activations arrive decomposed from most exporters; HardSwish is one
+kernel instead of two to four, with no temporaries. hardsigmoid-decomposed turns the
+x * (Clip(x + 3, 0, 6) / 6) form into x * HardSigmoid(x) first; the other grouping,
+(x * Clip(x + 3, 0, 6)) / 6, is matched here.
+"""
+
+from __future__ import annotations
+
+from fuser.rules._hard_activations import RELU6_OF_X_PLUS_3, close_to, require_relu6_of_x_plus_3, scalar, x
+from fuser.rules._simplify import SIMPLIFY_PHASE
+
+from fuser import Builder, Match, const, op, rule
+
+PRIORITY = 4
+
+
+@rule(
+    "hardswish-decomposed",
+    pattern=op.Mul(x, op.HardSigmoid(x, name="hsig"), name="mul"),
+    phase=SIMPLIFY_PHASE,
+    opsets=(14, None),
+)
+def hardswish_decomposed(m: Match, b: Builder):
+    """x * HardSigmoid(x, alpha=1/6, beta=0.5)  =>  HardSwish(x)."""
+    alpha, beta = float(m.attr("hsig", "alpha", 0.2)), float(m.attr("hsig", "beta", 0.5))
+    m.require(close_to(alpha, 1 / 6), f"HardSigmoid's alpha is {alpha:g}, not 1/6")
+    m.require(beta == 0.5, f"HardSigmoid's beta is {beta:g}, not 0.5")
+    return b.HardSwish(m["x"])
+
+
+@rule(
+    "hardswish-clip",
+    pattern=(op.Div | op.Mul)(op.Mul(x, RELU6_OF_X_PLUS_3, name="mul"), const("six"), name="scale", commutative=False),
+    phase=SIMPLIFY_PHASE,
+    opsets=(14, None),
+)
+def hardswish_clip(m: Match, b: Builder):
+    """(x * Clip(x + 3, 0, 6)) / 6  =>  HardSwish(x)."""
+    require_relu6_of_x_plus_3(m)
+    six = scalar(m, "six")
+    divides = m.node("scale").op_type == "Div"
+    m.require(close_to(six, 6.0) if divides else close_to(six, 1 / 6), "the product is not divided by 6")
+    return b.HardSwish(m["x"])

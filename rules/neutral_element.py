@@ -1,0 +1,51 @@
+"""x + 0, x - 0, x * 1, x / 1  =>  x, where the constant changes neither shape nor dtype.
+
+Exporters leave arithmetic with neutral constants behind (a scale of 1, a zero bias of a
+layer that has none); it costs a pass over the tensor and hides x's producer from the
+fusion rules. Only where the constant broadcasts to x's own shape: x + zeros([4, 1]) for an
+x of shape [1, 1] is a [4, 1] tensor, not x. Adding zero turns -0.0 into +0.0, which every
+comparison treats as equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape
+
+from fuser import Builder, Match, const, op, rule, var
+
+PRIORITY = 4
+
+NEUTRAL = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}
+
+
+@rule(
+    "neutral-element",
+    pattern=(op.Add | op.Mul)(var("x"), const("c"), name="arith"),
+    phase=SIMPLIFY_PHASE,
+    exact=True,
+)
+def neutral_element(m: Match, b: Builder):
+    """x + 0  or  x * 1  =>  x."""
+    return _neutral(m)
+
+
+@rule(
+    "neutral-element-right",
+    pattern=(op.Sub | op.Div)(var("x"), const("c"), name="arith", commutative=False),
+    phase=SIMPLIFY_PHASE,
+    exact=True,
+)
+def neutral_element_right(m: Match, b: Builder):
+    """x - 0  or  x / 1  =>  x."""
+    return _neutral(m)
+
+
+def _neutral(m: Match) -> str:
+    kind = m.node("arith").op_type
+    value = m.value("c")
+    m.require(value.size > 0 and bool(np.all(value == NEUTRAL[kind])), f"the constant is not all {NEUTRAL[kind]}")
+    dtype = m.dtype("x")
+    m.require(dtype is not None and dtype == value.dtype, f"x is {dtype}, the constant {value.dtype}")
+    m.require(broadcast_keeps_shape(m, "x", value), f"the constant of shape {value.shape} may broadcast x's shape")
+    return m["x"]
