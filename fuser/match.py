@@ -234,6 +234,24 @@ class Match:
         return name_or_tensor
 
 
+def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict[str, onnx.TypeProto]:
+    """Entries of an earlier inference run that the fresh one lacks, with the dim names shape
+    inference made up ('unk__3') made unique to that run: each run numbers them anew, and an
+    equal name must keep meaning an equal dim (rules compare them to prove shapes equal)."""
+    carried = {}
+    for name, entry in previous.items():
+        if name in fresh:
+            continue
+        dims = entry.tensor_type.shape.dim if entry.HasField("tensor_type") else ()
+        if any(d.dim_param.startswith("unk__") for d in dims):
+            entry = onnx.TypeProto.FromString(entry.SerializeToString())
+            for dim in entry.tensor_type.shape.dim:
+                if dim.dim_param.startswith("unk__"):
+                    dim.dim_param = f"run{run}.{dim.dim_param}"
+        carried[name] = entry
+    return carried
+
+
 class TypeInfo:
     """Element types and shapes of tensors, from the model's annotations and shape inference."""
 
@@ -242,6 +260,7 @@ class TypeInfo:
         self._table: dict[str, onnx.TypeProto] | None = None
         self._previous: dict[str, onnx.TypeProto] = {}
         self._stale = False
+        self._runs = 0
 
     def invalidate(self) -> None:
         """The graph changed: tensors created since the last inference are looked up anew."""
@@ -261,9 +280,8 @@ class TypeInfo:
             # Re-infer, but keep what was known: shape inference stops at operators it does
             # not know (com.microsoft ones a rule created), and rewrites keep the types of
             # the tensors they replace.
-            previous, self._table, self._stale = self._table, None, False
-            self._table = {**previous, **self._load()}
-            entry = self._table.get(tensor)
+            self._previous, self._table, self._stale = self._table, None, False
+            entry = self._load().get(tensor)
         return entry
 
     def _load(self) -> dict[str, onnx.TypeProto]:
@@ -281,7 +299,8 @@ class TypeInfo:
                 for tensor in graph.initializer:
                     proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
                     table.setdefault(tensor.name, proto)
-            self._table = {**self._previous, **table}
+            self._runs += 1
+            self._table = {**_carried(self._previous, table, self._runs - 1), **table}
             self._previous = {}
         return self._table
 

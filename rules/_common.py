@@ -91,3 +91,13 @@ def broadcast_over(m: Match, value: np.ndarray, dims: tuple[int, ...], rank: int
         return np.broadcast_to(value.reshape(value.shape[len(leading) :]), dims)
     except ValueError:
         raise Decline(f"{what} of shape {value.shape} does not broadcast to {dims}") from None
+
+
+def same_dim(a, b) -> bool:
+    """Whether two dims from shape inference are provably equal: the same fixed size, or the same
+    symbolic name (Match.shape keeps made-up names like 'unk__3' unique to their inference run)."""
+    return a == b and a != "?"
+
+
+def same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))

@@ -7,14 +7,14 @@ kernels normalize the last axis of 2-D or 3-D float32/float16 inputs with a 1-D 
 take the skip (second addend) with the input's shape, or [1, S, H] / [S, H] against a
 [B, S, H] input. With a skip of batch B and an input of batch 1 the kernel returns a batch-1
 result where Add broadcasts, so every dimension must be provably equal (the same size or the
-same symbolic name); where shape inference cannot show that, the rule declines. A constant
+same symbolic name the model declares; see same_dim); where that cannot be shown, the rule declines. A constant
 1-D bias added to one addend first (the projection's bias: MatMul -> Add(bias) -> residual
 Add) goes into the kernel's bias input.
 """
 
 from __future__ import annotations
 
-from fuser.rules._common import require_float
+from fuser.rules._common import require_float, same_shape
 
 from fuser import Builder, Decline, Match, const, op, rule, var
 
@@ -24,12 +24,11 @@ SKIP_DTYPES = ("float16", "float32")
 
 def _skip_fits(input_shape: tuple, skip: tuple) -> bool:
     """Whether the kernel computes input + skip exactly as Add would broadcast it."""
-    known = all(d != "?" for d in input_shape + skip)
-    if not known or len(input_shape) not in (2, 3):
+    if len(input_shape) not in (2, 3):
         return False
-    if skip == input_shape:
+    if same_shape(skip, input_shape):
         return True
-    return len(input_shape) == 3 and (skip == (1, *input_shape[1:]) or skip == input_shape[1:])
+    return len(input_shape) == 3 and (same_shape(skip, (1, *input_shape[1:])) or same_shape(skip, input_shape[1:]))
 
 
 def _sums(norm, *params):
