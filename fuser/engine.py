@@ -224,14 +224,15 @@ class Engine:
                     raise
                 except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
                     raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
-                if not apply:
-                    self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
-                    return []
                 try:
-                    return self._apply(graph, scope, candidate, match, builder, outputs, keep)
+                    touched = self._apply(graph, scope, candidate, match, builder, outputs, keep, commit=apply)
                 except Decline as decline:
                     if self.trace:
                         self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
+                    continue
+                if not apply:  # check mode lists what optimize would do: the same checks passed
+                    self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
+                return touched
         return []
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
@@ -299,7 +300,9 @@ class Engine:
         builder: Builder,
         outputs: list[str],
         keep: set[int],
+        commit: bool = True,
     ) -> list[int]:
+        """Check the replacement and, with commit, put it in the graph; returns the nodes to revisit."""
         root = match.root
         root_outputs = [o for o in root.outputs if o]
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
@@ -346,6 +349,8 @@ class Engine:
         if _signature(builder.nodes) == _signature(graph.node(i).proto for i in removed):
             raise Decline("the replacement is identical to the match")
         self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
+        if not commit:
+            return []
         # The graph changes only once every check has passed; new initializers come first,
         # as a replacement may be one of them (a folded constant) that consumers now read.
         for tensor in builder.initializers:

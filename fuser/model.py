@@ -124,9 +124,51 @@ def read_model(path: Path) -> ModelProto:
         # type (float `axes`) before a rule reads them.
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
+        if not _valid_for_onnxruntime(model, error):
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
     return model
+
+
+# A private domain for checking a copy of a model: onnx.checker skips domains it does not know.
+_RUNTIME_DOMAIN = "fuser.onnxruntime-default-domain"
+
+
+def _valid_for_onnxruntime(model: ModelProto, error: Exception) -> bool:
+    """Whether `error` is only onnx.checker not knowing operators that onnxruntime registers in
+    the default domain (SimplifiedLayerNormalization, or LayerNormalization below opset 17, as
+    onnxruntime's tools and fuser's onnxruntime target write them) and a copy with those nodes
+    moved to a private domain passes the full check: everything else is still checked."""
+    if "No Op registered for" not in str(error):
+        return False
+    from fuser.verify import onnxruntime_default_domain_ops
+
+    runtime_ops = onnxruntime_default_domain_ops()
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    copy = ModelProto()
+    copy.CopyFrom(model)
+    moved = 0
+    for graph in all_graph_protos(copy.graph):
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in runtime_ops and not _onnx_knows(node.op_type, version):
+                node.domain = _RUNTIME_DOMAIN
+                moved += 1
+    if not moved:
+        return False
+    copy.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
+    try:
+        onnx.checker.check_model(copy, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _onnx_knows(op_type: str, version: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, version, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
 
 
 EXTERNAL_DATA_MODES = ("auto", "always", "never")

@@ -681,3 +681,11 @@ def verify(
 
 def _severity(check: OutputCheck) -> int:
     return {"ok": 0, "stabilized": 1, "mismatch": 2}[check.status]
+
+
+def onnxruntime_default_domain_ops() -> frozenset[str]:
+    """Operators the installed onnxruntime registers in the default ONNX domain, its own
+    additions included (SimplifiedLayerNormalization), which onnx.checker does not know."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as runtime
+
+    return frozenset(s.name for s in runtime.get_all_operator_schema() if s.domain in ("", "ai.onnx"))

@@ -404,7 +404,8 @@ def clip_bounds(m: Match, b: Builder):
     lo = None if m.value("lo") is None else float(m.value("lo"))
     hi = None if m.value("hi") is None else float(m.value("hi"))
     CLIPS.append((m.has("lo"), m["lo"], lo, m.has("hi"), m["hi"], hi))
-    return b.Clip(m["x"], m["lo"], m["hi"])
+    # Not the match itself again: check mode lists only what optimize would apply.
+    return b.Clip(b.Identity(m["x"]), m["lo"], m["hi"])
 
 
 @pytest.mark.parametrize(
@@ -1066,3 +1067,18 @@ def test_numerics_helper_sanity():
     assert not np.array_equal(run(a, feeds)[0], run(b, feeds)[0])
     with pytest.raises(AssertionError):
         assert_same_outputs(a, b, feeds)
+
+
+def test_check_mode_lists_only_what_optimize_applies():
+    """A replacement that optimize declines in its final checks (here: the same node again) is
+    no opportunity either, so `fuser check` on an optimized model finds nothing to do."""
+
+    @rule("clip-again", pattern=op.Clip(var("x"), name="clip"))
+    def clip_again(m: Match, b: Builder):
+        """Clip(x) => Clip(x)."""
+        return b.Clip(m["x"])
+
+    proto = make_model([helper.make_node("Clip", ["x"], ["y"], name="clip")], [("x", F32, [4])], [("y", F32, [4])])
+    assert fuser.find_opportunities(proto, rules=[clip_again]).opportunities == []
+    _, report = fuser.optimize(proto, rules=[clip_again], check=False)
+    assert report.counts == {}
