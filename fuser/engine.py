@@ -94,6 +94,10 @@ class EngineResult:
         return dict(Counter(r.rule for r in self.rewrites))
 
 
+# How often one phase runs again because inferring shapes anew taught it more.
+PHASE_ROUNDS = 4
+
+
 class Engine:
     def __init__(
         self,
@@ -164,7 +168,13 @@ class Engine:
                     for op_type, _ in candidate.roots:
                         if candidate not in self._by_root.get(op_type, ()):
                             self._by_root.setdefault(op_type, []).append(candidate)
-            self._run_phase(graph, scope, apply)
+            # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes the
+            # dims below it) can let the phase's rules do more: its fixed point includes them.
+            for _ in range(PHASE_ROUNDS):
+                before = len(self.result.rewrites)
+                self._run_phase(graph, scope, apply)
+                if len(self.result.rewrites) == before or self._limit_reached() or not self._types.learns_more():
+                    break
 
     def _run_phase(self, graph: Graph, scope: str, apply: bool) -> None:
         heap: list[tuple[tuple, int]] = []

@@ -252,6 +252,16 @@ def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict
     return carried
 
 
+def _known_dims(table: dict[str, onnx.TypeProto]) -> int:
+    return sum(
+        1
+        for entry in table.values()
+        if entry.HasField("tensor_type")
+        for dim in entry.tensor_type.shape.dim
+        if dim.HasField("dim_value")
+    )
+
+
 class TypeInfo:
     """Element types and shapes of tensors, from the model's annotations and shape inference."""
 
@@ -271,6 +281,14 @@ class TypeInfo:
         may have made shapes known that the previous inference could not know."""
         if self._table is not None:
             self._previous, self._table, self._stale = self._table, None, False
+
+    def learns_more(self) -> bool:
+        """Infer every shape again now; True when that fixed more dims than were known before."""
+        if self._table is None:
+            return False
+        known = _known_dims(self._table)
+        self.refresh()
+        return _known_dims(self._load()) > known
 
     def _entry(self, tensor: str | None) -> onnx.TypeProto | None:
         if not tensor:
