@@ -36,7 +36,7 @@ from fuser.model import (
 from fuser.config import default_map
 from fuser.registry import all_rules, select
 from fuser.tensors import external_data_fields, uses_external_data
-from fuser.verify import check_names
+from fuser.verify import check_names, input_names
 
 EXIT_CODES_HELP = """\b
 Exit codes (every command):
@@ -207,6 +207,17 @@ def _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol) -
     }
 
 
+def _check_names(model, settings: dict) -> None:
+    """Names typed on the command line must exist in the model; names from [tool.fuser], which
+    serves every model of a project, apply to the models that have them."""
+    names, symbols = input_names(model)
+    context = click.get_current_context()
+    for parameter, known in (("dims", symbols), ("shapes", names), ("ranges", names)):
+        if context.get_parameter_source(parameter) == click.core.ParameterSource.DEFAULT_MAP:
+            settings[parameter] = {k: v for k, v in settings[parameter].items() if k in known}
+    check_names(model, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
+
+
 def with_rule_options(function):
     for option in reversed(rule_options):
         function = option(function)
@@ -300,7 +311,7 @@ def optimize(
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         size_before = _size_on_disk(source, loaded)
         original_proto = loaded.to_proto()
-        check_names(original_proto, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
+        _check_names(original_proto, settings)
         if writes_external_data(original_proto, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
@@ -570,6 +581,7 @@ def compare(
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        _check_names(a.to_proto(), settings)
         verdict = Checker(a.to_proto(), base_dir=a.base_dir, **settings).check(b.to_proto(), exact, base_dir=b.base_dir)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
@@ -585,6 +597,8 @@ def compare(
             fmt,
         )
         if fmt == "text":
+            _say(f"checked on {verdict.inputs_text()}")
+            _say("\n".join(f"warning: {warning}" for warning in verdict.warnings), quiet=not verdict.warnings)
             if verdict.load_error:
                 _say(verdict.summary())
             for o in verdict.outputs:

@@ -625,15 +625,8 @@ def _is_float(value: np.ndarray) -> bool:
     return np.issubdtype(value.dtype, np.floating)
 
 
-def check_names(
-    model: onnx.ModelProto,
-    *,
-    dims: dict | None = None,
-    shapes: dict | None = None,
-    ranges: dict | None = None,
-    inputs: dict | None = None,
-) -> None:
-    """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+def input_names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """The graph inputs a caller may feed, and the symbolic dimension names in their shapes."""
     initializers = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in initializers]
     symbols = sorted(
@@ -645,6 +638,19 @@ def check_names(
             if d.HasField("dim_param") and d.dim_param
         }
     )
+    return names, symbols
+
+
+def check_names(
+    model: onnx.ModelProto,
+    *,
+    dims: dict | None = None,
+    shapes: dict | None = None,
+    ranges: dict | None = None,
+    inputs: dict | None = None,
+) -> None:
+    """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+    names, symbols = input_names(model)
     listed = ", ".join(names) or "none"
     for option, given in (("--input-shape", shapes), ("--input-range", ranges)):
         unknown = sorted(set(given or {}) - set(names))
