@@ -41,6 +41,7 @@ class OutputCheck:
     rtol: float = 0.0
     atol: float = 0.0
     stabilized_elements: int = 0
+    nonfinite_mismatches: int = 0  # elements inf/NaN in one model and different in the other
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +56,7 @@ class OutputCheck:
             "rtol": self.rtol,
             "atol": self.atol,
             "stabilized_elements": self.stabilized_elements,
+            "nonfinite_mismatches": self.nonfinite_mismatches,
         }
 
 
@@ -76,8 +78,12 @@ class Verdict:
         if not failures:
             return "all outputs match"
         worst = failures[0]
+        special = ""
+        if worst.nonfinite_mismatches:  # their difference is not a number: say so instead of "error 0"
+            special = f"{worst.nonfinite_mismatches} element(s) inf/NaN in one model and not the same in the other, "
         return (
-            f"output '{worst.name}' differs: max abs error {worst.max_abs_error:.3g}, "
+            f"output '{worst.name}' differs: {special}max abs error {worst.max_abs_error:.3g}"
+            f"{' among finite values' if special else ''}, "
             f"{worst.fraction_out_of_tolerance:.1%} of elements out of tolerance "
             f"(rtol={worst.rtol:g}, atol={worst.atol:g}), worst at {worst.worst_index}"
         )
@@ -452,6 +458,7 @@ def compare(
     check.max_rel_error = float(rel.max())
     check.fraction_out_of_tolerance = float(bad.mean())
     check.stabilized_elements = int(stabilized.sum())
+    check.nonfinite_mismatches = int((bad & ~comparable).sum())
     if bad.any():
         check.status = "mismatch"
         score = np.where(bad, np.where(comparable, diff, np.inf), -1.0)

@@ -757,3 +757,17 @@ def test_compare_of_outputs_with_infinities_prints_no_numpy_warnings(tmp_path):
             "warning: output 'y' is entirely inf/NaN on the check inputs",
         ]
         assert len(result.stderr.strip().splitlines()) == 3, result.stderr
+
+
+def test_a_mismatch_of_infinities_is_described_as_such():
+    from fuser.verify import Verdict
+
+    expected = np.array([1.0, 2.0, 3.0, 4.0], np.float16)
+    actual = np.array([1.0, np.inf, 3.0, -np.inf], np.float16)
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch" and check.nonfinite_mismatches == 2 and check.max_abs_error == 0
+    summary = Verdict(outputs=[check]).summary()
+    assert summary.startswith(
+        "output 'y' differs: 2 element(s) inf/NaN in one model and not the same in the other, "
+        "max abs error 0 among finite values, 50.0% of elements out of tolerance"
+    )
