@@ -123,7 +123,10 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    write_bytes_atomically(path, (text + "\n").encode())
+    try:
+        write_bytes_atomically(path, (text + "\n").encode())
+    except FuserError as error:
+        raise ReportPathError(str(error)) from error
 
 
 rule_options = [
@@ -361,7 +364,12 @@ def optimize(
         if isinstance(error, ReportPathError):
             report_path = None
         if report_path or fmt == "json":
-            _emit_report(report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt)
+            try:
+                _emit_report(
+                    report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt
+                )
+            except (OSError, FuserError):
+                pass  # the report's own path is unusable; the one-line error above already said why
         return code
 
 
@@ -373,7 +381,7 @@ def _fail_with_report(command: str, error: BaseException, debug: bool, report_pa
     if (report_path or fmt == "json") and not isinstance(error, BrokenPipeError):
         try:
             _emit_report(report_module.envelope(command, "error", code, error=str(error)), report_path, fmt)
-        except OSError:
+        except (OSError, FuserError):
             pass  # the report's own path is unusable; the one-line error above already said why
     return code
 
@@ -445,6 +453,10 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
     """The report never lands on a model: `--report model.onnx` would destroy it."""
     if report_path is None:
         return
+    try:
+        _check_folder(Path(report_path))
+    except UsageError as error:
+        raise ReportPathError(f"--report {error}") from error
     target = Path(report_path).resolve()
     for model in models:
         if target == model.resolve():
@@ -467,12 +479,17 @@ def _size_on_disk(path: Path, model: Model | None = None) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _check_destination(source: Path, destination: Path, force: bool) -> None:
-    folder = destination.parent
+def _check_folder(path: Path) -> None:
+    """Refuse early a path that cannot be written: an existing ancestor of it is not a folder."""
+    folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        raise UsageError(f"{destination}: cannot write there, {folder} is not a folder")
+        raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
+
+
+def _check_destination(source: Path, destination: Path, force: bool) -> None:
+    _check_folder(destination)
     if destination.exists() and source.exists() and destination.resolve() == source.resolve():
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
     if destination.exists() and not force:

@@ -236,3 +236,12 @@ def test_onnxruntime_log_lines_never_reach_the_user(cli, tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "[E:onnxruntime" not in result.stderr, result.stderr
     assert "the original model cannot run on these inputs (x[5])" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["optimize", "m.onnx"], ["check", "m.onnx"], ["compare", "m.onnx", "m.onnx"]])
+def test_a_report_path_under_a_file_exits_2_before_anything_is_written(cli, tmp_path, command):
+    _symbolic_model(tmp_path)
+    (tmp_path / "afile").write_text("")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, *command, "--report", "afile/r.json")
+    _assert_clean_failure(result, tmp_path, before, "--report afile/r.json: cannot write there, afile is not a folder")
