@@ -55,8 +55,16 @@ class Model:
             yield from g.initializers()
 
     def check_external_data(self) -> None:
+        """Every stored tensor (initializers, Constant values) fits its dtype and dims, and its
+        external data stays inside the model's folder."""
         for tensor in self.initializers():
             self.tensors.check(tensor)
+        for g in self.graph.all_graphs():
+            for node in g.nodes():
+                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    for attribute in node.proto.attribute:
+                        if attribute.name == "value" and attribute.HasField("t"):
+                            self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
 
     def to_proto(self) -> ModelProto:
         model = ModelProto()
