@@ -435,7 +435,7 @@ def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
             continue
         try:
             write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
-        except FuserError as reason:  # weights in external data stay beside the input
+        except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
             (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder
 
