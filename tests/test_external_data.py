@@ -176,3 +176,14 @@ def test_models_over_2_gb_are_always_written_with_external_data():
         writes_external_data(model, "never")
     small = helper.make_model(helper.make_graph([], "g", [], [], []))
     assert not writes_external_data(small, "auto")
+
+
+def test_an_external_data_file_too_short_for_its_tensor_is_the_inputs_fault(cli, folders):
+    source, target, elsewhere = folders
+    data = source.parent / "m.weights"
+    data.write_bytes(data.read_bytes()[:-8])  # the last tensor loses two floats
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "does not hold the" in result.stderr and "m.weights" in result.stderr
+    assert snapshot(source.parent) == before and list(target.iterdir()) == []
