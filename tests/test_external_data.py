@@ -117,7 +117,7 @@ def test_compare_and_check_work_from_elsewhere(cli, folders):
 
 
 def test_python_api_from_elsewhere(folders, monkeypatch):
-    source, target, elsewhere = folders
+    source, _, elsewhere = folders
     monkeypatch.chdir(elsewhere)
     _, report = fuser.optimize(source)
     assert report.verdict.passed and report.verdict.input_shapes == {"x": (1, 3, 224, 224)}
@@ -143,7 +143,7 @@ def test_an_existing_data_file_is_not_replaced_without_force(cli, folders):
 
 
 def test_the_output_may_not_take_the_inputs_data_file(cli, folders):
-    source, target, elsewhere = folders
+    source, _, elsewhere = folders
     os.rename(source.parent / "m.weights", source.parent / "out.onnx.data")
     model = onnx.load(source, load_external_data=False)
     for tensor in model.graph.initializer:
