@@ -339,3 +339,16 @@ def test_configured_names_apply_to_the_models_that_have_them(cli, tmp_path):
     typed = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "typed.onnx", "--dim", "sequence=8")
     assert typed.returncode == 2 and "no symbolic dimension sequence" in typed.stderr
     assert not (tmp_path / "typed.onnx").exists()
+
+
+def test_external_data_from_pyproject(cli, tmp_path):
+    write_pyproject(tmp_path, 'external-data = "always"\n')
+    copy_resnet(tmp_path)
+    result = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "out.onnx")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out.onnx.data").is_file()
+    inline = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "inline.onnx", "--external-data", "never")
+    assert inline.returncode == 0 and not (tmp_path / "inline.onnx.data").exists()
+    write_pyproject(tmp_path, 'external-data = "sometimes"\n')
+    bad = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "bad.onnx")
+    assert bad.returncode == 2 and "sometimes" in bad.stderr
