@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import click
+import onnx
 
 import fuser
 from fuser import api, verify, report as report_module
@@ -34,6 +35,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.config import default_map
+from fuser.graph import all_graph_protos
 from fuser.registry import all_rules, select
 from fuser.tensors import external_data_fields, uses_external_data
 from fuser.verify import check_names, input_names
@@ -404,11 +406,13 @@ def _op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
 
 
 def _bytes_text(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KB", "MB", "GB"):
         size /= 1024
-    return f"{size} B"
+        if size < 1024 or unit == "GB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[str, ...]:
@@ -467,9 +471,15 @@ def _size_on_disk(path: Path, model: Model | None = None) -> int:
     """The model file plus the external data files it references (each counted once)."""
     files = {path.resolve()}
     if model is None:
-        data = external_data_path(path)
-        if data.exists():
-            files.add(data.resolve())
+        if external_data_path(path).exists():  # maybe stale from an earlier run: count it only if referenced
+            written = onnx.load(path, load_external_data=False)
+            referenced = {
+                external_data_fields(t).get("location", "")
+                for g in all_graph_protos(written.graph)
+                for t in g.initializer
+                if uses_external_data(t)
+            }
+            files |= {(path.parent / location).resolve() for location in referenced}
     else:
         files |= {
             model.tensors.resolve(external_data_fields(t).get("location", ""))

@@ -6,6 +6,7 @@ output goes to another, so nothing works by accident of the working directory.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -187,3 +188,18 @@ def test_an_external_data_file_too_short_for_its_tensor_is_the_inputs_fault(cli,
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "does not hold the" in result.stderr and "m.weights" in result.stderr
     assert snapshot(source.parent) == before and list(target.iterdir()) == []
+
+
+def test_size_on_disk_counts_the_data_file_and_only_a_referenced_one(cli, folders):
+    source, target, elsewhere = folders
+    first = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx", "--report", target / "a.json")
+    assert first.returncode == 0, first.stderr
+    report = json.loads((target / "a.json").read_text())
+    assert report["size_before"] == source.stat().st_size + (source.parent / "m.weights").stat().st_size
+    assert report["size_after"] == sum((target / n).stat().st_size for n in ("fused.onnx", "fused.onnx.data"))
+    again = cli(
+        elsewhere, "optimize", source, "-o", target / "fused.onnx", "--force", "--external-data", "never",
+        "--report", target / "b.json",
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert json.loads((target / "b.json").read_text())["size_after"] == (target / "fused.onnx").stat().st_size
