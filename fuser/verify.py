@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from fuser.errors import InputError, UsageError
+from fuser.tensors import TensorStore, uses_external_data
 
 # (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -135,7 +136,28 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
+        if base_dir is not None and any(uses_external_data(t) for t in model.graph.initializer):
+            # An onnxruntime without the folder option looks in the working directory: hand it the bytes.
+            try:
+                inline = with_inline_weights(model, base_dir)
+                return ort.InferenceSession(inline.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
         raise InputError(f"onnxruntime cannot load the model: {_first_line(error)}") from error
+
+
+def with_inline_weights(model: onnx.ModelProto, base_dir: str | os.PathLike) -> onnx.ModelProto:
+    """A copy of `model` whose main-graph external data is read from `base_dir` into the file."""
+    store = TensorStore(Path(base_dir))
+    inline = onnx.ModelProto()
+    inline.CopyFrom(model)
+    for tensor in inline.graph.initializer:
+        if uses_external_data(tensor):
+            raw = store.raw_bytes(tensor)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.raw_data = raw
+    return inline
 
 
 def _first_line(error: BaseException) -> str:

@@ -203,3 +203,20 @@ def test_size_on_disk_counts_the_data_file_and_only_a_referenced_one(cli, folder
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert json.loads((target / "b.json").read_text())["size_after"] == (target / "fused.onnx").stat().st_size
+
+
+def test_weights_can_be_handed_to_onnxruntime_inline_from_any_folder(folders, monkeypatch):
+    """The fallback for an onnxruntime without the external-data folder option."""
+    import onnxruntime as ort
+
+    from fuser.verify import with_inline_weights
+
+    source, _, elsewhere = folders
+    monkeypatch.chdir(elsewhere)
+    model = onnx.load(source, load_external_data=False)
+    inline = with_inline_weights(model, source.parent)
+    assert all(not t.external_data for t in inline.graph.initializer)
+    assert model.graph.initializer[0].external_data  # the given model is left as it was
+    x = np.random.default_rng(2).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    session = ort.InferenceSession(inline.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], run(conv_bn(16), {"x": x})[0], rtol=1e-5, atol=1e-5)
