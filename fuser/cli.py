@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import click
+import onnx
 
 import fuser
 from fuser import api, verify, report as report_module
@@ -34,9 +35,10 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.config import default_map
+from fuser.graph import all_graph_protos
 from fuser.registry import all_rules, select
 from fuser.tensors import external_data_fields, uses_external_data
-from fuser.verify import check_names
+from fuser.verify import check_names, input_names
 
 EXIT_CODES_HELP = """\b
 Exit codes (every command):
@@ -123,7 +125,10 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    write_bytes_atomically(path, (text + "\n").encode())
+    try:
+        write_bytes_atomically(path, (text + "\n").encode())
+    except FuserError as error:
+        raise ReportPathError(str(error)) from error
 
 
 rule_options = [
@@ -211,6 +216,17 @@ def _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol) -
         "atol": atol,
         "rtol": rtol,
     }
+
+
+def _check_names(model, settings: dict) -> None:
+    """Names typed on the command line must exist in the model; names from [tool.fuser], which
+    serves every model of a project, apply to the models that have them."""
+    names, symbols = input_names(model)
+    context = click.get_current_context()
+    for parameter, known in (("dims", symbols), ("shapes", names), ("ranges", names)):
+        if context.get_parameter_source(parameter) == click.core.ParameterSource.DEFAULT_MAP:
+            settings[parameter] = {k: v for k, v in settings[parameter].items() if k in known}
+    check_names(model, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
 
 
 def with_rule_options(function):
@@ -307,7 +323,7 @@ def optimize(
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         size_before = _size_on_disk(source, loaded)
         original_proto = loaded.to_proto()
-        check_names(original_proto, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
+        _check_names(original_proto, settings)
         if writes_external_data(original_proto, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
@@ -358,7 +374,12 @@ def optimize(
         if isinstance(error, ReportPathError):
             report_path = None
         if report_path or fmt == "json":
-            _emit_report(report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt)
+            try:
+                _emit_report(
+                    report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt
+                )
+            except (OSError, FuserError):
+                pass  # the report's own path is unusable; the one-line error above already said why
         return code
 
 
@@ -370,7 +391,7 @@ def _fail_with_report(command: str, error: BaseException, debug: bool, report_pa
     if (report_path or fmt == "json") and not isinstance(error, BrokenPipeError):
         try:
             _emit_report(report_module.envelope(command, "error", code, error=str(error)), report_path, fmt)
-        except OSError:
+        except (OSError, FuserError):
             pass  # the report's own path is unusable; the one-line error above already said why
     return code
 
@@ -393,11 +414,13 @@ def _op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
 
 
 def _bytes_text(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KB", "MB", "GB"):
         size /= 1024
-    return f"{size} B"
+        if size < 1024 or unit == "GB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[str, ...]:
@@ -424,7 +447,7 @@ def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
             continue
         try:
             write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
-        except FuserError as reason:  # weights in external data stay beside the input
+        except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
             (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder
 
@@ -442,6 +465,10 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
     """The report never lands on a model: `--report model.onnx` would destroy it."""
     if report_path is None:
         return
+    try:
+        _check_folder(Path(report_path))
+    except UsageError as error:
+        raise ReportPathError(f"--report {error}") from error
     target = Path(report_path).resolve()
     for model in models:
         if target == model.resolve():
@@ -452,9 +479,15 @@ def _size_on_disk(path: Path, model: Model | None = None) -> int:
     """The model file plus the external data files it references (each counted once)."""
     files = {path.resolve()}
     if model is None:
-        data = external_data_path(path)
-        if data.exists():
-            files.add(data.resolve())
+        if external_data_path(path).exists():  # maybe stale from an earlier run: count it only if referenced
+            written = onnx.load(path, load_external_data=False)
+            referenced = {
+                external_data_fields(t).get("location", "")
+                for g in all_graph_protos(written.graph)
+                for t in g.initializer
+                if uses_external_data(t)
+            }
+            files |= {(path.parent / location).resolve() for location in referenced}
     else:
         files |= {
             model.tensors.resolve(external_data_fields(t).get("location", ""))
@@ -464,12 +497,17 @@ def _size_on_disk(path: Path, model: Model | None = None) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _check_destination(source: Path, destination: Path, force: bool) -> None:
-    folder = destination.parent
+def _check_folder(path: Path) -> None:
+    """Refuse early a path that cannot be written: an existing ancestor of it is not a folder."""
+    folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        raise UsageError(f"{destination}: cannot write there, {folder} is not a folder")
+        raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
+
+
+def _check_destination(source: Path, destination: Path, force: bool) -> None:
+    _check_folder(destination)
     if destination.exists() and source.exists() and destination.resolve() == source.resolve():
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
     if destination.exists() and not force:
@@ -585,6 +623,7 @@ def compare(
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        _check_names(a.to_proto(), settings)
         verdict = Checker(a.to_proto(), base_dir=a.base_dir, **settings).check(b.to_proto(), exact, base_dir=b.base_dir)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
@@ -600,6 +639,8 @@ def compare(
             fmt,
         )
         if fmt == "text":
+            _say(f"checked on {verdict.inputs_text()}")
+            _say("\n".join(f"warning: {warning}" for warning in verdict.warnings), quiet=not verdict.warnings)
             if verdict.load_error:
                 _say(verdict.summary())
             for o in verdict.outputs:

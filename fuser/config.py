@@ -9,6 +9,7 @@
     seed = 0
     check-runs = 3
     on-mismatch = "fail"
+    external-data = "auto"
     dims = { batch = 8 }
     input-shapes = { image = [1, 3, 224, 224] }
     input-ranges = { token_ids = [0, 30000] }
@@ -40,6 +41,7 @@ KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
     "seed": (int, ("optimize", "compare")),
     "check-runs": (int, ("optimize", "compare")),
     "on-mismatch": (str, ("optimize",)),
+    "external-data": (str, ("optimize",)),
     "dims": (dict, ("optimize", "compare")),
     "input-shapes": (dict, ("optimize", "compare")),
     "input-ranges": (dict, ("optimize", "compare")),
@@ -49,6 +51,7 @@ PARAMETERS = {
     "rules": "rule_files",
     "check-runs": "runs",
     "on-mismatch": "on_mismatch",
+    "external-data": "external_data",
     "input-shapes": "shapes",
     "input-ranges": "ranges",
 }

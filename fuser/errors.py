@@ -36,6 +36,12 @@ class InputError(FuserError):
     exit_code = EXIT_USAGE
 
 
+class OutputPathError(UsageError, OSError):
+    """The output cannot be written where asked (its folder is a file, a full or read-only disk).
+
+    Also an OSError, so callers of Model.save that catch OSError keep working."""
+
+
 class UnsafePathError(InputError):
     """An external-data reference points outside the model's folder."""
 

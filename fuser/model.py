@@ -17,7 +17,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
-from fuser.errors import InputError, UsageError
+from fuser.errors import InputError, OutputPathError, UsageError
 from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -55,8 +55,16 @@ class Model:
             yield from g.initializers()
 
     def check_external_data(self) -> None:
+        """Every stored tensor (initializers, Constant values) fits its dtype and dims, and its
+        external data stays inside the model's folder."""
         for tensor in self.initializers():
             self.tensors.check(tensor)
+        for g in self.graph.all_graphs():
+            for node in g.nodes():
+                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    for attribute in node.proto.attribute:
+                        if attribute.name == "value" and attribute.HasField("t"):
+                            self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
 
     def to_proto(self) -> ModelProto:
         model = ModelProto()
@@ -274,7 +282,7 @@ def _make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise UsageError(f"{path}: cannot create its folder ({error.strerror or error})") from error
+        raise OutputPathError(f"{path}: cannot create its folder ({error.strerror or error})") from error
 
 
 def _umask() -> int:
@@ -291,7 +299,7 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise UsageError(f"{path}: cannot write there ({error.strerror or error})") from error
+        raise OutputPathError(f"{path}: cannot write there ({error.strerror or error})") from error
     try:
         os.fchmod(handle, 0o666 & ~_umask())
         with os.fdopen(handle, "wb") as stream:
@@ -301,7 +309,7 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.replace(temporary, path)
     except OSError as error:
         _remove(temporary)
-        raise UsageError(f"{path}: cannot write it ({error.strerror or error})") from error
+        raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
     except BaseException:
         _remove(temporary)
         raise

@@ -38,6 +38,7 @@ _OUTPUT_CHECK = {
         "rtol": {"type": "number"},
         "atol": {"type": "number"},
         "stabilized_elements": {"type": "integer"},
+        "nonfinite_mismatches": {"type": "integer"},
     },
 }
 

@@ -64,17 +64,18 @@ class TensorStore:
             raise UnsafePathError(f"external data file '{location}' does not exist beside the model")
         return resolved
 
-    def check(self, tensor: TensorProto) -> None:
+    def check(self, tensor: TensorProto, label: str | None = None) -> None:
         """Refuse a tensor whose stored data cannot be its dtype and dims (InputError naming it).
 
         External data must resolve inside the model's folder and the file must hold the range.
         """
-        count = _element_count(tensor)
+        label = label or f"initializer '{tensor.name}'"
+        count = _element_count(tensor, label)
         if tensor.data_type == TensorProto.STRING:
             return
         needed = _byte_size(tensor.data_type, count)
         if needed is None:
-            raise InputError(f"initializer '{tensor.name}' has an unknown data type ({tensor.data_type})")
+            raise InputError(f"{label} has an unknown data type ({tensor.data_type})")
         if uses_external_data(tensor):
             fields = external_data_fields(tensor)
             path = self.resolve(fields.get("location", ""))
@@ -82,12 +83,10 @@ class TensorStore:
                 offset = int(fields.get("offset", 0))
                 length = int(fields["length"]) if "length" in fields else path.stat().st_size - offset
             except ValueError as error:
-                raise InputError(
-                    f"initializer '{tensor.name}' has a malformed external-data offset or length"
-                ) from error
+                raise InputError(f"{label} has a malformed external-data offset or length") from error
             if offset < 0 or length != needed or offset + length > path.stat().st_size:
                 raise InputError(
-                    f"initializer '{tensor.name}': its external data ({length} bytes at offset {offset} of "
+                    f"{label}: its external data ({length} bytes at offset {offset} of "
                     f"'{fields.get('location', '')}', {path.stat().st_size} bytes) does not hold the {needed} bytes "
                     f"its dtype {_type_name(tensor.data_type)} and dims {list(tensor.dims)} need"
                 )
@@ -101,12 +100,12 @@ class TensorStore:
             if stored == needed:
                 return
             raise InputError(
-                f"initializer '{tensor.name}' holds {stored} values but its dtype {_type_name(tensor.data_type)} "
+                f"{label} holds {stored} values but its dtype {_type_name(tensor.data_type)} "
                 f"and dims {list(tensor.dims)} need {needed}"
             )
         if stored != needed:
             raise InputError(
-                f"initializer '{tensor.name}' holds {stored} bytes but its dtype {_type_name(tensor.data_type)} "
+                f"{label} holds {stored} bytes but its dtype {_type_name(tensor.data_type)} "
                 f"and dims {list(tensor.dims)} need {needed}"
             )
 
@@ -149,9 +148,9 @@ def nbytes(tensor: TensorProto) -> int:
     return count * itemsize
 
 
-def _element_count(tensor: TensorProto) -> int:
+def _element_count(tensor: TensorProto, label: str) -> int:
     if any(d < 0 for d in tensor.dims):
-        raise InputError(f"initializer '{tensor.name}' has a negative dimension: {list(tensor.dims)}")
+        raise InputError(f"{label} has a negative dimension: {list(tensor.dims)}")
     count = 1
     for dim in tensor.dims:
         count *= dim

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from fuser.errors import InputError, UsageError
+from fuser.tensors import TensorStore, uses_external_data
 
 # (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -41,6 +42,7 @@ class OutputCheck:
     rtol: float = 0.0
     atol: float = 0.0
     stabilized_elements: int = 0
+    nonfinite_mismatches: int = 0  # elements inf/NaN in one model and different in the other
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +57,7 @@ class OutputCheck:
             "rtol": self.rtol,
             "atol": self.atol,
             "stabilized_elements": self.stabilized_elements,
+            "nonfinite_mismatches": self.nonfinite_mismatches,
         }
 
 
@@ -76,8 +79,12 @@ class Verdict:
         if not failures:
             return "all outputs match"
         worst = failures[0]
+        special = ""
+        if worst.nonfinite_mismatches:  # their difference is not a number: say so instead of "error 0"
+            special = f"{worst.nonfinite_mismatches} element(s) inf/NaN in one model and not the same in the other, "
         return (
-            f"output '{worst.name}' differs: max abs error {worst.max_abs_error:.3g}, "
+            f"output '{worst.name}' differs: {special}max abs error {worst.max_abs_error:.3g}"
+            f"{' among finite values' if special else ''}, "
             f"{worst.fraction_out_of_tolerance:.1%} of elements out of tolerance "
             f"(rtol={worst.rtol:g}, atol={worst.atol:g}), worst at {worst.worst_index}"
         )
@@ -129,7 +136,28 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
+        if base_dir is not None and any(uses_external_data(t) for t in model.graph.initializer):
+            # An onnxruntime without the folder option looks in the working directory: hand it the bytes.
+            try:
+                inline = with_inline_weights(model, base_dir)
+                return ort.InferenceSession(inline.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
         raise InputError(f"onnxruntime cannot load the model: {_first_line(error)}") from error
+
+
+def with_inline_weights(model: onnx.ModelProto, base_dir: str | os.PathLike) -> onnx.ModelProto:
+    """A copy of `model` whose main-graph external data is read from `base_dir` into the file."""
+    store = TensorStore(Path(base_dir))
+    inline = onnx.ModelProto()
+    inline.CopyFrom(model)
+    for tensor in inline.graph.initializer:
+        if uses_external_data(tensor):
+            raw = store.raw_bytes(tensor)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.raw_data = raw
+    return inline
 
 
 def _first_line(error: BaseException) -> str:
@@ -452,6 +480,7 @@ def compare(
     check.max_rel_error = float(rel.max())
     check.fraction_out_of_tolerance = float(bad.mean())
     check.stabilized_elements = int(stabilized.sum())
+    check.nonfinite_mismatches = int((bad & ~comparable).sum())
     if bad.any():
         check.status = "mismatch"
         score = np.where(bad, np.where(comparable, diff, np.inf), -1.0)
@@ -625,15 +654,8 @@ def _is_float(value: np.ndarray) -> bool:
     return np.issubdtype(value.dtype, np.floating)
 
 
-def check_names(
-    model: onnx.ModelProto,
-    *,
-    dims: dict | None = None,
-    shapes: dict | None = None,
-    ranges: dict | None = None,
-    inputs: dict | None = None,
-) -> None:
-    """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+def input_names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """The graph inputs a caller may feed, and the symbolic dimension names in their shapes."""
     initializers = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in initializers]
     symbols = sorted(
@@ -645,6 +667,19 @@ def check_names(
             if d.HasField("dim_param") and d.dim_param
         }
     )
+    return names, symbols
+
+
+def check_names(
+    model: onnx.ModelProto,
+    *,
+    dims: dict | None = None,
+    shapes: dict | None = None,
+    ranges: dict | None = None,
+    inputs: dict | None = None,
+) -> None:
+    """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+    names, symbols = input_names(model)
     listed = ", ".join(names) or "none"
     for option, given in (("--input-shape", shapes), ("--input-range", ranges)):
         unknown = sorted(set(given or {}) - set(names))

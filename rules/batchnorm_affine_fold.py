@@ -9,7 +9,7 @@ leaves BatchNormalization -> Relu, which onnxruntime runs as one NCHWc kernel.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules.conv_add_bias import per_channel
+from fuser.rules._folding import cast_finite, per_channel
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -45,10 +45,12 @@ def batchnorm_affine_fold(m: Match, b: Builder):
         new_scale, new_shift = new_scale * values, new_shift * values
     else:
         new_shift = new_shift + values
+    new_scale = cast_finite(m, "scale values", new_scale, dtype)
+    new_shift = cast_finite(m, "shift values", new_shift, dtype)
     return b.BatchNormalization(
         m["x"],
-        b.constant(new_scale.astype(dtype), "scale"),
-        b.constant(new_shift.astype(dtype), "shift"),
+        b.constant(new_scale, "scale"),
+        b.constant(new_shift, "shift"),
         m["mean"],
         m["var"],
         **m.attrs("bn"),

@@ -9,20 +9,11 @@ Conv chain for BatchNormalization folding and activation fusion.
 from __future__ import annotations
 
 import numpy as np
+from fuser.rules._folding import cast_finite, per_channel
 
 from fuser import Builder, Match, const, op, rule, var
 
 PRIORITY = 20
-
-
-def per_channel(addend: np.ndarray, output_rank: int, channels: int) -> np.ndarray | None:
-    """The addend as one value per output channel, or None if it varies along another axis."""
-    if addend.ndim > output_rank:
-        return None
-    shape = (1,) * (output_rank - addend.ndim) + addend.shape
-    if shape[0] != 1 or any(d != 1 for d in shape[2:]) or shape[1] not in (1, channels):
-        return None
-    return np.broadcast_to(addend.reshape(-1), (channels,))
 
 
 @rule(
@@ -45,4 +36,5 @@ def conv_add_bias(m: Match, b: Builder):
     m.require(values is not None, f"the added constant of shape {addend.shape} is not one value per channel")
     bias = m.value("b")
     total = values.astype(np.float64) + (0.0 if bias is None else bias.astype(np.float64))
-    return b.op(conv.op_type, m["x"], m["w"], b.constant(total.astype(weight.dtype), "bias"), **conv.attrs())
+    new_bias = cast_finite(m, "bias values", total, weight.dtype)
+    return b.op(conv.op_type, m["x"], m["w"], b.constant(new_bias, "bias"), **conv.attrs())

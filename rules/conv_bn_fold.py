@@ -11,6 +11,7 @@ The arithmetic runs in float64 and is cast back to the weight's dtype.
 from __future__ import annotations
 
 import numpy as np
+from fuser.rules._folding import cast_finite
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -30,7 +31,8 @@ def fold_conv_bn(weight, bias, scale, beta, mean, var_, epsilon, *, transpose=Fa
         new_weight = w * s.reshape((-1,) + (1,) * (w.ndim - 1))
     b = np.zeros_like(s) if bias is None else np.asarray(bias, np.float64)
     new_bias = (b - np.asarray(mean, np.float64)) * s + np.asarray(beta, np.float64)
-    return new_weight.astype(weight.dtype), new_bias.astype(weight.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # the rule declines values the dtype cannot hold
+        return new_weight.astype(weight.dtype), new_bias.astype(weight.dtype)
 
 
 @rule(
@@ -74,5 +76,7 @@ def conv_bn_fold(m: Match, b: Builder):
         transpose=transpose,
         group=group,
     )
+    new_weight = cast_finite(m, "weights", new_weight, weight.dtype)
+    new_bias = cast_finite(m, "bias values", new_bias, weight.dtype)
     conv = m.node("conv")
     return b.op(conv.op_type, m["x"], b.constant(new_weight, "weight"), b.constant(new_bias, "bias"), **conv.attrs())

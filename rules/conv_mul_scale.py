@@ -8,7 +8,7 @@ constants); with conv-add-bias after it, the whole affine folds into the Conv.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules.conv_add_bias import per_channel
+from fuser.rules._folding import cast_finite, per_channel
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -28,8 +28,15 @@ def conv_mul_scale(m: Match, b: Builder):
     values = per_channel(scale, weight.ndim, channels)
     m.require(values is not None, f"the scale of shape {scale.shape} is not one value per channel")
     factors = values.astype(np.float64)
-    new_weight = weight.astype(np.float64) * factors.reshape((-1,) + (1,) * (weight.ndim - 1))
+    new_weight = cast_finite(
+        m, "weights", weight.astype(np.float64) * factors.reshape((-1,) + (1,) * (weight.ndim - 1)), weight.dtype
+    )
     bias = m.value("b")
-    new_bias = None if bias is None else b.constant((bias.astype(np.float64) * factors).astype(weight.dtype), "bias")
+    new_bias = None if bias is None else cast_finite(m, "bias values", bias.astype(np.float64) * factors, weight.dtype)
     conv = m.node("conv")
-    return b.Conv(m["x"], b.constant(new_weight.astype(weight.dtype), "weight"), new_bias, **conv.attrs())
+    return b.Conv(
+        m["x"],
+        b.constant(new_weight, "weight"),
+        None if new_bias is None else b.constant(new_bias, "bias"),
+        **conv.attrs(),
+    )

@@ -236,3 +236,32 @@ def test_onnxruntime_log_lines_never_reach_the_user(cli, tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "[E:onnxruntime" not in result.stderr, result.stderr
     assert "the original model cannot run on these inputs (x[5])" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["optimize", "m.onnx"], ["check", "m.onnx"], ["compare", "m.onnx", "m.onnx"]])
+def test_a_report_path_under_a_file_exits_2_before_anything_is_written(cli, tmp_path, command):
+    _symbolic_model(tmp_path)
+    (tmp_path / "afile").write_text("")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, *command, "--report", "afile/r.json")
+    _assert_clean_failure(result, tmp_path, before, "--report afile/r.json: cannot write there, afile is not a folder")
+
+
+def test_a_constant_whose_bytes_do_not_fit_its_dims_is_the_inputs_fault(cli, tmp_path):
+    """Exp / ReduceSum(axes from a Constant) is what softmax-decomposed reads: a Constant holding
+    four int64 values but declaring three must stop at loading, naming the node."""
+    axes = helper.make_tensor("axes", onnx.TensorProto.INT64, [1], [1])
+    nodes = [
+        helper.make_node("Constant", [], ["axes"], name="axes_constant", value=axes),
+        helper.make_node("Exp", ["x"], ["e"]),
+        helper.make_node("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
+        helper.make_node("Div", ["e", "s"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+    model.graph.node[0].attribute[0].t.raw_data = np.array([1, 1, 1, 1], np.int64).tobytes()
+    del model.graph.node[0].attribute[0].t.int64_data[:]
+    model.graph.node[0].attribute[0].t.dims[:] = [3]
+    onnx.save(model, tmp_path / "m.onnx")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", "m.onnx")
+    _assert_clean_failure(result, tmp_path, before, "Constant node 'axes_constant'")

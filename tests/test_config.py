@@ -261,6 +261,8 @@ def test_wrong_type_inside_a_table_or_list_exits_2(cli, tmp_path, body):
         ('disable = ["no-such-rule"]\n', "no-such-rule"),
         ('rules = ["missing_rules.py"]\n', "missing_rules.py"),
         ('dims = { batch = "many" }\n', "batch"),
+        ("seed = -1\n", "--seed"),
+        ("atol = -0.1\n", "--atol"),
     ],
 )
 def test_invalid_values_exit_2(cli, tmp_path, body, message):
@@ -325,3 +327,28 @@ def test_the_nearest_pyproject_wins(cli, tmp_path):
         assert {domain for domain, _ in fused} == {""}  # the outer file's target does not
     outer = cli(tmp_path, "rules")
     assert outer.returncode == 2 and "no-such-setting" in outer.stderr
+
+
+def test_configured_names_apply_to_the_models_that_have_them(cli, tmp_path):
+    """[tool.fuser] serves every model of a project: a dim or input another model lacks is not an
+    error for this one; the same names typed on the command line are."""
+    write_pyproject(tmp_path, "dims = { sequence = 8 }\ninput-ranges = { token_ids = [0, 5] }\n")
+    copy_resnet(tmp_path)
+    configured = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "out.onnx")
+    assert configured.returncode == 0, configured.stderr
+    typed = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "typed.onnx", "--dim", "sequence=8")
+    assert typed.returncode == 2 and "no symbolic dimension sequence" in typed.stderr
+    assert not (tmp_path / "typed.onnx").exists()
+
+
+def test_external_data_from_pyproject(cli, tmp_path):
+    write_pyproject(tmp_path, 'external-data = "always"\n')
+    copy_resnet(tmp_path)
+    result = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "out.onnx")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out.onnx.data").is_file()
+    inline = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "inline.onnx", "--external-data", "never")
+    assert inline.returncode == 0 and not (tmp_path / "inline.onnx.data").exists()
+    write_pyproject(tmp_path, 'external-data = "sometimes"\n')
+    bad = cli(tmp_path, "optimize", "resnet_small.onnx", "-o", "bad.onnx")
+    assert bad.returncode == 2 and "sometimes" in bad.stderr

@@ -6,6 +6,7 @@ output goes to another, so nothing works by accident of the working directory.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -117,9 +118,9 @@ def test_compare_and_check_work_from_elsewhere(cli, folders):
 
 
 def test_python_api_from_elsewhere(folders, monkeypatch):
-    source, target, elsewhere = folders
+    source, _, elsewhere = folders
     monkeypatch.chdir(elsewhere)
-    optimized, report = fuser.optimize(source)
+    _, report = fuser.optimize(source)
     assert report.verdict.passed and report.verdict.input_shapes == {"x": (1, 3, 224, 224)}
 
 
@@ -143,7 +144,7 @@ def test_an_existing_data_file_is_not_replaced_without_force(cli, folders):
 
 
 def test_the_output_may_not_take_the_inputs_data_file(cli, folders):
-    source, target, elsewhere = folders
+    source, _, elsewhere = folders
     os.rename(source.parent / "m.weights", source.parent / "out.onnx.data")
     model = onnx.load(source, load_external_data=False)
     for tensor in model.graph.initializer:
@@ -176,3 +177,46 @@ def test_models_over_2_gb_are_always_written_with_external_data():
         writes_external_data(model, "never")
     small = helper.make_model(helper.make_graph([], "g", [], [], []))
     assert not writes_external_data(small, "auto")
+
+
+def test_an_external_data_file_too_short_for_its_tensor_is_the_inputs_fault(cli, folders):
+    source, target, elsewhere = folders
+    data = source.parent / "m.weights"
+    data.write_bytes(data.read_bytes()[:-8])  # the last tensor loses two floats
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "does not hold the" in result.stderr and "m.weights" in result.stderr
+    assert snapshot(source.parent) == before and list(target.iterdir()) == []
+
+
+def test_size_on_disk_counts_the_data_file_and_only_a_referenced_one(cli, folders):
+    source, target, elsewhere = folders
+    first = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx", "--report", target / "a.json")
+    assert first.returncode == 0, first.stderr
+    report = json.loads((target / "a.json").read_text())
+    assert report["size_before"] == source.stat().st_size + (source.parent / "m.weights").stat().st_size
+    assert report["size_after"] == sum((target / n).stat().st_size for n in ("fused.onnx", "fused.onnx.data"))
+    again = cli(
+        elsewhere, "optimize", source, "-o", target / "fused.onnx", "--force", "--external-data", "never",
+        "--report", target / "b.json",
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert json.loads((target / "b.json").read_text())["size_after"] == (target / "fused.onnx").stat().st_size
+
+
+def test_weights_can_be_handed_to_onnxruntime_inline_from_any_folder(folders, monkeypatch):
+    """The fallback for an onnxruntime without the external-data folder option."""
+    import onnxruntime as ort
+
+    from fuser.verify import with_inline_weights
+
+    source, _, elsewhere = folders
+    monkeypatch.chdir(elsewhere)
+    model = onnx.load(source, load_external_data=False)
+    inline = with_inline_weights(model, source.parent)
+    assert all(not t.external_data for t in inline.graph.initializer)
+    assert model.graph.initializer[0].external_data  # the given model is left as it was
+    x = np.random.default_rng(2).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    session = ort.InferenceSession(inline.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], run(conv_bn(16), {"x": x})[0], rtol=1e-5, atol=1e-5)

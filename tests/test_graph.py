@@ -10,7 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import fuser.tensors
-from fuser.errors import InputError, UnsafePathError, UsageError
+from fuser.errors import InputError, UnsafePathError
 from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT
 from fuser.model import Model
 from tests.helpers import make_model
@@ -524,12 +524,13 @@ def test_save_overwrites_atomically(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["out.onnx"]
 
 
-def test_save_with_external_data_elsewhere_is_refused(tmp_path, monkeypatch):
+def test_save_with_external_data_elsewhere_gets_its_own_data_file(tmp_path, monkeypatch):
     path, _ = _save_external(tmp_path / "m")
     monkeypatch.chdir(path.parent)
     model = Model.load(path)
-    with pytest.raises(UsageError):
-        model.save(tmp_path / "other" / "out.onnx")
+    model.save(tmp_path / "other" / "out.onnx")
+    elsewhere = onnx.load(str(tmp_path / "other" / "out.onnx"), load_external_data=False)
+    assert {e.value for e in elsewhere.graph.initializer[0].external_data if e.key == "location"} == {"out.onnx.data"}
     model.save(path.parent / "out.onnx")
     again = onnx.load(str(path.parent / "out.onnx"), load_external_data=False)
     assert again.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL

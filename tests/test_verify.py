@@ -637,13 +637,14 @@ def test_compare_identical_models_exits_0_in_a_real_process(compare_models):
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 2 and lines[0].split()[:2] == ["y", "ok"] and lines[1].split()[:2] == ["flag", "ok"]
+    assert lines[0] == "checked on x[1,64]"  # the symbolic batch stays 1
+    assert len(lines) == 3 and lines[1].split()[:2] == ["y", "ok"] and lines[2].split()[:2] == ["flag", "ok"]
 
 
 def test_compare_perturbed_model_exits_3_with_per_output_lines(cli, compare_models):
     result = cli(compare_models, "compare", "a.onnx", "perturbed.onnx")
     assert result.returncode == 3, result.stderr
-    lines = {line.split()[0]: line for line in result.stderr.strip().splitlines()}
+    lines = {line.split()[0]: line for line in result.stderr.strip().splitlines()[1:]}
     assert set(lines) == {"y", "flag"}
     assert lines["y"].split()[1] == "mismatch" and "0.01" in lines["y"]
     assert lines["flag"].split()[1] == "ok"
@@ -751,4 +752,22 @@ def test_compare_of_outputs_with_infinities_prints_no_numpy_warnings(tmp_path):
     for result in (loose, exact):
         assert result.returncode == 0, result.stderr
         assert "Warning" not in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.stderr.strip().splitlines()[:2] == [
+            "checked on x[2,8]",
+            "warning: output 'y' is entirely inf/NaN on the check inputs",
+        ]
+        assert len(result.stderr.strip().splitlines()) == 3, result.stderr
+
+
+def test_a_mismatch_of_infinities_is_described_as_such():
+    from fuser.verify import Verdict
+
+    expected = np.array([1.0, 2.0, 3.0, 4.0], np.float16)
+    actual = np.array([1.0, np.inf, 3.0, -np.inf], np.float16)
+    check = compare("y", expected, actual, exact=False)
+    assert check.status == "mismatch" and check.nonfinite_mismatches == 2 and check.max_abs_error == 0
+    summary = Verdict(outputs=[check]).summary()
+    assert summary.startswith(
+        "output 'y' differs: 2 element(s) inf/NaN in one model and not the same in the other, "
+        "max abs error 0 among finite values, 50.0% of elements out of tolerance"
+    )
