@@ -15,6 +15,7 @@ every NCHWc consumer ignores them and ReorderOutput drops them.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 
@@ -164,3 +165,116 @@ def channels_of(m: Match, reorder_output_node: str) -> int:
     """The logical channel count a matched ReorderOutput restores (NCHW order only)."""
     m.require(m.attr(reorder_output_node, "channels_last", 0) == 0, "the reorder writes channels-last data")
     return int(m.attr(reorder_output_node, "channels", 0))
+
+
+# Operators a NCHWc region can hold: convolutions, and what the nchwc-* rules carry into the
+# blocked layout next to them (pools, Concat, BatchNormalization, activations, a residual Add).
+_REGION_OPS = {
+    "Conv",
+    "FusedConv",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "Concat",
+    "BatchNormalization",
+    "Add",
+    "Relu",
+    "LeakyRelu",
+    "Sigmoid",
+    "Tanh",
+    "HardSigmoid",
+    "Clip",
+    "ReorderInput",
+    "ReorderOutput",
+}
+_REGION_LIMIT = 64  # a region this large is taken to pay without counting further
+# The blocked kernels save a fraction of a convolution's multiply-adds, a reorder costs a copy
+# of the tensor: a region pays when its convolutions do at least this many multiply-adds per
+# element reordered at its edges.
+MACS_PER_REORDERED_ELEMENT = 4
+
+
+def region_cost(m: Match, start: int) -> tuple[int, int] | None:
+    """(multiply-adds of the convolutions, elements reordered at the edges) of the region of
+    layout-capable operators around node `start`; None when a size is unknown or the region
+    is larger than _REGION_LIMIT operators (both taken to pay).
+
+    A region is the connected set of operators that can run in the blocked layout; every
+    tensor entering or leaving it is reordered. Convolutions already in NCHWc count like
+    plain ones; an image's few channels, read straight from NCHW, cost no reorder.
+    """
+    graph = m.graph
+    seen = {start}
+    pending = [start]
+    macs = moved = 0
+    while pending:
+        if len(seen) > _REGION_LIMIT:
+            return None
+        info = graph.node(pending.pop())
+        if info.op_type in ("Conv", "FusedConv"):
+            output, weight = _elements(m, info.outputs[0]), m.shape(info.inputs[1])
+            if output is None or weight is None or not all(isinstance(d, int) for d in weight):
+                return None
+            macs += output * math.prod(weight[1:])
+        crossing = []
+        for slot, name in enumerate(info.inputs):
+            producer = graph.producer(name) if name else None
+            if slot == 0 and info.op_type == "Conv" and _read_unblocked(m, name):
+                continue
+            if producer is None:
+                if name and not graph.is_constant(name):
+                    crossing.append(name)  # a graph input
+            elif producer not in seen:
+                if graph.node(producer).op_type in _REGION_OPS:
+                    seen.add(producer)
+                    pending.append(producer)
+                else:
+                    crossing.append(name)
+        for name in info.outputs:
+            if not name:
+                continue
+            if graph.is_graph_output(name):
+                crossing.append(name)
+            for consumer in graph.op_consumers(name):
+                if consumer in seen:
+                    continue
+                if graph.node(consumer).op_type in _REGION_OPS:
+                    seen.add(consumer)
+                    pending.append(consumer)
+                else:
+                    crossing.append(name)
+        for name in crossing:
+            elements = _elements(m, name)
+            if elements is None:
+                return None
+            moved += elements
+    return macs, moved
+
+
+def _elements(m: Match, tensor: str) -> int | None:
+    shape = m.shape(tensor)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape)
+
+
+def _read_unblocked(m: Match, tensor: str) -> bool:
+    shape = m.shape(tensor)
+    return shape is not None and len(shape) == 4 and isinstance(shape[1], int) and shape[1] < block_size()
+
+
+def require_region_pays(m: Match, node: str) -> None:
+    """Declines a convolution whose region reorders more than its convolutions can repay."""
+    cost = region_cost(m, m.node(node).id)
+    if cost is not None:
+        macs, moved = cost
+        m.require(macs >= MACS_PER_REORDERED_ELEMENT * moved, region_message(macs, moved))
+
+
+def region_message(macs: int, moved: int) -> str:
+    return (
+        f"its layout region's convolutions do {macs} multiply-adds against {moved} elements reordered at its "
+        f"edges (fewer than {MACS_PER_REORDERED_ELEMENT} per element): the blocked layout would not pay, "
+        "so the region stays NCHW"
+    )
