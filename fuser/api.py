@@ -14,6 +14,8 @@ from fuser.blame import Attempt, find_guilty
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
+from fuser.measure import Timing
+from fuser.measure import compare as compare_latency
 from fuser.model import Model
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
@@ -37,6 +39,7 @@ class Report:
     dropped: list[Rewrite] = field(default_factory=list)
     blame_checks: int = 0
     notes: list[str] = field(default_factory=list)
+    latency: Timing | None = None
 
     @property
     def rewrites(self):
@@ -67,6 +70,7 @@ class Report:
             "blamed": [r.to_dict() for r in self.blamed],
             "dropped": [r.to_dict() for r in self.dropped],
             "timings": self.timings,
+            "latency": None if self.latency is None else self.latency.to_dict(),
         }
 
 
@@ -106,6 +110,8 @@ def optimize(
     atol: float | None = None,
     trace: bool = False,
     progress: Callable[[str], None] | None = None,
+    measure: str | None = None,
+    measure_threads: int = 1,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
@@ -114,6 +120,9 @@ def optimize(
     on_mismatch="fail" NumericsMismatch is raised naming them (its `evidence` holds both
     models and the verdict), with on_mismatch="drop" they are left out and the rest is
     verified again and returned, `report.dropped` listing what was left out.
+    measure: an onnxruntime optimization level ("off", "basic", "extended", "all") to time the
+    models at (fuser/measure.py): a phase of rules whose output is slower than its input
+    beyond noise is left out, and `report.latency` compares the result with the original.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
@@ -126,6 +135,9 @@ def optimize(
     original = model.to_proto() if check else None
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
+    measured = _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say) if measure else None
+    if measured is not None:
+        chosen, measure_notes, unoptimized, feeds = measured
     say(f"rewriting with {len(chosen)} rules")
     result = Engine(model, chosen, trace=trace).run(apply=True)
     timings["rewrite"] = result.seconds
@@ -140,6 +152,11 @@ def optimize(
         input_path=str(model.path) if model.path else None,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
+    if measured is not None:
+        report.notes.extend(measure_notes)
+        if result.rewrites:
+            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+            report.notes.append(f"--measure: {report.latency.summary()}")
     if not (check and result.rewrites):
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
@@ -183,6 +200,21 @@ def optimize(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
     )
+
+
+def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, say):
+    """The rules of the phases that do not slow the model down, their notes, the unoptimized
+    model and the inputs it is timed on."""
+    from fuser.measure import paying_rules, session
+    from fuser.verify import synthesize_inputs
+
+    unoptimized = model.to_proto()
+    feeds = inputs if inputs is not None else synthesize_inputs(session(unoptimized, "off"), dims=dims, shapes=shapes)
+    say(f"timing each phase of rules in onnxruntime (optimizations {level})")
+    kept, notes = paying_rules(
+        unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say
+    )
+    return kept, notes, unoptimized, feeds
 
 
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:
