@@ -188,93 +188,61 @@ _REGION_OPS = {
     "ReorderInput",
     "ReorderOutput",
 }
-_REGION_LIMIT = 64  # a region this large is taken to pay without counting further
-# The blocked kernels save a fraction of a convolution's multiply-adds, a reorder costs a copy
-# of the tensor: a region pays when its convolutions do at least this many multiply-adds per
-# element reordered at its edges.
-MACS_PER_REORDERED_ELEMENT = 4
+# The blocked kernels save a fraction of each multiply-add, a reorder costs a copy of a tensor.
+# Taking the tensors around a convolution to be of similar size, a lone convolution pays when it
+# does at least this many multiply-adds per output element for each tensor it must reorder.
+MACS_PER_REORDER = 4
 
 
 def region_cost(m: Match, start: int) -> tuple[int, int] | None:
-    """(multiply-adds of the convolutions, elements reordered at the edges) of the region of
-    layout-capable operators around node `start`; None when a size is unknown or the region
-    is larger than _REGION_LIMIT operators (both taken to pay).
+    """(multiply-adds per output element, tensors reordered) for a convolution none of whose
+    neighbours can stay blocked; None when a neighbour can (the region is then taken to pay).
 
-    A region is the connected set of operators that can run in the blocked layout; every
-    tensor entering or leaving it is reordered. Convolutions already in NCHWc count like
-    plain ones; an image's few channels, read straight from NCHW, cost no reorder.
+    Such a convolution alone pays a reorder for each tensor it reads or writes, except an
+    image's few channels, which NCHWc convolutions read straight from NCHW. Only the weights
+    and the graph's structure enter the estimate, never inferred shapes (shape inference does
+    not know com.microsoft operators), and a lone convolution stays lone whatever happens to
+    other convolutions: the decision is the same in any visiting order and again on the result.
     """
     graph = m.graph
-    seen = {start}
-    pending = [start]
-    macs = moved = 0
-    while pending:
-        if len(seen) > _REGION_LIMIT:
-            return None
-        info = graph.node(pending.pop())
-        if info.op_type in ("Conv", "FusedConv"):
-            output, weight = _elements(m, info.outputs[0]), m.shape(info.inputs[1])
-            if output is None or weight is None or not all(isinstance(d, int) for d in weight):
-                return None
-            macs += output * math.prod(weight[1:])
-        crossing = []
-        for slot, name in enumerate(info.inputs):
-            producer = graph.producer(name) if name else None
-            if slot == 0 and info.op_type == "Conv" and _read_unblocked(m, name):
-                continue
-            if producer is None:
-                if name and not graph.is_constant(name):
-                    crossing.append(name)  # a graph input
-            elif producer not in seen:
-                if graph.node(producer).op_type in _REGION_OPS:
-                    seen.add(producer)
-                    pending.append(producer)
-                else:
-                    crossing.append(name)
-        for name in info.outputs:
-            if not name:
-                continue
-            if graph.is_graph_output(name):
-                crossing.append(name)
-            for consumer in graph.op_consumers(name):
-                if consumer in seen:
-                    continue
-                if graph.node(consumer).op_type in _REGION_OPS:
-                    seen.add(consumer)
-                    pending.append(consumer)
-                else:
-                    crossing.append(name)
-        for name in crossing:
-            elements = _elements(m, name)
-            if elements is None:
-                return None
-            moved += elements
-    return macs, moved
-
-
-def _elements(m: Match, tensor: str) -> int | None:
-    shape = m.shape(tensor)
-    if shape is None or not all(isinstance(d, int) for d in shape):
+    info = graph.node(start)
+    weight = graph.constant_value(info.inputs[1]) if len(info.inputs) > 1 else None
+    if weight is None or weight.ndim < 2:
         return None
-    return math.prod(shape)
-
-
-def _read_unblocked(m: Match, tensor: str) -> bool:
-    shape = m.shape(tensor)
-    return shape is not None and len(shape) == 4 and isinstance(shape[1], int) and shape[1] < block_size()
+    # As nchwc-conv decides it, from the filter: few input channels are read straight from NCHW.
+    unblocked_input = int(info.attr("group", 1) or 1) == 1 and weight.shape[1] < block_size()
+    crossings = 0
+    for slot, name in enumerate(info.inputs):
+        if not name or (slot == 0 and unblocked_input):
+            continue
+        producer = graph.producer(name)
+        if producer is None:
+            crossings += not graph.is_constant(name)  # a graph input
+        elif graph.node(producer).op_type in _REGION_OPS:
+            return None
+        else:
+            crossings += 1
+    for name in info.outputs:
+        if not name:
+            continue
+        crossings += graph.is_graph_output(name)
+        for consumer in graph.op_consumers(name):
+            if graph.node(consumer).op_type in _REGION_OPS:
+                return None
+            crossings += 1
+    return math.prod(weight.shape[1:]), crossings
 
 
 def require_region_pays(m: Match, node: str) -> None:
     """Declines a convolution whose region reorders more than its convolutions can repay."""
     cost = region_cost(m, m.node(node).id)
     if cost is not None:
-        macs, moved = cost
-        m.require(macs >= MACS_PER_REORDERED_ELEMENT * moved, region_message(macs, moved))
+        m.require(cost[0] >= MACS_PER_REORDER * cost[1], region_message(*cost))
 
 
-def region_message(macs: int, moved: int) -> str:
+def region_message(work: int, crossings: int) -> str:
     return (
-        f"its layout region's convolutions do {macs} multiply-adds against {moved} elements reordered at its "
-        f"edges (fewer than {MACS_PER_REORDERED_ELEMENT} per element): the blocked layout would not pay, "
-        "so the region stays NCHW"
+        f"no neighbour can stay blocked, and it does {work} multiply-adds per output element against "
+        f"{crossings} tensor(s) to reorder (fewer than {MACS_PER_REORDER} each): the blocked layout would not "
+        "pay, so it stays NCHW"
     )

@@ -3,6 +3,10 @@
 Exporters repeat computations (the same Shape read once per use, the same Transpose of a
 weight for each of its consumers). The later node's consumers read the earlier node's
 outputs instead. Random operators and nodes holding subgraphs are never merged.
+
+Runs in phase 1, after the fusions: merging two decomposed softmaxes' Exp nodes first would
+give each Exp two consumers, and neither softmax could fuse; after the fusions the two
+Softmax nodes merge instead.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 
-from fuser.rules._simplify import SIMPLIFY_PHASE, foldable_op_types
+from fuser.rules._simplify import foldable_op_types
 
 from fuser import Builder, Match, op, rule, var
 
@@ -37,12 +41,16 @@ def _signature(info) -> tuple:
 @rule(
     "common-subexpression",
     pattern=ANY_OP(*[var(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
-    phase=SIMPLIFY_PHASE,
+    phase=1,
     exact=True,
 )
 def common_subexpression(m: Match, b: Builder):
     """A node that repeats an earlier node  =>  the earlier node's outputs."""
     node = m.node("node")
+    m.require(
+        not any(m.is_graph_output(o) for o in node.outputs if o),
+        "its output is a graph output, which would become a copy of the earlier node's",
+    )
     inputs = [name for name in node.inputs if name]
     m.require(bool(inputs), "the node has no inputs")
     graph = m.graph
