@@ -14,6 +14,8 @@ from fuser.blame import Attempt, find_guilty
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
+from fuser.measure import Timing
+from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.opset import upgrade
 from fuser.registry import all_rules, select
@@ -40,6 +42,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     op_types_before: dict[str, int] = field(default_factory=dict)
     op_types_after: dict[str, int] = field(default_factory=dict)
+    latency: Timing | None = None
 
     @property
     def rewrites(self):
@@ -72,6 +75,7 @@ class Report:
             "blamed": [r.to_dict() for r in self.blamed],
             "dropped": [r.to_dict() for r in self.dropped],
             "timings": self.timings,
+            "latency": None if self.latency is None else self.latency.to_dict(),
         }
 
 
@@ -112,6 +116,8 @@ def optimize(
     trace: bool = False,
     progress: Callable[[str], None] | None = None,
     opset: int | None = None,
+    measure: str | None = None,
+    measure_threads: int = 1,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
@@ -122,6 +128,9 @@ def optimize(
     verified again and returned, `report.dropped` listing what was left out.
     `opset` upgrades the model to that default-domain opset first (onnx's version
     converter), so that newer standard ops can be emitted; the check covers the upgrade.
+    measure: an onnxruntime optimization level ("off", "basic", "extended", "all") to time the
+    models at (fuser/measure.py): a phase of rules whose output is slower than its input
+    beyond noise is left out, and `report.latency` compares the result with the original.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
@@ -141,6 +150,9 @@ def optimize(
         model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
     base = model.to_proto() if check and upgraded else original
+    measured = _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say) if measure else None
+    if measured is not None:
+        chosen, measure_notes, unoptimized, feeds = measured
     say(f"rewriting with {len(chosen)} rules")
     result = Engine(model, chosen, trace=trace).run(apply=True)
     timings["rewrite"] = result.seconds
@@ -159,6 +171,11 @@ def optimize(
     report.notes.extend(_rule_notes(chosen, report.counts))
     if upgraded:
         report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+    if measured is not None:
+        report.notes.extend(measure_notes)
+        if result.rewrites:
+            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+            report.notes.append(f"--measure: {report.latency.summary()}")
     if not (check and (result.rewrites or upgraded)):
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
@@ -220,6 +237,21 @@ def optimize(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
     )
+
+
+def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, say):
+    """The rules of the phases that do not slow the model down, their notes, the unoptimized
+    model and the inputs it is timed on."""
+    from fuser.measure import paying_rules, session
+    from fuser.verify import synthesize_inputs
+
+    unoptimized = model.to_proto()
+    feeds = inputs if inputs is not None else synthesize_inputs(session(unoptimized, "off"), dims=dims, shapes=shapes)
+    say(f"timing each phase of rules in onnxruntime (optimizations {level})")
+    kept, notes = paying_rules(
+        unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say
+    )
+    return kept, notes, unoptimized, feeds
 
 
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:

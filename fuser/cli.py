@@ -273,6 +273,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
     help="fail: write nothing, keep the evidence; drop: leave out the guilty rewrites.",
 )
 @with_check_options
+@click.option(
+    "--measure",
+    type=click.Choice(["off", "basic", "extended", "all"]),
+    help="Time original and result in onnxruntime at this optimization level; leave out a phase that slows it.",
+)
+@click.option("--measure-threads", type=click.IntRange(1), default=1, show_default=True, help="Threads for --measure.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option(
     "--format",
@@ -306,6 +312,8 @@ def optimize(
     ranges,
     atol,
     rtol,
+    measure,
+    measure_threads,
     report_path,
     fmt,
     verbose,
@@ -340,6 +348,8 @@ def optimize(
             check=not no_check,
             on_mismatch=on_mismatch,
             progress=_progress(quiet),
+            measure=measure,
+            measure_threads=measure_threads,
             **settings,
         )
         write_model(optimized, destination, source_dir=source.parent, external_data=external_data)

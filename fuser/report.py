@@ -115,6 +115,10 @@ REPORT_SCHEMA = {
             },
         },
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
+        "latency": {
+            "type": ["object", "null"],
+            "required": ["original_ms", "optimized_ms", "ratio", "noise", "slower", "rounds", "threads", "level"],
+        },
     },
     "$defs": {
         "rewrite": {

@@ -15,6 +15,7 @@ every NCHWc consumer ignores them and ReorderOutput drops them.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 
@@ -164,3 +165,84 @@ def channels_of(m: Match, reorder_output_node: str) -> int:
     """The logical channel count a matched ReorderOutput restores (NCHW order only)."""
     m.require(m.attr(reorder_output_node, "channels_last", 0) == 0, "the reorder writes channels-last data")
     return int(m.attr(reorder_output_node, "channels", 0))
+
+
+# Operators a NCHWc region can hold: convolutions, and what the nchwc-* rules carry into the
+# blocked layout next to them (pools, Concat, BatchNormalization, activations, a residual Add).
+_REGION_OPS = {
+    "Conv",
+    "FusedConv",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "Concat",
+    "BatchNormalization",
+    "Add",
+    "Relu",
+    "LeakyRelu",
+    "Sigmoid",
+    "Tanh",
+    "HardSigmoid",
+    "Clip",
+    "ReorderInput",
+    "ReorderOutput",
+}
+# The blocked kernels save a fraction of each multiply-add, a reorder costs a copy of a tensor.
+# Taking the tensors around a convolution to be of similar size, a lone convolution pays when it
+# does at least this many multiply-adds per output element for each tensor it must reorder.
+MACS_PER_REORDER = 4
+
+
+def region_cost(m: Match, start: int) -> tuple[int, int] | None:
+    """(multiply-adds per output element, tensors reordered) for a convolution none of whose
+    neighbours can stay blocked; None when a neighbour can (the region is then taken to pay).
+
+    Such a convolution alone pays a reorder for each tensor it reads or writes, except an
+    image's few channels, which NCHWc convolutions read straight from NCHW. Only the weights
+    and the graph's structure enter the estimate, never inferred shapes (shape inference does
+    not know com.microsoft operators), and a lone convolution stays lone whatever happens to
+    other convolutions: the decision is the same in any visiting order and again on the result.
+    """
+    graph = m.graph
+    info = graph.node(start)
+    weight = graph.constant_value(info.inputs[1]) if len(info.inputs) > 1 else None
+    if weight is None or weight.ndim < 2:
+        return None
+    # As nchwc-conv decides it, from the filter: few input channels are read straight from NCHW.
+    unblocked_input = int(info.attr("group", 1) or 1) == 1 and weight.shape[1] < block_size()
+    crossings = 0
+    for slot, name in enumerate(info.inputs):
+        if not name or (slot == 0 and unblocked_input):
+            continue
+        producer = graph.producer(name)
+        if producer is None:
+            crossings += not graph.is_constant(name)  # a graph input
+        elif graph.node(producer).op_type in _REGION_OPS:
+            return None
+        else:
+            crossings += 1
+    for name in info.outputs:
+        if not name:
+            continue
+        crossings += graph.is_graph_output(name)
+        for consumer in graph.op_consumers(name):
+            if graph.node(consumer).op_type in _REGION_OPS:
+                return None
+            crossings += 1
+    return math.prod(weight.shape[1:]), crossings
+
+
+def require_region_pays(m: Match, node: str) -> None:
+    """Declines a convolution whose region reorders more than its convolutions can repay."""
+    cost = region_cost(m, m.node(node).id)
+    if cost is not None:
+        m.require(cost[0] >= MACS_PER_REORDER * cost[1], region_message(*cost))
+
+
+def region_message(work: int, crossings: int) -> str:
+    return (
+        f"no neighbour can stay blocked, and it does {work} multiply-adds per output element against "
+        f"{crossings} tensor(s) to reorder (fewer than {MACS_PER_REORDER} each): the blocked layout would not "
+        "pay, so it stays NCHW"
+    )

@@ -26,6 +26,7 @@ from fuser.rules._nchwc import (
     padded,
     reorder_output,
     require_block_size,
+    require_region_pays,
 )
 
 
@@ -35,6 +36,7 @@ PRIORITY = 90
 def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     block = require_block_size(m)
     is_float32(m, m["x"])
+    require_region_pays(m, "conv")
     weight = m.value("w")
     m.require(weight.ndim == 4, f"NCHWc kernels are 2-D; this is a {weight.ndim - 2}-D convolution")
     out_channels, in_channels = weight.shape[:2]

@@ -443,14 +443,60 @@ def test_residual_from_graph_input():
     assert attrs_of(conv)["activation"] == "Relu"
 
 
-def test_conv_add_without_activation_stays_correct():
-    """Conv -> Add(residual), no activation: the conv converts, the Add stays and is correct."""
+def test_conv_add_without_activation_becomes_the_sum_input():
+    """Conv -> Add(residual), no activation (a linear bottleneck): the residual is the NCHWc
+    Conv's Sum input and the Add is gone; only the guard's Add remains."""
     net = Net(10)
     net.add("Add", net.conv("x", 2 * B, 2 * B), "z", output="y")
     model = net.model([("x", [1, 2 * B, 7, 7]), ("z", [1, 2 * B, 7, 7])], ["y"])
     after, report = optimize_and_compare(model)
-    assert report.counts == {"nchwc-conv": 1}
-    assert len(standard_nodes(after, "Add")) == 2  # the guard's and the residual's
+    assert report.counts == {"nchwc-conv": 1, "nchwc-conv-add": 1}
+    assert len(standard_nodes(after, "Add")) == 1
+    assert len(the_nchwc_conv(after).input) == 4
+
+
+def test_residual_chain_stays_blocked_across_adds():
+    """Two linear-bottleneck blocks: every reorder between them cancels."""
+    net = Net(11)
+    first = net.conv("x", 2 * B, 2 * B)
+    block = net.add("Add", net.conv(first, 2 * B, 2 * B), first)
+    net.add("Add", net.conv(block, 2 * B, 2 * B), block, output="y")
+    model = net.model([("x", [1, 2 * B, 7, 7])], ["y"])
+    after, report = optimize_and_compare(model)
+    assert report.counts["nchwc-conv-add"] == 2
+    assert len(nchwc_nodes(after, "ReorderInput")) == 2  # x's, and the guard's probe
+    assert len(nchwc_nodes(after, "ReorderOutput")) == 1
+
+
+def test_add_after_an_activation_is_not_a_sum():
+    net = Net(12)
+    net.add("Add", net.add("Relu", net.conv("x", 2 * B, 2 * B)), "z", output="y")
+    model = net.model([("x", [1, 2 * B, 7, 7]), ("z", [1, 2 * B, 7, 7])], ["y"])
+    after, report = optimize_and_compare(model, trace=True)
+    assert "nchwc-conv-add" not in report.counts
+    assert any("activation before the Add" in r for r in declines(report, "nchwc-conv-add"))
+
+
+def test_broadcast_addend_is_not_a_sum():
+    net = Net(13)
+    net.add("Add", net.conv("x", 2 * B, 2 * B), "z", output="y")
+    model = net.model([("x", [1, 2 * B, 7, 7]), ("z", [1, 2 * B, 1, 1])], ["y"])
+    after, report = optimize_and_compare(model, trace=True)
+    assert "nchwc-conv-add" not in report.counts
+    assert any("does not have the convolution's shape" in r for r in declines(report, "nchwc-conv-add"))
+
+
+def test_small_conv_between_plain_operators_stays_nchw():
+    """A 1x1 convolution of 2 channels between two plain operators: its output's reorder would
+    cost more than its 2 multiply-adds per element save, so it stays NCHW, and the report says why."""
+    net = Net(14)
+    net.add("Neg", net.conv(net.add("Neg", "x"), 2, 4, kernel=1), output="y")
+    model = net.model([("x", [1, 2, 8, 8])], ["y"])
+    after, report = optimize_and_compare(model, trace=True)
+    assert_no_nchwc(after)
+    assert any("would not pay" in r for r in declines(report, "nchwc-conv"))
+    (advice,) = [a for a in report.engine.advice if a.rule == "nchwc-region"]
+    assert "stays NCHW" in advice.message and "would not pay" in advice.message
 
 
 # ------------------------------------------------------------------------- activations

@@ -1,0 +1,241 @@
+"""Real exports nobody here wrote: node counts and onnxruntime latency, fuser against its peers.
+
+    python bench/convnets.py make [--dir bench/convnets]   # fetch and export the corpus (once)
+    python bench/convnets.py [--dir bench/convnets] [--seconds 4] [--threads 2] [--models a,b]
+
+`make` needs network access for `pip download` and a Python with torch and transformers
+(nothing is downloaded from a model hub: the torch exports use random weights):
+
+* PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
+  rapidocr-onnxruntime 1.4.4 wheel on PyPI (PaddlePaddle exports through paddle2onnx),
+  fetched with `pip download --no-deps` and unpacked;
+* Hugging Face transformers MobileNetV2 and ResNet-50, built from their default configs with
+  seeded random weights and exported by torch's TorchScript-based exporter (dynamo=False);
+* the same MobileNetV2 through torch's dynamo exporter (dynamo=True);
+* the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
+
+The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
+outputs, of onnxslim's, onnxsim's and onnxruntime's offline optimizer's (ORT_ENABLE_ALL with
+`optimized_model_filepath`); fuser's own time; and median latency ratios against the original
+run at ORT_ENABLE_ALL, every model timed interleaved in one loop (onnxruntime CPU, same thread
+count): `onnx/all`, `ort/off` (fuser's onnxruntime target with onnxruntime's optimizations
+off) and `ort/all`. Symbolic input dimensions are fixed by SHAPES before anything runs, as a
+user would with `--input-shape`. A peer that fails shows `-`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import numpy as np
+import onnx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import fuser  # noqa: E402
+from fuser.measure import interleaved_ms, session  # noqa: E402
+
+WHEEL = "rapidocr-onnxruntime==1.4.4"
+OCR_FILES = {
+    "ppocr4_det": "ch_PP-OCRv4_det_infer.onnx",
+    "ppocr4_rec": "ch_PP-OCRv4_rec_infer.onnx",
+    "ppocr2_cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+}
+# Fixed input shapes for the models with symbolic dimensions (the sizes their pipelines feed).
+SHAPES = {
+    "ppocr4_det": {"x": [1, 3, 640, 640]},
+    "ppocr4_rec": {"x": [1, 3, 48, 320]},
+    "ppocr2_cls": {"x": [1, 3, 48, 192]},
+}
+MODELS = [
+    "ppocr4_det",
+    "ppocr4_rec",
+    "ppocr2_cls",
+    "hf_mobilenetv2",
+    "hf_mobilenetv2_dynamo",
+    "hf_resnet50",
+    "zoo_resnet50",
+]
+
+
+# ---------------------------------------------------------------------------- making
+
+
+def make(folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", download], check=True)
+        wheel = next(os.path.join(download, f) for f in os.listdir(download) if f.endswith(".whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            for name, member in OCR_FILES.items():
+                path = next(p for p in archive.namelist() if p.endswith(member))
+                with open(os.path.join(folder, f"{name}.onnx"), "wb") as out:
+                    out.write(archive.read(path))
+    _export_hf(folder)
+    _zoo_resnet50(folder)
+
+
+def _export_hf(folder: str) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    built = {
+        "hf_mobilenetv2": transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()),
+        "hf_resnet50": transformers.ResNetForImageClassification(transformers.ResNetConfig()),
+    }
+    example = (torch.randn(1, 3, 224, 224),)
+    for name, module in built.items():
+        module.eval()
+        torch.onnx.export(
+            module,
+            example,
+            os.path.join(folder, f"{name}.onnx"),
+            input_names=["pixel_values"],
+            output_names=["logits"],
+            opset_version=17,
+            dynamo=False,
+        )
+    program = torch.onnx.export(built["hf_mobilenetv2"], example, dynamo=True, opset_version=18)
+    program.save(os.path.join(folder, "hf_mobilenetv2_dynamo.onnx"))
+
+
+def _zoo_resnet50(folder: str) -> None:
+    from tests.helpers import light_model, randomize_constants
+
+    onnx.save(randomize_constants(onnx.load(light_model("resnet50"))), os.path.join(folder, "zoo_resnet50.onnx"))
+
+
+# ------------------------------------------------------------------------------ peers
+
+
+def fixed_shapes(model: onnx.ModelProto, shapes: dict) -> onnx.ModelProto:
+    """The model with its inputs' symbolic dimensions set, as --input-shape does for a run."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for value in model.graph.input:
+        if value.name in shapes:
+            dims = value.type.tensor_type.shape.dim
+            for dim, size in zip(dims, shapes[value.name]):
+                dim.Clear()
+                dim.dim_value = size
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def run_onnxslim(model):
+    import onnxslim
+
+    return onnxslim.slim(model)
+
+
+def run_onnxsim(model):
+    import onnxsim
+
+    simplified, ok = onnxsim.simplify(model)
+    return simplified if ok else None
+
+
+def run_ort_offline(model):
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = os.path.join(folder, "offline.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+
+
+def feeds_for(model: onnx.ModelProto) -> dict:
+    from fuser.verify import synthesize_inputs
+
+    return synthesize_inputs(session(model, "off"))
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def row(name: str, path: str, seconds: float, threads: int) -> str:
+    original = onnx.load(path)
+    if name in SHAPES:
+        original = fixed_shapes(original, SHAPES[name])
+    cells = {"orig": len(original.graph.node)}
+    started = time.perf_counter()
+    onnx_target, report = fuser.optimize(original, target="onnx")
+    fuser_seconds = time.perf_counter() - started
+    ort_target, ort_report = fuser.optimize(original, target="onnxruntime")
+    checked = all(r.verdict is None or r.verdict.passed for r in (report, ort_report))
+    peers = {}
+    for label, make_peer in (("slim", run_onnxslim), ("sim", run_onnxsim), ("ortopt", run_ort_offline)):
+        try:
+            peers[label] = make_peer(onnx.ModelProto.FromString(original.SerializeToString()))
+        except Exception as error:  # noqa: BLE001 - a peer's failure is a table cell, not a crash
+            print(f"  {name}: {label} failed: {str(error).splitlines()[0][:100]}", file=sys.stderr)
+            peers[label] = None
+    cells.update(onnx=len(onnx_target.graph.node), ort=len(ort_target.graph.node))
+    for label, peer in peers.items():
+        cells[label] = len(peer.graph.node) if peer is not None else None
+    sessions = [
+        session(original, "all", threads),
+        session(onnx_target, "all", threads),
+        session(ort_target, "off", threads),
+        session(ort_target, "all", threads),
+    ]
+    base, onnx_all, ort_off, ort_all = interleaved_ms(sessions, feeds_for(original), seconds=seconds)
+    ratio = {
+        key: statistics.median(a / b for a, b in zip(samples, base))
+        for key, samples in (("onnx/all", onnx_all), ("ort/off", ort_off), ("ort/all", ort_all))
+    }
+    orig_self = statistics.quantiles([a / b for a, b in zip(base[1:], base[:-1])], n=4)
+    noise = (orig_self[2] - orig_self[0]) / 2
+
+    def count(key):
+        return f"{cells[key]:>7}" if cells[key] is not None else f"{'-':>7}"
+
+    return (
+        f"{name:<22}"
+        + "".join(count(k) for k in ("orig", "onnx", "ort", "slim", "sim", "ortopt"))
+        + f"{fuser_seconds:>7.1f}s{statistics.median(base):>9.2f}"
+        + "".join(f"{ratio[k]:>9.2f}x" for k in ("onnx/all", "ort/off", "ort/all"))
+        + f"{noise * 100:>7.1f}%{'   ok' if checked else '   FAILED'}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", nargs="?", choices=["make", "table"], default="table")
+    parser.add_argument("--dir", default=os.path.join(HERE, "convnets"))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--seconds", type=float, default=4.0, help="timing budget per model")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.action == "make":
+        make(args.dir)
+        return 0
+    header = (
+        f"{'model':<22}{'orig':>7}{'onnx':>7}{'ort':>7}{'slim':>7}{'sim':>7}{'ortopt':>7}{'fuser':>8}"
+        f"{'orig ms':>9}{'onnx/all':>10}{'ort/off':>10}{'ort/all':>10}{'noise':>8}  check"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in args.models.split(","):
+        path = os.path.join(args.dir, f"{name}.onnx")
+        if not os.path.exists(path):
+            print(f"{name:<22}missing: run `python bench/convnets.py make` first")
+            continue
+        print(row(name, path, args.seconds, args.threads))
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())

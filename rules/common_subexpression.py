@@ -1,0 +1,67 @@
+"""Two nodes computing the same op on the same inputs with the same attributes  =>  one of them.
+
+Exporters repeat computations (the same Shape read once per use, the same Transpose of a
+weight for each of its consumers). The later node's consumers read the earlier node's
+outputs instead. Random operators and nodes holding subgraphs are never merged.
+
+Runs in phase 1, after the fusions: merging two decomposed softmaxes' Exp nodes first would
+give each Exp two consumers, and neither softmax could fuse; after the fusions the two
+Softmax nodes merge instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from fuser.rules._simplify import foldable_op_types
+
+from fuser import Builder, Match, op, rule, var
+
+PRIORITY = 3
+
+MAX_INPUTS = 32
+
+# Dropout in training mode draws a new mask each time; Constant nodes are constant-fold's.
+ANY_OP = functools.reduce(
+    operator.or_, (getattr(op, name) for name in foldable_op_types() if name not in ("Constant", "Dropout"))
+)
+
+
+def _signature(info) -> tuple:
+    return (
+        info.domain or "",
+        info.op_type,
+        tuple(info.inputs),
+        tuple(sorted(a.SerializeToString(deterministic=True) for a in info.proto.attribute)),
+        len(info.outputs),
+    )
+
+
+@rule(
+    "common-subexpression",
+    pattern=ANY_OP(*[var(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
+    phase=1,
+    exact=True,
+)
+def common_subexpression(m: Match, b: Builder):
+    """A node that repeats an earlier node  =>  the earlier node's outputs."""
+    node = m.node("node")
+    m.require(
+        not any(m.is_graph_output(o) for o in node.outputs if o),
+        "its output is a graph output, which would become a copy of the earlier node's",
+    )
+    inputs = [name for name in node.inputs if name]
+    m.require(bool(inputs), "the node has no inputs")
+    graph = m.graph
+    signature = _signature(node)
+    twins = [
+        other
+        for other in graph.op_consumers(inputs[0])
+        if other != node.id and graph.sort_key(other) < graph.sort_key(node.id)
+    ]
+    twins = [other for other in twins if _signature(graph.node(other)) == signature]
+    m.require(bool(twins), "no earlier node computes the same")
+    earlier = graph.node(min(twins, key=graph.sort_key))
+    m.require([bool(o) for o in node.outputs] == [bool(o) for o in earlier.outputs], "the nodes name other outputs")
+    return [e for e in earlier.outputs if e]

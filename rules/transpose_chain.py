@@ -1,0 +1,38 @@
+"""Transpose(Transpose(x, p), q)  =>  Transpose(x, p[q]), or x when the two cancel.
+
+Layout conversions in exported graphs come in pairs (NHWC <-> NCHW around an op that was
+removed or folded); two transposes are one data movement at most, and none when they cancel.
+"""
+
+from __future__ import annotations
+
+from fuser.rules._simplify import SIMPLIFY_PHASE
+
+from fuser import Builder, Match, op, rule, var
+
+PRIORITY = 4
+
+
+def _perm(m: Match, node: str, rank: int | None) -> list[int]:
+    perm = m.attr(node, "perm", None)
+    if perm is None:  # the default reverses the axes
+        m.require(rank is not None, "a Transpose without perm on an input of unknown rank")
+        return list(reversed(range(rank)))
+    return [int(p) for p in perm]
+
+
+@rule(
+    "transpose-chain",
+    pattern=op.Transpose(op.Transpose(var("x"), name="first"), name="second"),
+    phase=SIMPLIFY_PHASE,
+    exact=True,
+)
+def transpose_chain(m: Match, b: Builder):
+    """Transpose(Transpose(x, p), q)  =>  Transpose(x, [p[i] for i in q]), or x."""
+    first = _perm(m, "first", m.rank("x"))
+    second = _perm(m, "second", len(first))
+    m.require(len(first) == len(second), "the permutations have different lengths")
+    combined = [first[i] for i in second]
+    if combined == list(range(len(combined))):
+        return m["x"]
+    return b.Transpose(m["x"], perm=combined)

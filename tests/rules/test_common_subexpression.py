@@ -1,0 +1,49 @@
+"""Tests for common-subexpression (rules/common_subexpression.py); outputs bit-identical."""
+
+from __future__ import annotations
+
+import numpy as np
+from fuser.rules.common_subexpression import common_subexpression
+from onnx import helper
+
+from tests.helpers import assert_declined, assert_rewritten, make_model
+
+RULE = "common-subexpression"
+X = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
+
+
+def twice(second_attrs=None, output_twice=False):
+    nodes = [
+        helper.make_node("LeakyRelu", ["x"], ["a"], alpha=0.1),
+        helper.make_node("LeakyRelu", ["x"], ["b"], **(second_attrs or {"alpha": 0.1})),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
+    outputs = [("y", np.float32, ["n", 3])] + ([("b", np.float32, ["n", 3])] if output_twice else [])
+    return make_model(nodes, [("x", np.float32, ["n", 3])], outputs)
+
+
+def test_repeated_node_is_computed_once():
+    after, _ = assert_rewritten(
+        twice(), [common_subexpression], counts={RULE: 1}, expected_ops=["LeakyRelu", "Add"], feeds=X
+    )
+    assert list(after.graph.node[1].input) == ["a", "a"]
+
+
+def test_repeated_node_that_is_a_graph_output_is_kept():
+    assert_declined(twice(output_twice=True), common_subexpression, "is a graph output", check=False)
+
+
+def test_other_attributes_are_not_merged():
+    assert_declined(twice({"alpha": 0.2}), common_subexpression, "no earlier node computes the same", check=False)
+
+
+def test_training_dropout_is_never_merged():
+    nodes = [
+        helper.make_node("Dropout", ["x", "r", "t"], ["a"]),
+        helper.make_node("Dropout", ["x", "r", "t"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
+    inits = {"r": np.array(0.5, np.float32), "t": np.array(True)}
+    model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], inits)
+    _, report = assert_declined(model, common_subexpression, "is a graph output", check=False)
+    assert not any(d.node.startswith("Dropout") for d in report.engine.declined)  # never even matched

@@ -1,0 +1,63 @@
+"""Tests for --measure (fuser/measure.py): timing in onnxruntime, and phases that slow a model
+down left out. The slow phase here is made slow on purpose (one Relu reads sixty Max nodes), so its
+verdict does not depend on the machine's noise."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+import fuser
+from fuser import Builder, Match, op, rule, var
+from fuser.measure import compare, paying_rules
+from tests.helpers import make_model
+
+X = {"x": np.random.default_rng(0).standard_normal((1, 64, 64, 64)).astype(np.float32)}
+
+
+@rule("relu-sixty-times", pattern=op.Relu(var("x")), exact=True)
+def relu_sixty_times(m: Match, b: Builder):
+    """Relu(graph input)  =>  Relu(Max(x, x) sixty times): same values, sixty passes over memory."""
+    m.require(m.graph.is_graph_input(m["x"]), "applied once, to the graph input")
+    value = m["x"]
+    for _ in range(60):
+        value = b.Max(value, m["x"])
+    return b.Relu(value)
+
+
+@rule("neg-neg", pattern=op.Neg(op.Neg(var("x"), name="inner")), exact=True, phase=1)
+def neg_neg(m: Match, b: Builder):
+    """Neg(Neg(x))  =>  Identity(x)."""
+    return b.Identity(m["x"])
+
+
+def model():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Neg", ["r"], ["n1"]),
+        helper.make_node("Neg", ["n1"], ["y"]),
+    ]
+    return make_model(nodes, [("x", np.float32, [1, 64, 64, 64])], [("y", np.float32, [1, 64, 64, 64])])
+
+
+def test_compare_reports_a_ratio_and_noise():
+    timing = compare(model(), model(), X, level="off", seconds=0.3)
+    assert timing.rounds >= 5 and timing.original_ms > 0 and timing.optimized_ms > 0
+    assert timing.noise >= 0.02 and 0.5 < timing.ratio < 2.0
+    assert not timing.slower or timing.ratio > 1 + timing.noise
+    assert set(timing.to_dict()) >= {"ratio", "noise", "slower", "level", "threads"}
+
+
+def test_a_slower_phase_is_left_out_and_a_harmless_one_kept():
+    kept, notes = paying_rules(model(), [relu_sixty_times, neg_neg], X, level="off", seconds=0.5)
+    assert kept == [neg_neg]
+    assert len(notes) == 1 and "phase-0" in notes[0] and "relu-sixty-times" in notes[0] and "slower" in notes[0]
+
+
+def test_optimize_with_measure_reports_latency():
+    after, report = fuser.optimize(model(), rules=[relu_sixty_times, neg_neg], measure="off")
+    assert report.counts == {"neg-neg": 1}
+    assert report.latency is not None and report.latency.level == "off"
+    assert report.to_dict()["latency"]["ratio"] == report.latency.ratio
+    assert any(n.startswith("--measure: left out the phase-0 rules") for n in report.notes)
+    assert report.verdict.passed
