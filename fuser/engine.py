@@ -73,10 +73,24 @@ class Advice:
 
 @dataclass
 class Declined:
+    """A match a rule (or the engine's safety checks) refused, with the reason."""
+
     rule: str
     scope: str
     node: str
     reason: str
+    nodes: list[str] = field(default_factory=list)
+    source: str | None = None  # the rule's file:line
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule,
+            "scope": self.scope,
+            "node": self.node,
+            "nodes": self.nodes,
+            "reason": self.reason,
+            "source": self.source,
+        }
 
 
 @dataclass
@@ -90,6 +104,13 @@ class EngineResult:
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(r.rule for r in self.rewrites))
+
+    def unique_declines(self) -> list[Declined]:
+        """Each decline once, though the worklist may revisit a match."""
+        seen: dict[tuple, Declined] = {}
+        for d in self.declined:
+            seen.setdefault((d.rule, d.scope, tuple(d.nodes) or d.node, d.reason), d)
+        return list(seen.values())
 
 
 class Engine:
@@ -187,9 +208,7 @@ class Engine:
             for bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, candidate.pattern, bindings, self._types)
                 if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
-                    self.result.declined.append(
-                        Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
-                    )
+                    self._decline(candidate, scope, match, "dropped: it failed the numerics check")
                     continue
                 try:
                     self._inputs_check(match)
@@ -199,16 +218,16 @@ class Engine:
                     if candidate.advisory:
                         self._advise(candidate, scope, match)
                         continue
-                    builder = Builder(graph, match.root.name or candidate.name)
+                    builder = Builder(graph, match.root.name or candidate.name, rule=candidate)
                     outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
+                        self._decline(candidate, scope, match, str(decline))
                     continue
                 except RuleError:
                     raise
                 except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
-                    raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
+                    raise RuleError(candidate, f"{type(error).__name__}: {error}", error) from error
                 if not apply:
                     self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                     return []
@@ -216,8 +235,13 @@ class Engine:
                     return self._apply(graph, scope, candidate, match, builder, outputs, keep)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
+                        self._decline(candidate, scope, match, str(decline))
         return []
+
+    def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
+        nodes = [n.label for n in match.nodes]
+        source = str(candidate.source) if candidate.source else None
+        self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
         nodes = [n.label for n in match.nodes]
@@ -227,7 +251,7 @@ class Engine:
         self._advised.add(key)
         message = candidate.build(match, None)
         if not isinstance(message, str):
-            raise RuleError(candidate.name, "an advisory rule must return its message as a string")
+            raise RuleError(candidate, "an advisory rule must return its message as a string")
         self.result.advice.append(Advice(candidate.name, scope, nodes, message))
 
     def _limit_reached(self) -> bool:
@@ -294,11 +318,11 @@ class Engine:
             if new in produced or new in {t.name for t in builder.initializers}:
                 continue
             if new == old:
-                raise RuleError(candidate.name, f"the replacement returns '{old}' unchanged")
+                raise RuleError(candidate, f"the replacement returns '{old}' unchanged")
             if new in removed_outputs:
-                raise RuleError(candidate.name, f"the replacement returns '{new}', which the rewrite removes")
+                raise RuleError(candidate, f"the replacement returns '{new}', which the rewrite removes")
             if not _visible(graph, new):
-                raise RuleError(candidate.name, f"the replacement returns '{new}', which does not exist")
+                raise RuleError(candidate, f"the replacement returns '{new}', which does not exist")
         rename: dict[str, str] = {}
         redirects: list[tuple[str, str]] = []
         dropped = {old for old, new in zip(root_outputs, outputs) if new is None}
@@ -368,12 +392,12 @@ class Engine:
                 if not name or name in known:
                     continue
                 if name in vanishing:
-                    raise RuleError(candidate.name, f"the replacement reads '{name}', which it removes")
+                    raise RuleError(candidate, f"the replacement reads '{name}', which it removes")
                 if not _visible(graph, name):
-                    raise RuleError(candidate.name, f"the replacement reads '{name}', which does not exist")
+                    raise RuleError(candidate, f"the replacement reads '{name}', which does not exist")
         missing = [o for o in root_outputs if o not in produced and o not in redirected and graph.consumers(o)]
         if missing:
-            raise RuleError(candidate.name, f"the replacement does not produce '{missing[0]}'")
+            raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
     def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
         """`start` and the op nodes up to the deepest pattern's depth below it."""
@@ -406,7 +430,7 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
         except StopIteration:
             return
         except Exception as error:  # noqa: BLE001
-            raise RuleError(candidate.name, f"its pattern raised {type(error).__name__}: {error}") from error
+            raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
 
 
 def _visible(graph: Graph | None, name: str) -> bool:
