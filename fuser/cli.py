@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 import fuser
-from fuser import api, report as report_module
+from fuser import api, explain, report as report_module
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -287,6 +287,7 @@ def optimize(
             rule_files=rule_files,
             check=not no_check,
             on_mismatch=on_mismatch,
+            trace=True,  # the report and -v list every decline
             progress=_progress(quiet),
             **settings,
         )
@@ -422,6 +423,8 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
                 f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
                 f"{', '.join(rewrite.created)}"
             )
+    if verbose:
+        lines += explain.decline_lines(result.engine.unique_declines())
     lines.append(f"wrote {destination}")
     _say("\n".join(lines))
 
@@ -569,6 +572,38 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("fuser: aborted", err=True)
         code = EXIT_USAGE
     sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+@cli.command(name="explain", epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(dir_okay=True))
+@with_rule_options
+@click.option(
+    "--rule", "only", multiple=True, metavar="NAME", help="Explain only this rule (turned on if it is off by default)."
+)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def explain_rules(ctx: Context, model, target, rule_files, enable, disable, only, fmt):
+    """Say why each rule did or did not fire in MODEL: what it matched, applied and declined,
+    grouped by reason, with the rule's file:line. Writes nothing; the numerics check is not run."""
+    import fnmatch
+    import json
+
+    try:
+        enable = tuple(enable) + tuple(only)
+        chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
+        _, result = api.optimize(Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True)
+        explained = explain.explain(result.engine, chosen)
+        if only:
+            explained = [e for e in explained if any(fnmatch.fnmatchcase(e.rule, name) for name in only)]
+        if fmt == "json":
+            click.echo(
+                json.dumps({"model": str(model), "target": target, "rules": [e.to_dict() for e in explained]}, indent=2)
+            )
+        else:
+            click.echo("\n".join(explain.render(explained)))
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: declines
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -95,6 +95,7 @@ REPORT_SCHEMA = {
                 },
             },
         },
+        "declines": {"type": "array", "items": {"$ref": "#/$defs/decline"}},
         "numerics": {
             "type": ["object", "null"],
             "required": ["passed", "outputs"],
@@ -116,6 +117,18 @@ REPORT_SCHEMA = {
                 "scope": {"type": "string"},
                 "matched": {"type": "array", "items": {"type": "string"}},
                 "created": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "decline": {
+            "type": "object",
+            "required": ["rule", "scope", "node", "nodes", "reason", "source"],
+            "properties": {
+                "rule": {"type": "string"},
+                "scope": {"type": "string"},
+                "node": {"type": "string"},
+                "nodes": {"type": "array", "items": {"type": "string"}},
+                "reason": {"type": "string"},
+                "source": {"type": ["string", "null"]},
             },
         },
         "file": {
