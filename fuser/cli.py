@@ -5,6 +5,7 @@ Messages for people go to stderr; data (JSON) goes to stdout.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import traceback
@@ -521,13 +522,25 @@ def compare(
 )
 @click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--selftest", is_flag=True, help="Run each rule on random instances of its own pattern and check them.")
+@click.option("--rule", "only", multiple=True, metavar="NAME", help="With --selftest: only this rule (repeatable).")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --selftest: seed of the instances.")
+@click.option("--instances", type=click.IntRange(1), default=4, show_default=True, help="With --selftest: per rule.")
+@click.option(
+    "--save-dir", default="fuser-selftest", show_default=True, help="With --selftest: where failing models go."
+)
 @click.pass_obj
-def list_rules(ctx: Context, target, rule_files, fmt):
-    """List the registered rules: name, target, on by default, description."""
+def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, instances, save_dir):
+    """List the registered rules: name, target, on by default, description.
+
+    With --selftest, check them instead: exit 3 if a rewrite fails the numerics check, 4 if a
+    rule fails."""
     import json
 
     try:
         rules = all_rules(list(rule_files))
+        if selftest:
+            return _selftest(rules, target, only, seed, instances, save_dir, fmt)
         if target:
             names = {r.name for r in select(rules, target, enable=[r.name for r in rules])}
             rules = [r for r in rules if r.name in names]
@@ -558,6 +571,32 @@ def list_rules(ctx: Context, target, rule_files, fmt):
         return EXIT_OK
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)
+
+
+def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
+    import json
+
+    from fuser.selftest import selftest
+
+    if only:
+        names = select(rules, "onnxruntime", enable=list(only))  # unknown names are usage errors
+        rules = [r for r in names if any(fnmatch.fnmatchcase(r.name, n) for n in only)]
+    if target:
+        rules = [r for r in rules if r.target == "onnx" or target == "onnxruntime"]
+    results = selftest(rules, seed=seed, instances=instances, save_dir=save_dir)
+    if fmt == "json":
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        width = max((len(r.rule) for r in results), default=0)
+        for r in results:
+            click.echo(f"{r.rule:<{width}}  {r.summary()}")
+            for reason, count in r.declined.most_common():
+                click.echo(f"  {count:>5} x declined: {reason}")
+            for problem in r.failures + r.errors:
+                click.echo(f"  FAILED {problem}")
+    if any(r.errors for r in results):
+        return EXIT_INTERNAL
+    return EXIT_MISMATCH if any(r.failures for r in results) else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
