@@ -645,5 +645,18 @@ def explain_rules(ctx: Context, model, target, rule_files, enable, disable, only
         return _fail(error, ctx.debug)
 
 
+@cli.command(name="schema")
+@click.pass_obj
+def print_schema(ctx: Context):
+    """Print the JSON Schema of the reports (--report, --format json), for pipelines to validate them."""
+    from importlib.resources import files
+
+    try:
+        click.echo(files("fuser").joinpath("report.schema.json").read_text(), nl=False)
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
+
+
 if __name__ == "__main__":
     main()

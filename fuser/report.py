@@ -182,3 +182,13 @@ def _plain(value):
         return value.item()
     except AttributeError:
         return str(value)
+
+
+def schema_text() -> str:
+    """REPORT_SCHEMA as the JSON file shipped in the package (fuser/report.schema.json, which
+    `fuser schema` prints); regenerate that file with `python -m fuser.report` after a change."""
+    return json.dumps(REPORT_SCHEMA, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    (Path(__file__).parent / "report.schema.json").write_text(schema_text())
