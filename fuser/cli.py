@@ -111,6 +111,8 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
         write_text_atomically(path, text)
     if fmt == "json":
         click.echo(text)
+    elif fmt == "markdown":
+        click.echo(report_module.markdown(data), nl=False)
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -235,7 +237,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["text", "json"]),
+    type=click.Choice(["text", "json", "markdown"]),
     default="text",
     show_default=True,
     help="json: print the report on stdout.",
@@ -435,7 +437,7 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
 @with_rule_options
 @click.option("--exit-zero", is_flag=True, help="Exit 0 even when there is work to do.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
 def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
@@ -477,7 +479,7 @@ def check(ctx: Context, model, target, rule_files, enable, disable, exit_zero, r
 @with_check_options
 @click.option("--exact", is_flag=True, help="Require bit-identical outputs.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.pass_obj
 def compare(
     ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, exact, report_path, fmt

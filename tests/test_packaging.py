@@ -74,3 +74,19 @@ def test_the_distribution_is_onnx_fuser_with_both_commands():
     assert meta.version == fuser.__version__
     scripts = {e.name: e.value for e in meta.entry_points if e.group == "console_scripts"}
     assert scripts["fuser"] == scripts["onnx-fuser"] == "fuser.cli:main"
+
+
+def test_markdown_reports_for_a_job_summary(cli, tmp_path):
+    shutil.copy(MODELS / "mlp.onnx", tmp_path / "mlp.onnx")
+    found = cli(tmp_path, "check", "mlp.onnx", "--format", "markdown")
+    assert found.returncode == 1
+    assert found.stdout.startswith("### fuser check: work-found\n")
+    assert "| `matmul-add-gemm` | main | fc1.add, fc1.matmul |" in found.stdout
+    optimized = cli(tmp_path, "optimize", "mlp.onnx", "--format", "markdown")
+    assert optimized.returncode == 0, optimized.stderr
+    text = optimized.stdout
+    assert text.startswith("### fuser optimize: optimized\n") and "| `matmul-add-gemm` | 2 |" in text
+    assert "Numerics check: **passed**" in text and "| `logits` | ok |" in text
+    assert "wrote" not in optimized.stderr  # the Markdown replaces the text summary
+    compared = cli(tmp_path, "compare", "mlp.onnx", "mlp.fused.onnx", "--format", "markdown")
+    assert compared.returncode == 0 and "### fuser compare: match" in compared.stdout
