@@ -39,7 +39,7 @@ def _source_checkout_rules() -> None:
 _source_checkout_rules()
 
 try:
-    __version__ = version("fuser")
+    __version__ = version("onnx-fuser")
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 

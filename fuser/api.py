@@ -70,6 +70,7 @@ class Report:
             "rewrites": [r.to_dict() for r in self.rewrites],
             "skipped_rules": self.engine.skipped_rules,
             "advice": [a.to_dict() for a in self.engine.advice],
+            "declines": [d.to_dict() for d in self.engine.unique_declines()],
             "notes": self.notes,
             "numerics": None if self.verdict is None else self.verdict.to_dict(),
             "blamed": [r.to_dict() for r in self.blamed],

@@ -5,6 +5,7 @@ Messages for people go to stderr; data (JSON) goes to stdout.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import traceback
@@ -14,7 +15,7 @@ import click
 import onnx
 
 import fuser
-from fuser import api, verify, report as report_module
+from fuser import api, explain, verify, report as report_module
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -122,6 +123,8 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
         write_text_atomically(path, text)
     if fmt == "json":
         click.echo(text)
+    elif fmt == "markdown":
+        click.echo(report_module.markdown(data), nl=False)
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -283,7 +286,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["text", "json"]),
+    type=click.Choice(["text", "json", "markdown"]),
     default="text",
     show_default=True,
     help="json: print the report on stdout.",
@@ -347,6 +350,7 @@ def optimize(
             rule_files=rule_files,
             check=not no_check,
             on_mismatch=on_mismatch,
+            trace=True,  # the report and -v list every decline
             progress=_progress(quiet),
             measure=measure,
             measure_threads=measure_threads,
@@ -568,6 +572,8 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
                 f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
                 f"{', '.join(rewrite.created)}"
             )
+    if verbose:
+        lines += explain.decline_lines(result.engine.unique_declines())
     lines.append(f"wrote {destination}")
     _say("\n".join(lines))
 
@@ -577,7 +583,7 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
 @with_rule_options
 @click.option("--exit-zero", is_flag=True, help="Exit 0 even when there is work to do.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
 def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
@@ -621,7 +627,7 @@ def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_
 @with_check_options
 @click.option("--exact", is_flag=True, help="Require bit-identical outputs.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.pass_obj
 def compare(
     ctx: Context, first, second, seed, runs, inputs_path, dims, shapes, ranges, atol, rtol, exact, report_path, fmt
@@ -669,13 +675,25 @@ def compare(
 )
 @click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--selftest", is_flag=True, help="Run each rule on random instances of its own pattern and check them.")
+@click.option("--rule", "only", multiple=True, metavar="NAME", help="With --selftest: only this rule (repeatable).")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --selftest: seed of the instances.")
+@click.option("--instances", type=click.IntRange(1), default=4, show_default=True, help="With --selftest: per rule.")
+@click.option(
+    "--save-dir", default="fuser-selftest", show_default=True, help="With --selftest: where failing models go."
+)
 @click.pass_obj
-def list_rules(ctx: Context, target, rule_files, fmt):
-    """List the registered rules: name, target, on by default, description."""
+def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, instances, save_dir):
+    """List the registered rules: name, target, on by default, description.
+
+    With --selftest, check them instead: exit 3 if a rewrite fails the numerics check, 4 if a
+    rule fails."""
     import json
 
     try:
         rules = all_rules(list(rule_files))
+        if selftest:
+            return _selftest(rules, target, only, seed, instances, save_dir, fmt)
         if target:
             names = {r.name for r in select(rules, target, enable=[r.name for r in rules])}
             rules = [r for r in rules if r.name in names]
@@ -716,6 +734,32 @@ def _debug_first(argv: list[str]) -> list[str]:
     return ["--debug", *(a for i, a in enumerate(argv) if not (a == "--debug" and i < end))]
 
 
+def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
+    import json
+
+    from fuser.selftest import selftest
+
+    if only:
+        names = select(rules, "onnxruntime", enable=list(only))  # unknown names are usage errors
+        rules = [r for r in names if any(fnmatch.fnmatchcase(r.name, n) for n in only)]
+    if target:
+        rules = [r for r in rules if r.target == "onnx" or target == "onnxruntime"]
+    results = selftest(rules, seed=seed, instances=instances, save_dir=save_dir)
+    if fmt == "json":
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        width = max((len(r.rule) for r in results), default=0)
+        for r in results:
+            click.echo(f"{r.rule:<{width}}  {r.summary()}")
+            for reason, count in r.declined.most_common():
+                click.echo(f"  {count:>5} x declined: {reason}")
+            for problem in r.failures + r.errors:
+                click.echo(f"  FAILED {problem}")
+    if any(r.errors for r in results):
+        return EXIT_INTERNAL
+    return EXIT_MISMATCH if any(r.failures for r in results) else EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -729,6 +773,51 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("fuser: aborted", err=True)
         code = EXIT_USAGE
     sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+@cli.command(name="explain", epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(dir_okay=True))
+@with_rule_options
+@click.option(
+    "--rule", "only", multiple=True, metavar="NAME", help="Explain only this rule (turned on if it is off by default)."
+)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_obj
+def explain_rules(ctx: Context, model, target, rule_files, enable, disable, only, fmt):
+    """Say why each rule did or did not fire in MODEL: what it matched, applied and declined,
+    grouped by reason, with the rule's file:line. Writes nothing; the numerics check is not run."""
+    import fnmatch
+    import json
+
+    try:
+        enable = tuple(enable) + tuple(only)
+        chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
+        _, result = api.optimize(Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True)
+        explained = explain.explain(result.engine, chosen)
+        if only:
+            explained = [e for e in explained if any(fnmatch.fnmatchcase(e.rule, name) for name in only)]
+        if fmt == "json":
+            click.echo(
+                json.dumps({"model": str(model), "target": target, "rules": [e.to_dict() for e in explained]}, indent=2)
+            )
+        else:
+            click.echo("\n".join(explain.render(explained)))
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
+
+
+@cli.command(name="schema")
+@click.pass_obj
+def print_schema(ctx: Context):
+    """Print the JSON Schema of the reports (--report, --format json), for pipelines to validate them."""
+    from importlib.resources import files
+
+    try:
+        click.echo(files("fuser").joinpath("report.schema.json").read_text(), nl=False)
+        return EXIT_OK
+    except Exception as error:  # noqa: BLE001
+        return _fail(error, ctx.debug)
 
 
 if __name__ == "__main__":

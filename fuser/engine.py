@@ -73,10 +73,24 @@ class Advice:
 
 @dataclass
 class Declined:
+    """A match a rule (or the engine's safety checks) refused, with the reason."""
+
     rule: str
     scope: str
     node: str
     reason: str
+    nodes: list[str] = field(default_factory=list)
+    source: str | None = None  # the rule's file:line
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule,
+            "scope": self.scope,
+            "node": self.node,
+            "nodes": self.nodes,
+            "reason": self.reason,
+            "source": self.source,
+        }
 
 
 @dataclass
@@ -92,6 +106,13 @@ class EngineResult:
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(r.rule for r in self.rewrites))
+
+    def unique_declines(self) -> list[Declined]:
+        """Each decline once, though the worklist may revisit a match."""
+        seen: dict[tuple, Declined] = {}
+        for d in self.declined:
+            seen.setdefault((d.rule, d.scope, tuple(d.nodes) or d.node, d.reason), d)
+        return list(seen.values())
 
 
 # How often one phase runs again because inferring shapes anew taught it more.
@@ -206,9 +227,7 @@ class Engine:
             for pattern, bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, pattern, bindings, self._types)
                 if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
-                    self.result.declined.append(
-                        Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
-                    )
+                    self._decline(candidate, scope, match, "dropped: it failed the numerics check")
                     continue
                 try:
                     self._inputs_check(match)
@@ -219,7 +238,7 @@ class Engine:
                         _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)
                         continue
-                    builder = Builder(graph, match.root.name or candidate.name)
+                    builder = Builder(graph, match.root.name or candidate.name, rule=candidate)
                     try:
                         outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
                     except Decline:
@@ -228,22 +247,27 @@ class Engine:
                     _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
+                        self._decline(candidate, scope, match, str(decline))
                     continue
                 except RuleError:
                     raise
                 except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
-                    raise RuleError(candidate.name, f"{type(error).__name__}: {error}") from error
+                    raise RuleError(candidate, f"{type(error).__name__}: {error}", error) from error
                 try:
                     touched = self._apply(graph, scope, candidate, match, builder, outputs, keep, commit=apply)
                 except Decline as decline:
                     if self.trace:
-                        self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
+                        self._decline(candidate, scope, match, str(decline))
                     continue
                 if not apply:  # check mode lists what optimize would do: the same checks passed
                     self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                 return touched
         return []
+
+    def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
+        nodes = [n.label for n in match.nodes]
+        source = str(candidate.source) if candidate.source else None
+        self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
         nodes = [n.label for n in match.nodes]
@@ -253,7 +277,7 @@ class Engine:
         self._advised.add(key)
         message = candidate.build(match, None)
         if not isinstance(message, str):
-            raise RuleError(candidate.name, "an advisory rule must return its message as a string")
+            raise RuleError(candidate, "an advisory rule must return its message as a string")
         self.result.advice.append(Advice(candidate.name, scope, nodes, message))
 
     def _limit_reached(self) -> bool:
@@ -318,7 +342,7 @@ class Engine:
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
         for interior, tensor in builder.stand_ins.items():
             if interior not in removed_outputs or interior in root_outputs:
-                raise RuleError(candidate.name, f"it stands in for '{interior}', which no removed interior node computes")
+                raise RuleError(candidate, f"it stands in for '{interior}', which no removed interior node computes")
             root_outputs.append(interior)
             outputs = [*outputs, tensor]
         produced = {o for node in builder.nodes for o in node.output}
@@ -330,11 +354,11 @@ class Engine:
             if new in produced or new in {t.name for t in builder.initializers}:
                 continue
             if new == old:
-                raise RuleError(candidate.name, f"the replacement returns '{old}' unchanged")
+                raise RuleError(candidate, f"the replacement returns '{old}' unchanged")
             if new in removed_outputs:
-                raise RuleError(candidate.name, f"the replacement returns '{new}', which the rewrite removes")
+                raise RuleError(candidate, f"the replacement returns '{new}', which the rewrite removes")
             if not _visible(graph, new):
-                raise RuleError(candidate.name, f"the replacement returns '{new}', which does not exist")
+                raise RuleError(candidate, f"the replacement returns '{new}', which does not exist")
         rename: dict[str, str] = {}
         redirects: list[tuple[str, str]] = []
         dropped = {old for old, new in zip(root_outputs, outputs) if new is None}
@@ -411,12 +435,12 @@ class Engine:
                 if not name or name in known:
                     continue
                 if name in vanishing:
-                    raise RuleError(candidate.name, f"the replacement reads '{name}', which it removes")
+                    raise RuleError(candidate, f"the replacement reads '{name}', which it removes")
                 if not _visible(graph, name):
-                    raise RuleError(candidate.name, f"the replacement reads '{name}', which does not exist")
+                    raise RuleError(candidate, f"the replacement reads '{name}', which does not exist")
         missing = [o for o in root_outputs if o not in produced and o not in redirected and graph.consumers(o)]
         if missing:
-            raise RuleError(candidate.name, f"the replacement does not produce '{missing[0]}'")
+            raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
     def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
         """`start` and the op nodes up to the deepest pattern's depth below it."""
@@ -451,7 +475,7 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
             except StopIteration:
                 break
             except Exception as error:  # noqa: BLE001
-                raise RuleError(candidate.name, f"its pattern raised {type(error).__name__}: {error}") from error
+                raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
 
 
 def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> None:

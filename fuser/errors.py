@@ -57,16 +57,37 @@ class NumericsMismatch(FuserError):
 
 
 class RuleError(FuserError):
-    """A rule crashed or broke an invariant; this is a bug in fuser or the rule."""
+    """A rule crashed or broke an invariant: a bug in that rule.
+
+    rule: the Rule (or just its name); cause: the exception the rule raised; at: the file:line
+    of the fault when known (otherwise the deepest frame of `cause` in the rule's file). A
+    built-in rule's error asks for a bug report against fuser; a user's rule (a rule file or a
+    plugin) is named with its file:line for its author to fix.
+    """
 
     exit_code = EXIT_INTERNAL
 
-    def __init__(self, rule_name: str, message: str):
-        self.rule_name = rule_name
-        super().__init__(
-            f"rule '{rule_name}' failed: {message} "
-            "(this is a bug in the rule; please report it with the model attached)"
-        )
+    def __init__(self, rule, message: str, cause: BaseException | None = None, at: str | None = None):
+        self.rule_name = getattr(rule, "name", rule)
+        defined = getattr(rule, "source", None)
+        if at is None and cause is not None and defined is not None:
+            at = _deepest_frame_in(cause, defined.path)
+        place = f" at {at}" if at else ""
+        if getattr(rule, "builtin", True):
+            advice = "(this is a bug in the rule; please report it with the model attached)"
+        else:
+            advice = f"(the rule is defined at {defined}: fix it there; --debug shows the traceback)"
+        super().__init__(f"rule '{self.rule_name}' failed: {message}{place} {advice}")
+
+
+def _deepest_frame_in(error: BaseException, path: str) -> str | None:
+    frame = error.__traceback__
+    found = None
+    while frame is not None:
+        if frame.tb_frame.f_code.co_filename == path:
+            found = f"{path}:{frame.tb_lineno}"
+        frame = frame.tb_next
+    return found
 
 
 class RewriteLimitExceeded(FuserError):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: declines
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -100,6 +101,7 @@ REPORT_SCHEMA = {
                 },
             },
         },
+        "declines": {"type": "array", "items": {"$ref": "#/$defs/decline"}},
         "numerics": {
             "type": ["object", "null"],
             "required": ["passed", "outputs"],
@@ -130,6 +132,18 @@ REPORT_SCHEMA = {
                 "scope": {"type": "string"},
                 "matched": {"type": "array", "items": {"type": "string"}},
                 "created": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "decline": {
+            "type": "object",
+            "required": ["rule", "scope", "node", "nodes", "reason", "source"],
+            "properties": {
+                "rule": {"type": "string"},
+                "scope": {"type": "string"},
+                "node": {"type": "string"},
+                "nodes": {"type": "array", "items": {"type": "string"}},
+                "reason": {"type": "string"},
+                "source": {"type": ["string", "null"]},
             },
         },
         "file": {
@@ -183,3 +197,72 @@ def _plain(value):
         return value.item()
     except AttributeError:
         return str(value)
+
+
+def schema_text() -> str:
+    """REPORT_SCHEMA as the JSON file shipped in the package (fuser/report.schema.json, which
+    `fuser schema` prints); regenerate that file with `python -m fuser.report` after a change."""
+    return json.dumps(REPORT_SCHEMA, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    (Path(__file__).parent / "report.schema.json").write_text(schema_text())
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown, for a CI job summary (`--format markdown >> $GITHUB_STEP_SUMMARY`)."""
+    lines = [f"### fuser {report['command']}: {report['verdict']}", ""]
+    if report.get("error"):
+        lines += [f"**Error:** {report['error']}", ""]
+    files = [f"`{report[k]['path']}`" for k in ("input", "output") if report.get(k)]
+    if files:
+        lines += [" → ".join(files), ""]
+    if "nodes_before" in report:
+        lines += [f"Nodes: {report['nodes_before']} → {report['nodes_after']}", ""]
+    counts = report.get("rule_counts") or {}
+    if counts:
+        lines += ["| rule | rewrites |", "| --- | ---: |"]
+        lines += [f"| `{name}` | {count} |" for name, count in sorted(counts.items())]
+        lines.append("")
+    opportunities = report.get("opportunities")
+    if opportunities is not None:
+        lines += [f"Fusion opportunities: {len(opportunities)}", ""]
+        if opportunities:
+            lines += ["| rule | scope | nodes |", "| --- | --- | --- |"]
+            lines += [f"| `{o['rule']}` | {o['scope']} | {', '.join(o['nodes'])} |" for o in opportunities]
+            lines.append("")
+    numerics = report.get("numerics")
+    if numerics:
+        lines += [f"Numerics check: **{'passed' if numerics['passed'] else 'FAILED'}**", ""]
+        if numerics.get("load_error"):
+            lines += [f"onnxruntime could not load the optimized model: {numerics['load_error']}", ""]
+        if numerics["outputs"]:
+            lines += [
+                "| output | status | max abs error | max rel error | out of tolerance |",
+                "| --- | --- | ---: | ---: | ---: |",
+            ]
+            lines += [
+                f"| `{o['name']}` | {o['status']} | {o['max_abs_error']:.3g} | {o['max_rel_error']:.3g} "
+                f"| {o['fraction_out_of_tolerance']:.2%} |"
+                for o in numerics["outputs"]
+            ]
+            lines.append("")
+    for key, title in (("blamed", "Blamed rewrites"), ("dropped", "Dropped rewrites")):
+        if report.get(key):
+            lines += [f"{title}:", ""] + [f"- `{r['rule']}` on {', '.join(r['matched'])}" for r in report[key]] + [""]
+    declines = report.get("declines") or []
+    if declines:
+        reasons = Counter((d["rule"], d["reason"]) for d in declines)
+        lines += [f"<details><summary>{len(declines)} declined match(es)</summary>", ""]
+        lines += ["| rule | reason | count |", "| --- | --- | ---: |"]
+        lines += [
+            f"| `{rule}` | {reason.replace('|', chr(92) + '|')} | {count} |"
+            for (rule, reason), count in reasons.most_common()
+        ]
+        lines += ["", "</details>", ""]
+    lines += [f"- {note}" for note in report.get("notes") or []]
+    lines += [f"- `{a['rule']}`: {a['message']} ({', '.join(a['nodes'])})" for a in report.get("advice") or []]
+    timings = report.get("timings") or {}
+    if timings:
+        lines += ["", "Time: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in timings.items())]
+    return "\n".join(lines).rstrip() + "\n"

@@ -15,15 +15,19 @@ describe the replacement; the engine alone changes the graph.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import NodeProto, TensorProto, numpy_helper
 
+from fuser.errors import RuleError
 from fuser.graph import Graph
 from fuser.match import Match
+from fuser.operators import is_known_domain, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
 
 TARGETS = ("onnx", "onnxruntime")
@@ -62,6 +66,32 @@ class Rule:
             raise PatternError(f"rule '{self.name}' has an empty list of patterns")
         for alternative in self.alternatives:
             validate(alternative)
+        self._check_pattern_ops()
+
+    def _check_pattern_ops(self) -> None:
+        """A pattern naming an operator that does not exist would silently never match."""
+        newest = self.opsets[1] if self.opsets else None
+        for item in (i for p in self.alternatives for i in p.walk()):
+            if not isinstance(item, OpPattern):
+                continue
+            for op_type in item.op_types:
+                why = unknown_op(op_type, item.domain, newest if item.domain in ("", "ai.onnx") else None)
+                if why:
+                    where = f" ({self.source})" if self.source else ""
+                    raise PatternError(f"rule '{self.name}'{where}: its pattern cannot match: {why}")
+
+    @property
+    def builtin(self) -> bool:
+        """Shipped with fuser (the fuser.rules package), not a user's rule file or plugin."""
+        if self.source is None:
+            return False
+        package = sys.modules.get("fuser.rules")
+        folders = [Path(f).resolve() for f in getattr(package, "__path__", ())]
+        return any(Path(self.source.path).resolve().is_relative_to(f) for f in folders)
+
+    def declared_domains(self) -> set[str]:
+        """The opset domains a replacement may use: the rule's `emits` and its pattern's."""
+        return set(self.emits) | {i.domain for p in self.alternatives for i in p.walk() if isinstance(i, OpPattern)}
 
     @property
     def alternatives(self) -> tuple[OpPattern, ...]:
@@ -165,9 +195,10 @@ class Builder:
     numpy arrays given as inputs become new initializers; None leaves an optional input empty.
     """
 
-    def __init__(self, graph: Graph, anchor: str):
+    def __init__(self, graph: Graph, anchor: str, rule: Rule | None = None):
         self._graph = graph
         self._anchor = anchor
+        self._rule = rule
         self.nodes: list[NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.opsets: dict[str, int] = {}
@@ -191,6 +222,8 @@ class Builder:
         outputs: int = 1,
         **attrs,
     ) -> str | list[str]:
+        if self._rule is not None:
+            self._check_op(op_type, domain)
         names = self._graph.names
         input_names = [self._input(value, op_type) for value in inputs]
         while input_names and input_names[-1] == "":
@@ -209,6 +242,21 @@ class Builder:
         (A residual Add feeding a normalization and the next block: the fused op's
         sum output stands in for the Add.)"""
         self.stand_ins[interior] = tensor
+
+    def _check_op(self, op_type: str, domain: str) -> None:
+        """An operator the model cannot run is the rule's error, found when it is built rather
+        than as a model onnxruntime refuses."""
+        rule = self._rule
+        default = domain in ("", "ai.onnx")
+        if not default and not is_known_domain(domain) and domain not in rule.declared_domains():
+            why = f"it builds '{op_type}' in domain '{domain}', which the rule does not declare in emits="
+        else:
+            key = "" if default else domain
+            versions = [v for v in (self._graph.opset(key), rule.emits.get(key)) if v is not None]
+            why = unknown_op(op_type, domain, max(versions) if versions else None)
+            why = why and f"it builds an operator the model cannot run: {why}"
+        if why:
+            raise RuleError(rule, why, at=_caller_outside(__file__))
 
     def once(self, key: str, make: Callable[[Builder], str]) -> str:
         """A tensor every rewrite in this graph shares: `make(builder)` builds it the first
@@ -235,6 +283,13 @@ class Builder:
         if isinstance(value, (np.ndarray, np.generic)):
             return self.constant(value, f"{op_type.lower()}_input")
         raise TypeError(f"input {value!r} to {op_type} is neither a tensor name, an array nor None")
+
+
+def _caller_outside(path: str) -> str | None:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == path:
+        frame = frame.f_back
+    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def as_outputs(result, root_outputs: Sequence[str]) -> list[str]:

@@ -1,0 +1,99 @@
+"""Why a rule did or did not fire: per rule, what it matched, applied and declined, by reason.
+
+Used by `fuser explain` and by `fuser optimize -v`. A "match" is a place where the rule's
+pattern matched; it was either applied or declined (by the rule's own `m.require` or by the
+engine's safety checks), so matched = applied + declined places.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fuser.engine import Declined, EngineResult
+from fuser.rule import Rule
+
+
+@dataclass
+class RuleExplanation:
+    rule: str
+    source: str | None
+    applied: int = 0
+    declined: int = 0
+    reasons: Counter = field(default_factory=Counter)  # reason -> places declined for it
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first place's nodes
+    skipped: str | None = None  # why the rule did not run at all
+    advice: int = 0
+
+    @property
+    def matched(self) -> int:
+        return self.applied + self.declined + self.advice
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule,
+            "source": self.source,
+            "matched": self.matched,
+            "applied": self.applied,
+            "declined": self.declined,
+            "advised": self.advice,
+            "skipped": self.skipped,
+            "reasons": [
+                {"reason": reason, "count": count, "example": self.examples[reason]}
+                for reason, count in self.reasons.most_common()
+            ],
+        }
+
+
+def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
+    """One explanation per rule that ran (or was skipped), in rule order."""
+    found = {r.name: RuleExplanation(r.name, str(r.source) if r.source else None) for r in rules}
+    for name, why in result.skipped_rules.items():
+        found.setdefault(name, RuleExplanation(name, None)).skipped = why
+    for rewrite in result.rewrites:
+        found.setdefault(rewrite.rule, RuleExplanation(rewrite.rule, None)).applied += 1
+    for advice in result.advice:
+        found.setdefault(advice.rule, RuleExplanation(advice.rule, None)).advice += 1
+    applied_at = {(r.rule, r.scope, tuple(r.matched)) for r in result.rewrites}
+    places: set[tuple] = set()
+    for decline in result.unique_declines():
+        entry = found.setdefault(decline.rule, RuleExplanation(decline.rule, decline.source))
+        entry.reasons[decline.reason] += 1
+        entry.examples.setdefault(decline.reason, decline.nodes or [decline.node])
+        place = (decline.rule, decline.scope, tuple(decline.nodes) or (decline.node,))
+        # A place declined once and rewritten later (after a neighbour changed) counts as applied.
+        if place not in places and place not in applied_at:
+            places.add(place)
+            entry.declined += 1
+    return list(found.values())
+
+
+def render(explanations: list[RuleExplanation]) -> list[str]:
+    lines = []
+    width = max((len(e.rule) for e in explanations), default=0)
+    for e in explanations:
+        where = f"  ({e.source})" if e.source else ""
+        if e.skipped:
+            lines.append(f"{e.rule:<{width}}  skipped: {e.skipped}{where}")
+            continue
+        if not e.matched:
+            lines.append(f"{e.rule:<{width}}  no match{where}")
+            continue
+        parts = [f"matched {e.matched}", f"applied {e.applied}", f"declined {e.declined}"]
+        if e.advice:
+            parts.append(f"advised {e.advice}")
+        lines.append(f"{e.rule:<{width}}  {', '.join(parts)}{where}")
+        for reason, count in e.reasons.most_common():
+            lines.append(f"  {count:>5} x {reason}  [e.g. {', '.join(e.examples[reason])}]")
+    return lines
+
+
+def decline_lines(declines: list[Declined]) -> list[str]:
+    """`-v` output: every decline, one line each, under a count."""
+    if not declines:
+        return []
+    lines = [f"  declined: {len(declines)} match(es)"]
+    for d in declines:
+        where = f" ({d.source})" if d.source else ""
+        lines.append(f"    {d.rule} [{d.scope}] {', '.join(d.nodes or [d.node])}: {d.reason}{where}")
+    return lines

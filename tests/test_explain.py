@@ -1,0 +1,101 @@
+"""Why a rule did not fire: declines in the report, in `-v`, and in `fuser explain`."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import onnx
+import pytest
+
+import fuser
+from fuser.explain import explain
+from fuser.registry import builtin_rules
+from fuser.report import REPORT_SCHEMA
+from fuser.testing import model_from_text
+from tests.helpers import in_process_cli
+
+# Three hand-written softmaxes; two reduce with keepdims=0, so softmax-decomposed declines them.
+MODEL = """
+g (float[5, 5] x) => (float[5, 5] a, float[5, 5] b, float[5, 5] c) <int64[1] axis = {0}> {
+    ea = Exp (x)
+    sa = ReduceSum <keepdims = 0> (ea, axis)
+    a = Div (ea, sa)
+    eb = Exp (x)
+    sb = ReduceSum <keepdims = 0> (eb, axis)
+    b = Div (eb, sb)
+    ec = Exp (x)
+    sc = ReduceSum <keepdims = 1> (ec, axis)
+    c = Div (ec, sc)
+}
+"""
+REASON = "ReduceSum drops the reduced axis (keepdims=0)"
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx.save(model_from_text(MODEL), path)
+    return path
+
+
+def test_explain_counts_matches_applies_and_declines_by_reason():
+    rules = [r for r in builtin_rules() if r.name in ("softmax-decomposed", "log-sum-exp")]
+    _, report = fuser.optimize(model_from_text(MODEL), rules=rules, trace=True, check=False)
+    by_rule = {e.rule: e for e in explain(report.engine, rules)}
+    softmax = by_rule["softmax-decomposed"]
+    assert (softmax.matched, softmax.applied, softmax.declined) == (3, 1, 2)
+    ((reason, count),) = softmax.reasons.items()
+    assert REASON in reason and count == 2
+    assert softmax.source.endswith("softmax_decomposed.py:" + softmax.source.rsplit(":", 1)[1])
+    assert by_rule["log-sum-exp"].matched == 0
+
+
+def test_the_report_lists_every_decline_with_the_rules_line(cli, model_path, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = cli(tmp_path, "optimize", model_path, "--report", report_path, "--no-check")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert report["schema_version"] == 2
+    declines = [d for d in report["declines"] if d["rule"] == "softmax-decomposed"]
+    assert len(declines) == 2
+    assert all(REASON in d["reason"] and d["source"].split(":")[0].endswith("softmax_decomposed.py") for d in declines)
+    assert sorted(d["node"] for d in declines) == ["a", "b"] or all(d["nodes"] for d in declines)
+
+
+def test_verbose_output_shows_declines(cli, model_path, tmp_path):
+    result = cli(tmp_path, "optimize", model_path, "-v", "--force")
+    assert result.returncode == 0, result.stderr
+    assert "declined: 2 match(es)" in result.stderr
+    assert "softmax-decomposed [main]" in result.stderr and REASON in result.stderr and "softmax_decomposed.py:" in result.stderr
+
+
+def test_explain_command(cli, model_path, tmp_path):
+    result = cli(tmp_path, "explain", model_path, "--rule", "softmax-decomposed")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("softmax-decomposed") and "matched 3, applied 1, declined 2" in lines[0]
+    assert "softmax_decomposed.py:" in lines[0]
+    assert lines[1].split()[:2] == ["2", "x"] and REASON in lines[1]
+    assert len(lines) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # writes nothing
+    as_json = cli(tmp_path, "explain", model_path, "--format", "json")
+    rules = {r["rule"]: r for r in json.loads(as_json.stdout)["rules"]}
+    assert rules["softmax-decomposed"]["reasons"][0]["count"] == 2 and rules["conv-bn-fold"]["matched"] == 0
+    assert "nchwc-conv" not in rules and "fused-conv" in {
+        r["rule"]
+        for r in json.loads(cli(tmp_path, "explain", model_path, "--target", "onnxruntime", "--format", "json").stdout)[
+            "rules"
+        ]
+    }
+
+
+def test_explain_an_unknown_rule_is_bad_usage(cli, model_path, tmp_path):
+    result = cli(tmp_path, "explain", model_path, "--rule", "no-such-rule")
+    assert result.returncode == 2 and "no-such-rule" in result.stderr
