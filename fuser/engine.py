@@ -186,10 +186,7 @@ class Engine:
         for candidate in self._by_root.get(op_type, ()):
             for bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, candidate.pattern, bindings, self._types)
-                if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
-                    self.result.declined.append(
-                        Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
-                    )
+                if self._vetoed(candidate, scope, match):
                     continue
                 try:
                     self._inputs_check(match)
@@ -201,6 +198,12 @@ class Engine:
                         continue
                     builder = Builder(graph, match.root.name or candidate.name)
                     outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
+                    if match.absorbed:
+                        # Nodes the rule walked to beyond its pattern are removed with the match,
+                        # so they must pass the same check; the rewrite is known by all its nodes.
+                        keep = self._interior_check(graph, candidate, match)
+                        if self._vetoed(candidate, scope, match):
+                            continue
                 except Decline as decline:
                     if self.trace:
                         self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
@@ -218,6 +221,14 @@ class Engine:
                     if self.trace:
                         self.result.declined.append(Declined(candidate.name, scope, match.root.label, str(decline)))
         return []
+
+    def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
+        if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:
+            return False
+        self.result.declined.append(
+            Declined(candidate.name, scope, match.root.label, "dropped: it failed the numerics check")
+        )
+        return True
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
         nodes = [n.label for n in match.nodes]
