@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 
 from fuser import Builder, Decline, Match, op, var
 
@@ -135,6 +136,13 @@ def trace_attention(m: Match) -> Attention:
             "the Where before the context MatMul is not Where(IsNaN(p), 0, p)",
         )
         nan_guard = True
+    while walk.is_op(probs, "Cast"):  # eager attention: softmax(..., dtype=float32).to(dtype)
+        cast = walk.producer(probs, "the attention probabilities", "Cast")
+        m.require(
+            m.dtype(cast.inputs[0]) == m.dtype(probs) and m.dtype(probs) is not None,
+            f"the Softmax's {m.dtype(cast.inputs[0])} result is cast to {m.dtype(probs)}",
+        )
+        probs = cast.inputs[0]
     softmax = walk.producer(probs, "the attention probabilities", "Softmax")
     axis = softmax.attr("axis")
     m.require(axis in (-1, 3), f"the Softmax is over axis {axis}, not the last of four")
@@ -379,6 +387,8 @@ def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str
         row_max = b.ReduceMax(mask, np.array([3], np.int64), keepdims=1)
     else:
         row_max = b.ReduceMax(mask, axes=[3], keepdims=1)
+    if attention.dtype != np.float32:
+        row_max = b.Cast(row_max, to=onnx.TensorProto.FLOAT)  # onnxruntime's IsInf before opset 20: float, double
     masked = b.Transpose(b.IsInf(row_max, detect_positive=0), perm=_HEADS_FIRST)  # [B|1, S, N|1, 1]
     heads = b.Reshape(output, np.array([0, 0, attention.num_heads, attention.v_head_size], np.int64))
     zeroed = b.Where(masked, np.zeros((), attention.dtype), heads)
