@@ -46,6 +46,7 @@ def attention_model(
     softmax_axis=-1,
     mask_before_scale=False,
     probs_output=False,
+    opset=17,
     seed=0,
 ):
     """x [B, S, D] -> self-attention -> y [B, S, D]; returns (model, feeds).
@@ -156,7 +157,7 @@ def attention_model(
     outputs = [("y", dtype, [*dims, D])]
     if probs_output:
         outputs.append(("probs", dtype, [*dims[:1], N, *dims[1:], dims[1]]))
-    model = make_model(nodes, inputs, outputs, inits, opset=17, check=False)
+    model = make_model(nodes, inputs, outputs, inits, opset=opset, ir_version=10 if opset >= 21 else 8, check=False)
     onnx.checker.check_model(model)
     return model, feeds
 
