@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 
 from fuser import Builder, Decline, Match, op, var
+from fuser.graph import NodeInfo
 
 FUSABLE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -113,11 +114,13 @@ def _same_dim(a, b) -> bool:
     return a == b and a not in (None, "?")
 
 
-def trace_attention(m: Match) -> Attention:
-    """Walk from the merge (MERGE_HEADS) to q, k, v; declines say which part did not fit."""
+def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
+    """Walk from the merge Reshape (the root of MERGE_HEADS unless given) to q, k, v; declines
+    say which part did not fit."""
+    merge = merge or m.root
     walk = _Walk(m)
-    walk.nodes.add(m.root.id)
-    context = walk.transpose(m["merged"], "the Reshape's input", _HEADS_FIRST)
+    walk.nodes.add(merge.id)
+    context = walk.transpose(merge.inputs[0], "the Reshape's input", _HEADS_FIRST)
     passthrough = None
     if walk.is_op(context, "Reshape"):  # torch.onnx's scaled_dot_product_attention reshapes to [B, -1, S, Hv]
         passthrough = walk.producer(context, "the merged heads", "Reshape")
@@ -153,21 +156,22 @@ def trace_attention(m: Match) -> Attention:
     k_side, k_factor = walk.strip_scaling(qk.inputs[1])
     scale *= q_factor * k_factor
 
-    q_split = walk.transpose(q_heads, "Q (first input of the scores MatMul)", _HEADS_FIRST)
-    k_split = _key_split(walk, k_side)
-    v_split = walk.transpose(v_heads, "V (second input of the context MatMul)", _HEADS_FIRST)
-
-    q, num_heads, head_size = _split_heads(walk, q_split, "Q")
-    k, k_num_heads, k_head_size = _split_heads(walk, k_split, "K")
-    v, v_num_heads, v_head_size = _split_heads(walk, v_split, "V")
+    q, num_heads, head_size, q_batch_seq = _source(walk, q_heads, "Q")
+    k_kind, k_tensor = _key_split(walk, k_side)
+    if k_kind == "split":
+        k, k_num_heads, k_head_size = _split_heads(walk, k_tensor, "K")
+    else:
+        k, k_num_heads, k_head_size, _ = _source(walk, k_tensor, "K")
+    v, v_num_heads, v_head_size, _ = _source(walk, v_heads, "V")
     m.require(
         k_num_heads == num_heads and v_num_heads == num_heads,
-        f"Q has {num_heads} heads but K has {k_num_heads} and V {v_num_heads} (grouped-query attention is not fused)",
+        f"Q has {num_heads} heads but K has {k_num_heads} and V {v_num_heads} (grouped-query attention without "
+        "the heads repeated)",
     )
     m.require(k_head_size == head_size, f"Q and K have different head sizes ({head_size}, {k_head_size})")
     if passthrough is not None:
         _check_passthrough(walk, passthrough, q_heads, v_heads)
-    merged_rank = _check_merge(walk, q, num_heads * v_head_size)
+    merged_rank = _check_merge(walk, merge, q_batch_seq, num_heads * v_head_size)
 
     dtype = m.dtype(q)
     for name, tensor in (("K", k), ("V", v)):
@@ -231,21 +235,22 @@ def _leads_to_matmul(walk: _Walk, tensor: str) -> bool:
     return shape is None or len(shape) == 4
 
 
-def _key_split(walk: _Walk, k_side: str) -> str:
-    """The K Reshape output [B, L, N, H] under Kᵀ [B, N, H, L], in any of the exporters' spellings."""
+def _key_split(walk: _Walk, k_side: str) -> tuple[str, str]:
+    """Under Kᵀ [B, N, H, L], in any of the exporters' spellings: ("split", the K Reshape output
+    [B, L, N, H]) or ("heads", K as [B, N, L, H])."""
     what = "Kᵀ (second input of the scores MatMul)"
     if walk.is_op(k_side, "Transpose"):
         info = walk.graph.node(walk.graph.producer(k_side))
         perm = list(info.attr("perm") or [])
         if perm == [0, 2, 3, 1]:
             walk.nodes.add(info.id)
-            return info.inputs[0]
+            return "split", info.inputs[0]
         if perm == [0, 1, 3, 2]:
             walk.nodes.add(info.id)
             k_heads, factor = walk.strip_scaling(info.inputs[0])
             if factor != 1.0:
                 raise Decline("K is scaled twice around its transposition")
-            return walk.transpose(k_heads, "K", _HEADS_FIRST)
+            return "heads", k_heads
         raise Decline(f"{what} is a Transpose with perm {perm}")
     if walk.is_op(k_side, "Reshape"):
         # torch.export: heads folded into the batch, a 3-D transpose, heads unfolded again.
@@ -267,9 +272,30 @@ def _key_split(walk: _Walk, k_side: str) -> str:
             f"cannot tell from the shapes that the Reshape/Transpose/Reshape before the scores transposes K "
             f"(K {heads}, folded {folded}, result {result})",
         )
-        return walk.transpose(k_heads, "K", _HEADS_FIRST)
+        return "heads", k_heads
     found = walk.graph.node(walk.graph.producer(k_side)).op_type if walk.graph.producer(k_side) is not None else "input"
     raise Decline(f"{what} comes from {found}, not a transposition of K")
+
+
+def _source(walk: _Walk, heads: str, what: str) -> tuple[str, int, int, tuple]:
+    """What the fused op reads for Q, K or V given as heads [B, N, S, H]: (tensor, N, H, (B, S)).
+
+    The tensor is [B, S, N*H] where the graph splits it into heads right there (the split
+    then goes into the fused op). Otherwise (rotary embeddings applied to the heads, heads
+    repeated for grouped-query attention) it is the heads tensor itself, which the fused
+    ops also take: that needs N and H known."""
+    probe = _Walk(walk.m)
+    try:
+        split = probe.transpose(heads, what, _HEADS_FIRST)
+        source, num_heads, head_size = _split_heads(probe, split, what)
+    except Decline as not_split:
+        shape = walk.shape(heads)
+        if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            raise Decline(f"{not_split}; nor are {what}'s heads of known count and size (shape {shape})") from None
+        return heads, shape[1], shape[3], (shape[0], shape[2])
+    walk.nodes |= probe.nodes
+    shape = walk.shape(source)
+    return source, num_heads, head_size, (shape[0], shape[1])
 
 
 def _split_heads(walk: _Walk, split: str, what: str) -> tuple[str, int, int]:
@@ -310,12 +336,13 @@ def _check_passthrough(walk: _Walk, reshape, q_heads: str, v_heads: str) -> None
     )
 
 
-def _check_merge(walk: _Walk, q: str, hidden: int) -> int:
+def _check_merge(walk: _Walk, merge: NodeInfo, batch_seq: tuple, hidden: int) -> int:
     """The merge's rank: 3 for [B, S, hidden], 2 for [B*S, hidden] (a Gemm's input)."""
     m = walk.m
-    result, q_shape, heads = walk.shape(m["merge"]), walk.shape(q), walk.shape(m["merged"])
+    result, heads = walk.shape(merge.outputs[0]), walk.shape(merge.inputs[0])
+    q_shape = batch_seq
     three = False
-    if result is not None and q_shape is not None and heads is not None and len(result) == 3 and len(heads) == 4:
+    if result is not None and heads is not None and len(result) == 3 and len(heads) == 4:
         # Two of the three dims known equal to [B, S, hidden]; the third follows from the element count.
         known = [{q_shape[0], heads[0]}, {q_shape[1], heads[1]}, {hidden}]
         three = sum(1 for dim, options in zip(result, known) if any(_same_dim(dim, o) for o in options)) >= 2
@@ -370,12 +397,32 @@ def dim(b: Builder, opset: int, tensor: str, axis: int) -> str:
     return b.Slice(b.Shape(tensor), np.array([axis], np.int64), np.array([axis + 1], np.int64))
 
 
+def heads_merged(b: Builder, tensor: str, rank: int, num_heads: int, head_size: int) -> str:
+    """[B, N, S, H] -> [B, S, N*H]; a 3-D tensor is returned as it is."""
+    if rank == 3:
+        return tensor
+    merged_heads = b.Transpose(tensor, perm=_HEADS_FIRST)
+    return b.Reshape(merged_heads, np.array([0, 0, num_heads * head_size], np.int64))
+
+
+def heads_split(b: Builder, tensor: str, rank: int, num_heads: int, head_size: int) -> str:
+    """[B, S, N*H] -> [B, N, S, H]; a 4-D tensor is returned as it is."""
+    if rank == 4:
+        return tensor
+    split = b.Reshape(tensor, np.array([0, 0, num_heads, head_size], np.int64))
+    return b.Transpose(split, perm=_HEADS_FIRST)
+
+
 def full_mask(m: Match, b: Builder, attention: Attention) -> str:
     """The mask broadcast to [B or 1, N or 1, S, L], which the fused kernels require."""
     if attention.mask_is_full:
         return attention.mask
+    seq_axis = {3: 1, 4: 2}
     shape = b.Concat(
-        np.array([1, 1], np.int64), dim(b, m.opset, attention.q, 1), dim(b, m.opset, attention.k, 1), axis=0
+        np.array([1, 1], np.int64),
+        dim(b, m.opset, attention.q, seq_axis[m.rank(attention.q)]),
+        dim(b, m.opset, attention.k, seq_axis[m.rank(attention.k)]),
+        axis=0,
     )
     return b.Expand(attention.mask, shape)
 
@@ -401,3 +448,37 @@ def require_fusable_dtype(m: Match, attention: Attention) -> None:
 
 def default_scale(attention: Attention) -> float:
     return 1.0 / math.sqrt(attention.head_size)
+
+
+# ------------------------------------------------------------------------ advice
+
+
+def merge_after_softmax(m: Match, softmax: NodeInfo) -> NodeInfo:
+    """From a Softmax forward to the Reshape that merges the heads, the way trace_attention
+    walks back; declines (with the reason) where the path is not attention's."""
+    graph = m.graph
+
+    tensor = softmax.outputs[0]
+    consumers = [graph.node(c) for c in graph.op_consumers(tensor)]
+    while len(consumers) == 1 and consumers[0].op_type == "Cast":
+        tensor = consumers[0].outputs[0]
+        consumers = [graph.node(c) for c in graph.op_consumers(tensor)]
+    guard = [c for c in consumers if c.op_type == "Where"]
+    if guard and {c.op_type for c in consumers} == {"Where", "IsNaN"}:
+        tensor = guard[0].outputs[0]
+        consumers = [graph.node(c) for c in graph.op_consumers(tensor)]
+    context = [c for c in consumers if c.op_type == "MatMul" and c.inputs[0] == tensor]
+    m.require(len(context) == 1, "no MatMul with V consumes the Softmax: not attention")
+    m.require(len(consumers) == 1, "the attention probabilities are also used outside the attention")
+    tensor = context[0].outputs[0]
+    for op_type in ("Reshape", "Transpose", "Reshape"):
+        consumers = [graph.node(c) for c in graph.op_consumers(tensor) if graph.node(c).op_type != "Shape"]
+        if op_type == "Reshape" and consumers and consumers[0].op_type == "Transpose":
+            continue  # the Reshape right after the context MatMul is optional
+        if len(consumers) != 1 or consumers[0].op_type != op_type:
+            found = ", ".join(sorted({c.op_type for c in consumers})) or "nothing"
+            raise Decline(
+                f"the context MatMul is followed by {found}, not the Transpose and Reshape that merge the heads"
+            )
+        tensor = consumers[0].outputs[0]
+    return consumers[0]

@@ -2,7 +2,8 @@
 com.microsoft MultiHeadAttention (onnxruntime target).
 
 The projections that compute q, k and v stay as they are; the fused op takes them as
-[B, S, N*H] and does the head split, Q·Kᵀ, the scale, the mask, Softmax, ·V and the merge in
+[B, S, N*H] (K and V also as heads [B, N, L, H], which is how rotary embeddings and the
+repeated heads of grouped-query attention leave them) and does the head split, Q·Kᵀ, the scale, the mask, Softmax, ·V and the merge in
 one kernel (float32 or float16 on the CPU). Whatever the model adds to the scores (the
 padding mask (1 - mask) * -big, a Where-built causal mask, ...) becomes `attention_bias`,
 which the kernel wants as [B or 1, N or 1, S, L]: a mask that only broadcasts there is
@@ -16,6 +17,8 @@ from fuser.rules._attention import (
     MERGE_HEADS,
     absorb_attention,
     full_mask,
+    heads_merged,
+    heads_split,
     merged,
     require_fusable_dtype,
     trace_attention,
@@ -41,11 +44,17 @@ def attention_multihead(m: Match, b: Builder):
     reads = {attention.q, attention.k, attention.v} | ({attention.mask} if attention.mask else set())
     absorb_attention(m, attention, reads)
     mask = full_mask(m, b, attention) if attention.mask is not None else None
+    n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
+    # The kernel takes Q as [B, S, N*H], K and V both as [B, L, N*H] or both as [B, N, L, H].
+    q = heads_merged(b, attention.q, m.rank(attention.q), n, h)
+    k, v = attention.k, attention.v
+    if m.rank(k) != m.rank(v):
+        k, v = heads_split(b, k, m.rank(k), n, h), heads_split(b, v, m.rank(v), n, hv)
     output = b.op(
         "MultiHeadAttention",
-        attention.q,
-        attention.k,
-        attention.v,
+        q,
+        k,
+        v,
         None,
         None,
         mask,

@@ -16,6 +16,8 @@ from fuser.rules._attention import (
     MERGE_HEADS,
     absorb_attention,
     full_mask,
+    heads_merged,
+    heads_split,
     merged,
     require_fusable_dtype,
     trace_attention,
@@ -34,13 +36,16 @@ def attention_standard(m: Match, b: Builder):
     reads = {attention.q, attention.k, attention.v} | ({attention.mask} if attention.mask else set())
     absorb_attention(m, attention, reads)
     mask = full_mask(m, b, attention) if attention.mask is not None else None
-    output = b.Attention(
-        attention.q,
-        attention.k,
-        attention.v,
-        mask,
-        q_num_heads=attention.num_heads,
-        kv_num_heads=attention.num_heads,
-        scale=attention.scale,
-    )
-    return merged(b, attention, output)
+    n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
+    ranks = {m.rank(attention.q), m.rank(attention.k), m.rank(attention.v)}
+    if ranks == {3}:
+        output = b.Attention(
+            attention.q, attention.k, attention.v, mask, q_num_heads=n, kv_num_heads=n, scale=attention.scale
+        )
+        return merged(b, attention, output)
+    # Heads given as [B, N, S, H] (after rotary embeddings, or repeated): all inputs 4-D.
+    q = heads_split(b, attention.q, m.rank(attention.q), n, h)
+    k = heads_split(b, attention.k, m.rank(attention.k), n, h)
+    v = heads_split(b, attention.v, m.rank(attention.v), n, hv)
+    output = b.Attention(q, k, v, mask, scale=attention.scale)
+    return merged(b, attention, heads_merged(b, output, 4, n, hv))

@@ -46,6 +46,8 @@ def attention_model(
     softmax_axis=-1,
     mask_before_scale=False,
     probs_output=False,
+    rotary=False,
+    repeat_kv=False,
     opset=17,
     seed=0,
 ):
@@ -55,7 +57,9 @@ def attention_model(
     (Q and Kᵀ each times H**-0.25), "none". k_form: "0231" (one Transpose), "0132" (heads
     first, then the last two swapped), "3d" (torch.export's fold/transpose/unfold; static dims).
     mask: None, "padding" (float mask [B, L] -> (1 - m) * -10000 as [B, 1, 1, L]) or "boolean"
-    (bool [B, 1, S, L] -> Where(m, 0, -inf)). symbolic: the model's batch and sequence are
+    (bool [B, 1, S, L] -> Where(m, 0, -inf)). rotary: the rotate-half rotary embedding on the
+    Q and K heads (k_form "0132"); repeat_kv: K and V heads repeated to N (Llama's repeat_kv)
+    after projecting to kv_heads heads. symbolic: the model's batch and sequence are
     named dims (the feeds are still [2, 5]).
     """
     rng = np.random.default_rng(seed)
@@ -75,17 +79,65 @@ def attention_model(
     inits["split_kv"] = np.array([0, 0, kv_heads, H], np.int64)
     inits["merge_shape"] = np.array([0, 0, D], np.int64)
     nodes = []
+
+    def rotate(x, out):
+        """x * cos + rotate_half(x) * sin, rotate_half(x) = Concat(-x2, x1) over the last axis."""
+        return [
+            helper.make_node("Slice", [x, "zero_1d", "half_1d", "last_axis"], [f"{x}_1"]),
+            helper.make_node("Slice", [x, "half_1d", "end_1d", "last_axis"], [f"{x}_2"]),
+            helper.make_node("Neg", [f"{x}_2"], [f"{x}_2_neg"]),
+            helper.make_node("Concat", [f"{x}_2_neg", f"{x}_1"], [f"{x}_half_rotated"], axis=-1),
+            helper.make_node("Mul", [x, "cos"], [f"{x}_cos"]),
+            helper.make_node("Mul", [f"{x}_half_rotated", "sin"], [f"{x}_sin"]),
+            helper.make_node("Add", [f"{x}_cos", f"{x}_sin"], [out]),
+        ]
+
+    def repeat(x, out):
+        return [
+            helper.make_node("Unsqueeze", [x, "axis_2"], [f"{x}_5d"]),
+            helper.make_node("Expand", [f"{x}_5d", "repeat_shape"], [f"{x}_expanded"]),
+            helper.make_node("Reshape", [f"{x}_expanded", "repeated_shape"], [out]),
+        ]
+
+    if rotary:
+        angles = np.arange(seq)[:, None] * (10000.0 ** (-np.arange(0, H, 2) / H))[None]
+        angles = np.concatenate([angles, angles], -1)[None, None]
+        inits.update(cos=np.cos(angles).astype(dtype), sin=np.sin(angles).astype(dtype))
+        inits.update(
+            zero_1d=np.array([0], np.int64),
+            half_1d=np.array([H // 2], np.int64),
+            end_1d=np.array([H], np.int64),
+            last_axis=np.array([3], np.int64),
+        )
+    if repeat_kv:
+        inits["axis_2"] = np.array([2], np.int64)
+        inits["repeat_shape"] = np.array([batch, kv_heads, N // kv_heads, seq, H], np.int64)
+        inits["repeated_shape"] = np.array([batch, N, seq, H], np.int64)
     for name in "qkv":
         nodes.append(helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}_mm"]))
         nodes.append(helper.make_node("Add", [f"{name}_mm", f"b{name}"], [name]))
         nodes.append(helper.make_node("Reshape", [name, "split_q" if name == "q" else "split_kv"], [f"{name}_split"]))
     nodes.append(helper.make_node("Transpose", ["q_split"], ["q_heads"], perm=[0, 2, 1, 3]))
     nodes.append(helper.make_node("Transpose", ["v_split"], ["v_heads"], perm=[0, 2, 1, 3]))
+    q_heads, v_heads = "q_heads", "v_heads"
+    if rotary:
+        nodes += rotate("q_heads", "q_rotated")
+        q_heads = "q_rotated"
+    if repeat_kv:
+        nodes += repeat("v_heads", "v_repeated")
+        v_heads = "v_repeated"
     if k_form == "0231":
         nodes.append(helper.make_node("Transpose", ["k_split"], ["k_t"], perm=[0, 2, 3, 1]))
     elif k_form == "0132":
         nodes.append(helper.make_node("Transpose", ["k_split"], ["k_heads"], perm=[0, 2, 1, 3]))
-        nodes.append(helper.make_node("Transpose", ["k_heads"], ["k_t"], perm=[0, 1, 3, 2]))
+        k_heads = "k_heads"
+        if rotary:
+            nodes += rotate(k_heads, "k_rotated")
+            k_heads = "k_rotated"
+        if repeat_kv:
+            nodes += repeat(k_heads, "k_repeated")
+            k_heads = "k_repeated"
+        nodes.append(helper.make_node("Transpose", [k_heads], ["k_t"], perm=[0, 1, 3, 2]))
     else:
         inits["fold"] = np.array([batch * kv_heads, seq, H], np.int64)
         inits["unfold"] = np.array([batch, kv_heads, H, seq], np.int64)
@@ -93,14 +145,14 @@ def attention_model(
         nodes.append(helper.make_node("Reshape", ["k_heads", "fold"], ["k_folded"]))
         nodes.append(helper.make_node("Transpose", ["k_folded"], ["k_swapped"], perm=[0, 2, 1]))
         nodes.append(helper.make_node("Reshape", ["k_swapped", "unfold"], ["k_t"]))
-    q_in, k_in = "q_heads", "k_t"
+    q_in, k_in = q_heads, "k_t"
     if scale == "q_mul":
         inits["q_scale"] = np.array(H**-0.5, dtype)
-        nodes.append(helper.make_node("Mul", ["q_heads", "q_scale"], ["q_scaled"]))
+        nodes.append(helper.make_node("Mul", [q_heads, "q_scale"], ["q_scaled"]))
         q_in = "q_scaled"
     elif scale == "qk_sqrt":
         inits["root_scale"] = np.array(H**-0.25, dtype)
-        nodes.append(helper.make_node("Mul", ["q_heads", "root_scale"], ["q_scaled"]))
+        nodes.append(helper.make_node("Mul", [q_heads, "root_scale"], ["q_scaled"]))
         nodes.append(helper.make_node("Mul", ["k_t", "root_scale"], ["k_scaled"]))
         q_in, k_in = "q_scaled", "k_scaled"
     nodes.append(helper.make_node("MatMul", [q_in, k_in], ["qk"]))
@@ -150,7 +202,7 @@ def attention_model(
         nodes.append(helper.make_node("Where", ["probs_nan", "guard_zero", "probs"], ["probs_guarded"]))
         probs = "probs_guarded"
     nodes += [
-        helper.make_node("MatMul", [probs, "v_heads"], ["context"]),
+        helper.make_node("MatMul", [probs, v_heads], ["context"]),
         helper.make_node("Transpose", ["context"], ["context_t"], perm=[0, 2, 1, 3]),
         helper.make_node("Reshape", ["context_t", "merge_shape"], ["y"], name="merge"),
     ]
@@ -250,9 +302,31 @@ def test_full_mask_needs_no_expand():
     assert mha.input[5] == "additive_mask"
 
 
+ROTARY = ["Slice", "Slice", "Neg", "Concat", "Mul", "Mul", "Add"]
+REPEAT = ["Unsqueeze", "Expand", "Reshape"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rotary_heads_and_repeated_kv_heads_fuse(dtype):
+    """Llama's layout: Q and K rotated as heads [B, N, S, H], K and V heads repeated from 2 to 4."""
+    model, feeds = attention_model(dtype=dtype, k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, mask="boolean")
+    feeds["allowed"][1, 0, 0, 0] = True
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=["MatMul", "Add", "Reshape"] * 3
+        + ["Transpose", "Transpose", *ROTARY, *REPEAT, "Transpose", *ROTARY, *REPEAT]
+        + ["Where", "Transpose", "Reshape", "MultiHeadAttention"],
+    )
+    (mha,) = nodes_of(after, "MultiHeadAttention")
+    assert list(mha.input[1:3]) == ["k_repeated", "v_repeated"]
+
+
 def test_grouped_query_attention_is_declined():
     model, _ = attention_model(kv_heads=2)
-    assert_declined(model, attention_multihead, "grouped-query", target="onnxruntime")
+    assert_declined(
+        model, attention_multihead, "grouped-query attention without the heads repeated", target="onnxruntime"
+    )
 
 
 def test_softmax_over_another_axis_is_declined():
@@ -320,7 +394,7 @@ EXPORTS = [
     for arch in ("bert", "gpt2", "vit")
     for exporter in ("legacy", "dynamo")
     for variant in ("", "_eager")
-] + ["bert_legacy_fp16", "bert_legacy_opset14", "gpt2_legacy_opset14"]
+] + ["bert_legacy_fp16", "bert_legacy_opset14", "gpt2_legacy_opset14", "llama_dynamo", "llama_dynamo_eager"]
 
 
 @pytest.mark.parametrize("name", EXPORTS)

@@ -96,3 +96,14 @@ def test_real_exports_upgraded_to_opset_23(name):
     assert not nodes_of(after, "Softmax")
     for expected, actual in zip(run(model, feeds), run(after, feeds)):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rotary_heads_and_repeated_kv_heads_take_four_dimensional_inputs():
+    model, feeds = attention_model(k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, opset=23)
+    after, report = fuser.optimize(model, rules=[attention_standard], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    (node,) = nodes_of(after, "Attention")
+    assert list(node.input[1:3]) == ["k_repeated", "v_repeated"]
+    assert "q_num_heads" not in {a.name for a in node.attribute}  # only for 3-D inputs
+    assert not nodes_of(after, "Softmax")
+    np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
