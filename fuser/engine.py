@@ -226,8 +226,7 @@ class Engine:
         for candidate in self._by_root.get(op_type, ()):
             for pattern, bindings in _guarded_matches(graph, candidate, node_id):
                 match = Match(graph, pattern, bindings, self._types)
-                if self.vetoed and (candidate.name, scope, tuple(n.label for n in match.nodes)) in self.vetoed:
-                    self._decline(candidate, scope, match, "dropped: it failed the numerics check")
+                if self._vetoed(candidate, scope, match):
                     continue
                 try:
                     self._inputs_check(match)
@@ -244,6 +243,12 @@ class Engine:
                     except Decline:
                         _require_no_escape(escaping, {})  # the interior's reason comes first
                         raise
+                    if match.absorbed:
+                        # Nodes the rule walked to beyond its pattern are removed with the match,
+                        # so they must pass the same check; the rewrite is known by all its nodes.
+                        keep, escaping = self._interior_check(graph, candidate, match)
+                        if self._vetoed(candidate, scope, match):
+                            continue
                     _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
                     if self.trace:
@@ -268,6 +273,12 @@ class Engine:
         nodes = [n.label for n in match.nodes]
         source = str(candidate.source) if candidate.source else None
         self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
+
+    def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
+        if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:
+            return False
+        self._decline(candidate, scope, match, "dropped: it failed the numerics check")
+        return True
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:
         nodes = [n.label for n in match.nodes]

@@ -141,6 +141,7 @@ class Match:
         self._bindings = bindings
         self._types = types
         self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
+        self.absorbed: list[int] = []
 
     def __getitem__(self, name: str) -> str | None:
         if name in self._bindings.tensors:
@@ -155,6 +156,20 @@ class Match:
 
     def node(self, name: str) -> NodeInfo:
         return self.graph.node(self._bindings.nodes[name])
+
+    def absorb(self, node_ids) -> None:
+        """Make nodes the rule found by walking the graph (beyond its pattern) part of the match.
+
+        They are removed with it, so, like the pattern's own nodes, every one of their outputs
+        must feed only the match (else the match is declined). The tensors the rule read along
+        the way are its own to vet: the replacement may not read what the match removes.
+        """
+        if not self.absorbed:
+            self._bindings = self._bindings.copy()  # the matcher may still backtrack through the original
+        for node_id in node_ids:
+            if node_id not in self._bindings.nodes.values():
+                self._bindings.nodes[f"absorbed:{node_id}"] = node_id
+                self.absorbed.append(node_id)
 
     @property
     def bindings(self) -> Bindings:

@@ -1,0 +1,51 @@
+"""Multi-head attention written out (MatMul, Softmax, MatMul between head reshapes)  =>
+the standard ONNX Attention operator (opset 23 and later).
+
+Attention takes q, k and v as [B, S, N*H] with q_num_heads and kv_num_heads, applies the
+scale, adds a float attn_mask, and gives [B, S, N*Hv], so the head split and merge go with
+it. onnxruntime's kernel wants the mask's query dimension in full (it does not broadcast
+there), so a mask that only broadcasts is expanded to [B or 1, N or 1, S, L] first. The
+operator gives 0 for a query row whose mask is -inf everywhere (the spec's fully-masked-row
+rule), where a model without the NaN guard of scaled_dot_product_attention gives NaN: hence
+`stabilizes`.
+"""
+
+from __future__ import annotations
+
+from fuser.rules._attention import (
+    MERGE_HEADS,
+    absorb_attention,
+    full_mask,
+    heads_merged,
+    heads_split,
+    merged,
+    require_fusable_dtype,
+    trace_attention,
+)
+
+from fuser import Builder, Match, rule
+
+PRIORITY = 30
+
+
+@rule("attention-standard", pattern=MERGE_HEADS, opsets=(23, None), stabilizes=True)
+def attention_standard(m: Match, b: Builder):
+    """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  Attention (opset 23)."""
+    attention = trace_attention(m)
+    require_fusable_dtype(m, attention)
+    reads = {attention.q, attention.k, attention.v} | ({attention.mask} if attention.mask else set())
+    absorb_attention(m, attention, reads)
+    mask = full_mask(m, b, attention) if attention.mask is not None else None
+    n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
+    ranks = {m.rank(attention.q), m.rank(attention.k), m.rank(attention.v)}
+    if ranks == {3}:
+        output = b.Attention(
+            attention.q, attention.k, attention.v, mask, q_num_heads=n, kv_num_heads=n, scale=attention.scale
+        )
+        return merged(b, attention, output)
+    # Heads given as [B, N, S, H] (after rotary embeddings, or repeated): all inputs 4-D.
+    q = heads_split(b, attention.q, m.rank(attention.q), n, h)
+    k = heads_split(b, attention.k, m.rank(attention.k), n, h)
+    v = heads_split(b, attention.v, m.rank(attention.v), n, hv)
+    output = b.Attention(q, k, v, mask, scale=attention.scale)
+    return merged(b, attention, heads_merged(b, output, 4, n, hv))

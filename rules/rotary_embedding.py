@@ -1,0 +1,160 @@
+"""Rotary position embedding written out, x * cos + rotate_half(x) * sin  =>  the standard ONNX
+RotaryEmbedding operator (opset 23 and later), for heads x [B, N, S, H].
+
+rotate_half(x) = Concat(-x[..., H/2:], x[..., :H/2]) is the Hugging Face form (not the
+interleaved one). The operator wants cos and sin as half-width caches: with no position_ids,
+[B, S, H/2] per batch row. Exporters compute cos as Unsqueeze(Cos(Concat(f, f)) [* scaling],
+axis 1), so both halves are equal by construction (checked), and the first half is the cache;
+onnxruntime wants its batch dimension in full, so a batch-1 cache is expanded to x's batch.
+cos/sin tensors that are not built that way are declined: their halves might differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuser import Builder, Match, op, rule, var
+
+PRIORITY = 25
+
+x = var("x")
+
+
+def _slice(name: str):
+    return op.Slice(
+        x,
+        var(f"{name}_start"),
+        var(f"{name}_end"),
+        var(f"{name}_axes", optional=True),
+        var(f"{name}_steps", optional=True),
+        name=name,
+    )
+
+
+ROTATE_HALF = op.Concat(op.Neg(_slice("second_half"), name="negated"), _slice("first_half"), name="rotate_half")
+PATTERN = op.Add(op.Mul(x, var("cos"), name="x_cos"), op.Mul(ROTATE_HALF, var("sin"), name="rotated_sin"), name="sum")
+
+
+def _int_values(m: Match, tensor: str | None, depth: int = 6) -> np.ndarray | None:
+    """The integer value of a small shape computation (Slice bounds), evaluated from the known
+    static dims where a Shape is involved; None when it depends on an unknown."""
+    if tensor is None:
+        return None
+    value = m.graph.constant_value(tensor)
+    if value is not None:
+        return value.astype(np.int64) if value.dtype.kind in "iu" else None
+    producer = m.graph.producer(tensor)
+    if producer is None or depth == 0:
+        return None
+    info = m.graph.node(producer)
+    inputs = [_int_values(m, i, depth - 1) if i else None for i in info.inputs]
+    if info.op_type == "Gather" and info.inputs and m.graph.producer(info.inputs[0]) is not None:
+        shape_node = m.graph.node(m.graph.producer(info.inputs[0]))
+        dims = m.shape(shape_node.inputs[0]) if shape_node.op_type == "Shape" and not shape_node.attrs() else None
+        if dims is None or inputs[1] is None:
+            return None
+        picked = [dims[int(i)] for i in np.ravel(inputs[1])]
+        if not all(isinstance(d, int) for d in picked):
+            return None
+        return np.array(picked, np.int64).reshape(np.shape(inputs[1]))
+    if any(v is None for v, name in zip(inputs, info.inputs) if name):
+        return None
+    if info.op_type in ("Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity"):
+        return np.ravel(inputs[0]) if info.op_type != "Identity" else inputs[0]
+    arithmetic = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.floor_divide}
+    if info.op_type in arithmetic:
+        return arithmetic[info.op_type](inputs[0], inputs[1]).astype(np.int64)
+    return None
+
+
+def _require_half(m: Match, name: str, head_size: int, first: bool) -> None:
+    """The Slice `name` takes x[..., :H/2] (first) or x[..., H/2:] along the last axis."""
+    start, end = _int_values(m, m[f"{name}_start"]), _int_values(m, m[f"{name}_end"])
+    axes, steps = _int_values(m, m[f"{name}_axes"]), _int_values(m, m[f"{name}_steps"])
+    m.require(start is not None and end is not None, f"rotate_half's {name} Slice has bounds not known here")
+    m.require(start.size == 1 and end.size == 1, f"rotate_half's {name} Slice cuts more than one axis")
+    m.require(m[f"{name}_axes"] is not None and axes is not None, f"rotate_half's {name} Slice has no known axis")
+    m.require(int(axes.ravel()[0]) in (-1, 3), f"rotate_half's {name} Slice is along axis {int(axes.ravel()[0])}")
+    m.require(steps is None or int(steps.ravel()[0]) == 1, f"rotate_half's {name} Slice has a step")
+    begin, stop = int(start.ravel()[0]), int(end.ravel()[0])
+    half = head_size // 2
+    expected = (begin == 0 and stop == half) if first else (begin == half and stop >= head_size)
+    m.require(expected, f"rotate_half's {name} Slice is [{begin}:{stop}] of a head of {head_size}")
+
+
+def _duplicated_halves(m: Match, tensor: str, function: str) -> str:
+    """The [B, S, H] tensor under Unsqueeze(axis 1) whose two halves are equal by construction:
+    elementwise scalar work (Cast, Mul/Div by a constant) over function(Concat(f, f, axis=-1))."""
+    graph = m.graph
+    unsqueeze = graph.producer(tensor)
+    info = graph.node(unsqueeze) if unsqueeze is not None else None
+    m.require(info is not None and info.op_type == "Unsqueeze", f"{function.lower()} is not Unsqueeze(..., axis 1)")
+    axes = info.attr("axes") if m.opset < 13 else _int_values(m, info.inputs[1] if len(info.inputs) > 1 else None)
+    m.require(axes is not None and list(np.ravel(axes)) == [1], f"{function.lower()} is not Unsqueeze(..., axis 1)")
+    cache = info.inputs[0]
+    current = cache
+    for _ in range(6):
+        producer = graph.producer(current)
+        node = graph.node(producer) if producer is not None else None
+        if node is None:
+            break
+        if node.op_type == function:
+            concat = graph.producer(node.inputs[0])
+            concat = graph.node(concat) if concat is not None else None
+            m.require(
+                concat is not None
+                and concat.op_type == "Concat"
+                and concat.attr("axis") in (-1, 2)
+                and len(concat.inputs) == 2
+                and concat.inputs[0] == concat.inputs[1],
+                f"{function}'s input is not Concat(f, f) along the last axis: its halves may differ",
+            )
+            return cache
+        if node.op_type == "Cast" or (
+            node.op_type in ("Mul", "Div") and any(graph.constant_value(i) is not None for i in node.inputs)
+        ):
+            scalars = [graph.constant_value(i) for i in node.inputs[1:]]
+            m.require(all(s is None or s.size == 1 for s in scalars), f"{function.lower()} is scaled per element")
+            current = (
+                next(i for i in node.inputs if graph.constant_value(i) is None)
+                if node.op_type != "Cast"
+                else node.inputs[0]
+            )
+            continue
+        break
+    m.require(False, f"{function.lower()} is not computed as {function}(Concat(f, f)): its halves may differ")
+    return cache
+
+
+@rule("rotary-embedding", pattern=PATTERN, opsets=(23, None))
+def rotary_embedding(m: Match, b: Builder):
+    """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  RotaryEmbedding."""
+    shape = m.shape("x")
+    m.require(shape is not None and len(shape) == 4, f"x has shape {shape}, not heads [B, N, S, H]")
+    head_size = shape[3]
+    m.require(
+        isinstance(head_size, int) and head_size % 2 == 0, f"the head size {head_size} is not a known even number"
+    )
+    dtype = m.dtype("x")
+    m.require(dtype in (np.float32, np.float16), f"x is {dtype}; onnxruntime's RotaryEmbedding takes float32/float16")
+    m.require(m.attr("rotate_half", "axis") in (-1, 3), "rotate_half's Concat is not along the last axis")
+    _require_half(m, "first_half", head_size, first=True)
+    _require_half(m, "second_half", head_size, first=False)
+    caches = []
+    for name, function in (("cos", "Cos"), ("sin", "Sin")):
+        m.require(m.dtype(name) == dtype, f"{name} is {m.dtype(name)}, x is {dtype}")
+        full = _duplicated_halves(m, m[name], function)
+        half = b.once(
+            f"rotary-embedding:{full}",
+            lambda b, full=full: b.Slice(
+                full, np.array([0], np.int64), np.array([head_size // 2], np.int64), np.array([-1], np.int64)
+            ),
+        )
+        caches.append((full, half))
+    batch = shape[0]
+    cache_shape = m.shape(caches[0][0])
+    if not (cache_shape is not None and cache_shape[0] == batch and batch not in (None, "?")):
+        # onnxruntime wants the caches' batch dimension in full: [1, S, H/2] -> [B, S, H/2].
+        target = b.Concat(b.Shape(m["x"], start=0, end=1), np.array([1, 1], np.int64), axis=0)
+        caches = [(full, b.Expand(half, target)) for full, half in caches]
+    return b.RotaryEmbedding(m["x"], caches[0][1], caches[1][1])

@@ -1,0 +1,109 @@
+"""Tests for attention-standard (rules/attention_standard.py): multi-head attention written out
+becomes the standard ONNX Attention operator at opset 23 and later.
+
+The models are those of test_attention_multihead.py, at opset 23; the optimized models run
+in onnxruntime (optimizations off). onnxruntime 1.32's CPU Attention runs float32 and float16,
+wants attn_mask's query dimension in full, and gives 0 for a fully masked query row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import fuser
+from fuser.rules.attention_standard import attention_standard
+from tests.helpers import assert_declined, assert_rewritten, nodes_of, run
+from tests.rules.test_attention_multihead import H, N, PROJECTIONS, TRANSFORMERS, attention_model, export_feeds
+
+RULE = "attention-standard"
+
+
+def fuse(model, feeds, *, expected_ops):
+    dtype = feeds["x"].dtype
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    after, report = assert_rewritten(
+        model, [attention_standard], counts={RULE: 1}, expected_ops=expected_ops, inputs=feeds, feeds=feeds, **tol
+    )
+    assert not nodes_of(after, "Softmax")
+    return after, report
+
+
+@pytest.mark.parametrize("scale", ["scores_div", "q_mul", "qk_sqrt"])
+@pytest.mark.parametrize("k_form", ["0231", "3d"])
+def test_fuses_into_attention(scale, k_form):
+    model, feeds = attention_model(scale=scale, k_form=k_form, opset=23)
+    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + ["Attention"])
+    (node,) = nodes_of(after, "Attention")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["q_num_heads"] == N and attrs["kv_num_heads"] == N
+    assert attrs["scale"] == pytest.approx(H**-0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_padding_mask(dtype):
+    model, feeds = attention_model(dtype=dtype, mask="padding", symbolic=True, opset=23)
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=PROJECTIONS + ["Unsqueeze", "Sub", "Mul", "Shape", "Shape", "Concat", "Expand", "Attention"],
+    )
+
+
+def test_fully_masked_rows_give_zero_like_the_nan_guard():
+    model, feeds = attention_model(mask="boolean", nan_guard=True, opset=23)
+    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + ["Where", "Attention"])
+    np.testing.assert_array_equal(run(after, feeds)[0][1, 0], 0)
+
+
+def test_fully_masked_rows_without_the_guard_are_stabilized():
+    model, feeds = attention_model(mask="boolean", opset=23)
+    _, report = assert_rewritten(
+        model, [attention_standard], counts={RULE: 1}, expected_ops=PROJECTIONS + ["Where", "Attention"], inputs=feeds
+    )
+    assert {o.status for o in report.verdict.outputs} == {"stabilized"}
+
+
+def test_not_before_opset_23():
+    model, _ = attention_model(opset=22)
+    _, report = fuser.optimize(model, rules=[attention_standard])
+    assert report.counts == {}
+    assert "attention-standard" in report.engine.skipped_rules
+
+
+def test_grouped_query_attention_is_declined():
+    model, _ = attention_model(kv_heads=2, opset=23)
+    assert_declined(model, attention_standard, "grouped-query")
+
+
+# Not bert_dynamo and vit_dynamo: once converted, their torch.export Kᵀ (Reshape/Transpose/Reshape)
+# has no shapes left that prove it a transposition (the exporter's annotations are gone).
+@pytest.mark.parametrize("name", ["bert_legacy", "gpt2_legacy", "gpt2_dynamo", "vit_legacy"])
+def test_real_exports_upgraded_to_opset_23(name):
+    path = TRANSFORMERS / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} is not in this checkout (the transformer exports are made separately)")
+    model = onnx.version_converter.convert_version(onnx.load(str(path)), 23)
+    # The converter annotates every tensor from its own shape inference, without the symbolic
+    # dims that data propagation finds; left in, they would hide the shapes the rule checks.
+    del model.graph.value_info[:]
+    model.ir_version = 10
+    feeds = export_feeds(model)
+    after, report = fuser.optimize(model, rules=[attention_standard], inputs=feeds)
+    assert report.counts == {RULE: len(nodes_of(model, "Softmax"))}
+    assert not nodes_of(after, "Softmax")
+    for expected, actual in zip(run(model, feeds), run(after, feeds)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rotary_heads_and_repeated_kv_heads_take_four_dimensional_inputs():
+    model, feeds = attention_model(k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, opset=23)
+    after, report = fuser.optimize(model, rules=[attention_standard], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    (node,) = nodes_of(after, "Attention")
+    assert list(node.input[1:3]) == ["k_repeated", "v_repeated"]
+    assert "q_num_heads" not in {a.name for a in node.attribute}  # only for 3-D inputs
+    assert not nodes_of(after, "Softmax")
+    np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,163 @@
+"""Tests for rotary-embedding (rules/rotary_embedding.py): x * cos + rotate_half(x) * sin on
+heads [B, N, S, H] becomes the standard RotaryEmbedding (opset 23), checked in onnxruntime
+with its optimizations off. cos and sin are computed in the model, as Hugging Face's Llama
+does: Unsqueeze(Cos(Concat(freqs, freqs)), 1) with freqs = positions x inverse frequencies.
+
+onnxruntime 1.32's RotaryEmbedding wants 3-D caches with x's batch size (a batch-1 cache is
+an error), which is why the rule expands them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import fuser
+from fuser.rules.attention_standard import attention_standard
+from fuser.rules.rotary_embedding import rotary_embedding
+from tests.helpers import assert_declined, make_model, nodes_of, run
+from tests.rules.test_attention_multihead import TRANSFORMERS, export_feeds
+
+RULE = "rotary-embedding"
+B, N, S, H = 2, 3, 5, 8
+
+
+def rotary_model(
+    *,
+    dtype=np.float32,
+    symbolic=False,
+    second_freqs="freqs",
+    first_slice=(0, H // 2),
+    second_slice=(H // 2, 2**62),
+    constant_cos=False,
+    opset=23,
+):
+    """x [B, N, S, H], position_ids [1, S] -> x * cos + rotate_half(x) * sin; (model, feeds).
+
+    second_freqs: "freqs" builds Concat(freqs, freqs); "other" Concat(freqs, 2 * freqs), whose
+    halves differ. first_slice/second_slice: the rotate_half Slices' [start, end).
+    constant_cos: cos and sin as initializers instead of computed.
+    """
+    rng = np.random.default_rng(0)
+    batch, seq = ("batch", "seq") if symbolic else (B, S)
+    inits = {
+        "inv_freq": (10000.0 ** (-np.arange(0, H, 2) / H))[None].astype(np.float32),
+        "axis_last": np.array([-1], np.int64),
+        "axis_1": np.array([1], np.int64),
+        "two": np.array(2, np.float32),
+        "first_start": np.array([first_slice[0]], np.int64),
+        "first_end": np.array([first_slice[1]], np.int64),
+        "second_start": np.array([second_slice[0]], np.int64),
+        "second_end": np.array([second_slice[1]], np.int64),
+    }
+    to = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = []
+    if constant_cos:
+        angles = np.arange(S)[:, None] * inits["inv_freq"]
+        angles = np.concatenate([angles, angles], -1)[None, None]
+        inits["cos"] = np.cos(angles).astype(dtype)
+        inits["sin"] = np.sin(angles).astype(dtype)
+    else:
+        nodes += [
+            helper.make_node("Cast", ["position_ids"], ["positions"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["positions", "axis_last"], ["positions_3d"]),
+            helper.make_node("MatMul", ["positions_3d", "inv_freq"], ["freqs"]),
+            helper.make_node("Mul", ["freqs", "two"], ["freqs_doubled"]),
+            helper.make_node(
+                "Concat", ["freqs", "freqs" if second_freqs == "freqs" else "freqs_doubled"], ["emb"], axis=-1
+            ),
+        ]
+        for function, name in (("Cos", "cos"), ("Sin", "sin")):
+            nodes += [
+                helper.make_node(function, ["emb"], [f"{name}_3d"]),
+                helper.make_node("Cast", [f"{name}_3d"], [f"{name}_typed"], to=to),
+                helper.make_node("Unsqueeze", [f"{name}_typed", "axis_1"], [name]),
+            ]
+    nodes += [
+        helper.make_node("Slice", ["x", "first_start", "first_end", "axis_last"], ["x1"], name="first"),
+        helper.make_node("Slice", ["x", "second_start", "second_end", "axis_last"], ["x2"], name="second"),
+        helper.make_node("Neg", ["x2"], ["x2_negated"]),
+        helper.make_node("Concat", ["x2_negated", "x1"], ["x_rotated"], axis=-1),
+        helper.make_node("Mul", ["x", "cos"], ["x_cos"]),
+        helper.make_node("Mul", ["x_rotated", "sin"], ["x_sin"]),
+        helper.make_node("Add", ["x_cos", "x_sin"], ["y"], name="sum"),
+    ]
+    inputs = [("x", dtype, [batch, N, seq, H])]
+    feeds = {"x": rng.standard_normal((B, N, S, H)).astype(dtype)}
+    if not constant_cos:
+        inputs.append(("position_ids", np.int64, [1, seq]))
+        feeds["position_ids"] = np.arange(S, dtype=np.int64)[None]
+    model = make_model(nodes, inputs, [("y", dtype, [batch, N, seq, H])], inits, opset=opset, ir_version=10)
+    return model, feeds
+
+
+def fuse(model, feeds, tol):
+    after, report = fuser.optimize(model, rules=[rotary_embedding], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    onnx.checker.check_model(after, full_check=True)
+    assert len(nodes_of(after, "RotaryEmbedding")) == 1
+    assert not nodes_of(after, "Neg")
+    assert [n.input[0] for n in nodes_of(after, "Slice")] == ["cos_typed", "sin_typed"]  # the half-width caches
+    np.testing.assert_allclose(run(after, feeds)[0].astype(np.float64), run(model, feeds)[0].astype(np.float64), **tol)
+    return after
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rotate_half_becomes_rotary_embedding(dtype):
+    model, feeds = rotary_model(dtype=dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    after = fuse(model, feeds, tol)
+    (rotary,) = nodes_of(after, "RotaryEmbedding")
+    assert rotary.input[0] == "x"
+    assert len(nodes_of(after, "Expand")) == 2  # the batch-1 caches, expanded to x's batch
+
+
+def test_symbolic_batch_and_sequence():
+    model, feeds = rotary_model(symbolic=True)
+    after = fuse(model, feeds, {"rtol": 1e-5, "atol": 1e-5})
+    longer = {"x": np.ones((3, N, 7, H), np.float32), "position_ids": np.arange(7, dtype=np.int64)[None]}
+    np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cos_with_different_halves_is_declined():
+    model, _ = rotary_model(second_freqs="other")
+    assert_declined(model, rotary_embedding, "its halves may differ")
+
+
+def test_constant_cos_is_declined():
+    model, _ = rotary_model(constant_cos=True)
+    assert_declined(model, rotary_embedding, "cos is not Unsqueeze(..., axis 1)")
+
+
+def test_slices_at_other_offsets_are_declined():
+    model, _ = rotary_model(first_slice=(0, 2), second_slice=(2, 2**62))
+    assert_declined(model, rotary_embedding, "first_half Slice is [0:2] of a head of 8")
+
+
+def test_not_before_opset_23():
+    model, _ = rotary_model(opset=22)
+    _, report = fuser.optimize(model, rules=[rotary_embedding])
+    assert report.counts == {} and RULE in report.engine.skipped_rules
+
+
+@pytest.mark.parametrize("name", ["llama_legacy", "llama_dynamo"])
+def test_llama_exports_upgraded_to_opset_23(name):
+    path = TRANSFORMERS / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} is not in this checkout (the transformer exports are made separately)")
+    original = onnx.load(str(path))
+    model = onnx.version_converter.convert_version(original, 23)
+    # The converter's annotations lack the symbolic dims the rules check; the exporter's are kept.
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(original.graph.value_info)
+    model.ir_version = 10
+    feeds = export_feeds(model)
+    after, report = fuser.optimize(model, rules=[rotary_embedding, attention_standard], inputs=feeds)
+    assert report.counts[RULE] == 4  # Q and K in each of two layers
+    if name == "llama_dynamo":
+        assert report.counts["attention-standard"] == 2
+        assert not nodes_of(after, "Softmax")
+    for expected, actual in zip(run(model, feeds), run(after, feeds)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
