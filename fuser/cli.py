@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
-def explain_rules(ctx: Context, model, target, rule_files, enable, disable, only, fmt):
+def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disable, only, fmt):
     """Say why each rule did or did not fire in MODEL: what it matched, applied and declined,
     grouped by reason, with the rule's file:line. Writes nothing; the numerics check is not run."""
     import fnmatch
@@ -792,7 +792,9 @@ def explain_rules(ctx: Context, model, target, rule_files, enable, disable, only
     try:
         enable = tuple(enable) + tuple(only)
         chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
-        _, result = api.optimize(Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True)
+        _, result = api.optimize(
+            Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True, opset=opset
+        )
         explained = explain.explain(result.engine, chosen)
         if only:
             explained = [e for e in explained if any(fnmatch.fnmatchcase(e.rule, name) for name in only)]
