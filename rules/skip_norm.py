@@ -8,6 +8,10 @@ take the skip (second addend) with the input's shape, or [1, S, H] / [S, H] agai
 [B, S, H] input. With a skip of batch B and an input of batch 1 the kernel returns a batch-1
 result where Add broadcasts, so every dimension must be provably equal (the same size or the
 same symbolic name); where shape inference cannot show that, the rule declines.
+
+Both rules run in phase 1, once norm-scale-fold / norm-bias-fold are done: fused first, the
+norm would be a Skip* node those folds do not see, and the learned weight's Mul and bias's
+Add would stay behind it in every block.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def _fused(m: Match, b: Builder, op_type: str, *params):
     ),
     target="onnxruntime",
     emits={"com.microsoft": 1},
+    phase=1,
 )
 def skip_layer_norm(m: Match, b: Builder):
     """Add -> LayerNormalization  =>  SkipLayerNormalization (the sum as its fourth output)."""
@@ -77,6 +82,7 @@ def skip_layer_norm(m: Match, b: Builder):
     ),
     target="onnxruntime",
     emits={"com.microsoft": 1},
+    phase=1,
 )
 def skip_rms_norm(m: Match, b: Builder):
     """Add -> RMS normalization  =>  SkipSimplifiedLayerNormalization (the sum as its fourth output)."""
