@@ -58,7 +58,9 @@ FEED_SHAPE = (2, 3, 8)
 
 def ln_model(shape=SHAPE, dtype=np.float32, opset=17, out_shape=None, extra_nodes=(), extra_outputs=(), **kwargs):
     nodes, inits = layer_norm_nodes(opset=opset, dtype=dtype, **kwargs)
-    outputs = [(kwargs.get("y", "y"), dtype, out_shape or [None] * len(shape))] + [(o, dtype, [None] * len(shape)) for o in extra_outputs]
+    outputs = [(kwargs.get("y", "y"), dtype, out_shape or [None] * len(shape))] + [
+        (o, dtype, [None] * len(shape)) for o in extra_outputs
+    ]
     check = np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
     return make_model(nodes + list(extra_nodes), [("x", dtype, shape)], outputs, inits, opset=opset, check=check)
 
@@ -130,7 +132,12 @@ def test_layer_norm_ort_is_not_an_onnx_target_rule():
 
 @pytest.mark.parametrize(
     "axes,shape,axis,scale_shape",
-    [([-2, -1], [2, 3, 8], -2, (3, 8)), ([1, 2], [2, 3, 8], -2, (3, 8)), ([2], [2, 3, 8], -1, (8,)), ([0, 1], [4, 8], -2, (4, 8))],
+    [
+        ([-2, -1], [2, 3, 8], -2, (3, 8)),
+        ([1, 2], [2, 3, 8], -2, (3, 8)),
+        ([2], [2, 3, 8], -1, (8,)),
+        ([0, 1], [4, 8], -2, (4, 8)),
+    ],
     ids=["last-two-negative", "last-two-positive", "last-positive", "whole-2d"],
 )
 def test_trailing_axes(axes, shape, axis, scale_shape):
@@ -173,7 +180,9 @@ def test_bfloat16_rewritten_and_runs():
     nodes, inits = layer_norm_nodes(dtype=ml_dtypes.bfloat16)
     to_bf16 = helper.make_node("Cast", ["x32"], ["x"], name="to_bf16", to=onnx.TensorProto.BFLOAT16)
     to_f32 = helper.make_node("Cast", ["y"], ["y32"], name="to_f32", to=onnx.TensorProto.FLOAT)
-    model = make_model([to_bf16, *nodes, to_f32], [("x32", np.float32, SHAPE)], [("y32", np.float32, [None] * 3)], inits)
+    model = make_model(
+        [to_bf16, *nodes, to_f32], [("x32", np.float32, SHAPE)], [("y32", np.float32, [None] * 3)], inits
+    )
     after, report = fuser.optimize(model, rules=[layer_norm], check=False, trace=True)
     assert report.counts == {"layer-norm": 1}, [d.reason for d in report.engine.declined]
     assert op_types(after) == ["Cast", "LayerNormalization", "Cast"]
@@ -195,7 +204,9 @@ def test_fixed_batch_and_sequence():
 def test_graph_output_name_survives_and_other_consumers_read_it():
     extra = [helper.make_node("Neg", ["encoder/ln:0"], ["z"], name="neg")]
     model = ln_model(y="encoder/ln:0", extra_nodes=extra, extra_outputs=["z"])
-    after, _ = rewrite_onnx(model, expected_ops=["LayerNormalization", "Neg"], feeds=feeds_for(FEED_SHAPE), **TOL[np.float32])
+    after, _ = rewrite_onnx(
+        model, expected_ops=["LayerNormalization", "Neg"], feeds=feeds_for(FEED_SHAPE), **TOL[np.float32]
+    )
     assert list(nodes_of(after, "LayerNormalization")[0].output) == ["encoder/ln:0"]
     assert list(nodes_of(after, "Neg")[0].input) == ["encoder/ln:0"]
 
@@ -203,7 +214,9 @@ def test_graph_output_name_survives_and_other_consumers_read_it():
 def test_x_with_other_consumers_stays():
     extra = [helper.make_node("Relu", ["x"], ["r"], name="relu")]
     model = ln_model(extra_nodes=extra, extra_outputs=["r"])
-    after, _ = rewrite_onnx(model, expected_ops=["LayerNormalization", "Relu"], feeds=feeds_for(FEED_SHAPE), **TOL[np.float32])
+    after, _ = rewrite_onnx(
+        model, expected_ops=["LayerNormalization", "Relu"], feeds=feeds_for(FEED_SHAPE), **TOL[np.float32]
+    )
     assert list(nodes_of(after, "Relu")[0].input) == ["x"]
 
 
@@ -214,7 +227,9 @@ def test_two_norms_sharing_constants():
     for node in n2:
         node.input[:] = [{"b_eps": "a_eps", "b_two": "a_two"}.get(i, i) for i in node.input]
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu")] + n1 + n2
-    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y1", np.float32, [None] * 3), ("y2", np.float32, [None] * 3)], inits)
+    model = make_model(
+        nodes, [("x", np.float32, SHAPE)], [("y1", np.float32, [None] * 3), ("y2", np.float32, [None] * 3)], inits
+    )
     after, _ = rewrite_onnx(
         model,
         counts={"layer-norm": 2},
@@ -325,5 +340,7 @@ def test_different_x_in_mean_and_sub_is_no_match():
     """mean(z) subtracted from x is not a normalization of x."""
     nodes, inits = layer_norm_nodes()
     nodes[0].input[0] = "z"
-    model = make_model(nodes, [("x", np.float32, SHAPE), ("z", np.float32, SHAPE)], [("y", np.float32, [None] * 3)], inits)
+    model = make_model(
+        nodes, [("x", np.float32, SHAPE), ("z", np.float32, SHAPE)], [("y", np.float32, [None] * 3)], inits
+    )
     assert_declined(model, layer_norm, None)

@@ -155,7 +155,9 @@ def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix
     inits = {f"{p}{k}": np.asarray(v, dtype) for k, v in values.items()}
     if kind.startswith("erf"):
         nodes = [
-            helper.make_node("Div" if kind == "erf-div" else "Mul", [x, f"{p}root_two"], [f"{p}scaled"], name=f"{p}scaled"),
+            helper.make_node(
+                "Div" if kind == "erf-div" else "Mul", [x, f"{p}root_two"], [f"{p}scaled"], name=f"{p}scaled"
+            ),
             helper.make_node("Erf", [f"{p}scaled"], [f"{p}erf"], name=f"{p}erf"),
         ]
         for k in ("three", "cubic", "tanh_scale"):
