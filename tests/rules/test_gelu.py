@@ -36,12 +36,10 @@ import fuser
 from tests.helpers import (
     assert_declined,
     assert_rewritten,
-    assert_same_outputs,
     attrs_of,
     make_model,
     nodes_of,
     opsets_of,
-    reference_run,
     run,
 )
 from tests.rules.transformer_models import GELU_FORMS, GELU_KINDS, TOL, feeds_for, gelu_nodes, np_gelu
