@@ -76,7 +76,8 @@ def static_dims(m: Match, tensor: str, first_axis: int) -> tuple[int, ...]:
 
 def require_finite(m: Match, value: np.ndarray, dtype, what: str) -> np.ndarray:
     """`value` cast to `dtype`, declining when the cast overflows (float16 folding)."""
-    cast = np.asarray(value).astype(dtype)
+    with np.errstate(over="ignore"):  # the overflow is the decline below, not a warning
+        cast = np.asarray(value).astype(dtype)
     m.require(bool(np.all(np.isfinite(cast.astype(np.float64)))), f"{what} is not finite in {np.dtype(dtype).name}")
     return cast
 

@@ -52,5 +52,6 @@ def cast_chain(m: Match, b: Builder):
 def cast_noop(m: Match, b: Builder):
     """Cast(x, T) with x of type T  =>  x."""
     source, target = m.dtype("x"), _target(m, "cast")
-    m.require(source is not None and source == target, f"the Cast changes {source} to {target}")
+    m.require(source is not None, "the input's element type is unknown")
+    m.require(source == target, f"the Cast changes {source} to {target}")
     return m["x"]

@@ -7,9 +7,12 @@ kernels normalize the last axis of 2-D or 3-D float32/float16 inputs with a 1-D 
 take the skip (second addend) with the input's shape, or [1, S, H] / [S, H] against a
 [B, S, H] input. With a skip of batch B and an input of batch 1 the kernel returns a batch-1
 result where Add broadcasts, so every dimension must be provably equal (the same size or the
-same symbolic name the model declares; see same_dim); where that cannot be shown, the rule declines. A constant
+same symbolic name, see same_dim); where that cannot be shown, the rule declines. A constant
 1-D bias added to one addend first (the projection's bias: MatMul -> Add(bias) -> residual
 Add) goes into the kernel's bias input.
+
+Both rules run in phase 1, once norm-scale-fold / norm-bias-fold are done, so a written-out
+norm with its learned weight and bias becomes a single Skip* node in every block.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def _fused(m: Match, b: Builder, op_type: str, *params):
     pattern=tuple(_sums(op.LayerNormalization, const("s"), const("beta", optional=True))),
     target="onnxruntime",
     emits={"com.microsoft": 1},
+    phase=1,
 )
 def skip_layer_norm(m: Match, b: Builder):
     """Add -> LayerNormalization  =>  SkipLayerNormalization (the sum as its fourth output)."""
@@ -91,6 +95,7 @@ def skip_layer_norm(m: Match, b: Builder):
     pattern=tuple(_sums(op.RMSNormalization | op.SimplifiedLayerNormalization, const("s"))),
     target="onnxruntime",
     emits={"com.microsoft": 1},
+    phase=1,
 )
 def skip_rms_norm(m: Match, b: Builder):
     """Add -> RMS normalization  =>  SkipSimplifiedLayerNormalization (the sum as its fourth output)."""
