@@ -175,6 +175,8 @@ class Instance:
         self.opset = int(rng.choice(choices)) if choices else int(high if high is not None else low)
         self.channels = int(rng.choice([8, 16, 32]))
         self.spatial = [int(rng.integers(3, 7))] * 2
+        # A rule may list several spellings of one computation: each instance draws one.
+        self.pattern = rule.alternatives[int(rng.integers(len(rule.alternatives)))]
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -183,7 +185,7 @@ class Instance:
         self.built: dict[str, tuple[str, list[int]]] = {}  # pattern node name -> (output, shape)
 
     def build(self) -> tuple[onnx.ModelProto, dict]:
-        output, shape = self._node(self.rule.pattern)
+        output, shape = self._node(self.pattern)
         graph = helper.make_graph(
             self.nodes,
             f"selftest_{self.rule.name}",
@@ -191,7 +193,7 @@ class Instance:
             [helper.make_tensor_value_info(output, helper.np_dtype_to_tensor_dtype(self.dtype), shape)],
             self.initializers,
         )
-        domains = {p.domain for p in self.rule.pattern.walk() if isinstance(p, OpPattern) and p.domain}
+        domains = {p.domain for p in self.pattern.walk() if isinstance(p, OpPattern) and p.domain}
         opsets = [helper.make_opsetid("", self.opset)] + [helper.make_opsetid(d, 1) for d in sorted(domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="fuser-selftest")
         model.ir_version = 8
@@ -301,6 +303,8 @@ class Instance:
             # An NCHWc Conv reads and writes whole blocks; its weights' layout does not matter
             # here, the instance and its rewrite read the same ones.
             blocked = pattern.domain == "com.microsoft.nchwc"
+            if len(main) < 3:
+                raise NotSynthesizable(f"{op_type}'s input comes out of the pattern with rank {len(main)}, not 3 or more")
             channels_in = main[1]
             kernel = int(self.rng.choice([1, 3]))
             depthwise = op_type != "ConvTranspose" and not blocked and bool(self.rng.integers(4) == 0)
@@ -385,6 +389,8 @@ class Instance:
             for index in range(1, count):
                 names.append(leaf(index, main))
             parts = [known[i][1] if known[i] else main for i in range(count) if present[i]]
+            if any(len(part) <= axis for part in parts):
+                raise NotSynthesizable(f"Concat along axis {axis} of parts with fewer dimensions")
             total = sum(part[axis] for part in parts)
             out[axis] = total
         elif op_type == "ReorderOutput":
