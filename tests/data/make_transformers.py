@@ -35,48 +35,54 @@ SEED = 0
 
 SIZES = {
     "tiny": {
-        "bert": dict(
-            vocab_size=128,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            type_vocab_size=2,
-        ),
-        "gpt2": dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-        "vit": dict(
-            image_size=32,
-            patch_size=8,
-            num_channels=3,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "llama": dict(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        "bert": {
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+            "type_vocab_size": 2,
+        },
+        "gpt2": {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+        "vit": {
+            "image_size": 32,
+            "patch_size": 8,
+            "num_channels": 3,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+        },
+        "llama": {
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        },
     },
     "real": {
-        "bert": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
-        "gpt2": dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
-        "vit": dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
-        "llama": dict(
-            vocab_size=32000,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-        ),
+        "bert": {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12},
+        "gpt2": {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024},
+        "vit": {
+            "image_size": 224,
+            "patch_size": 16,
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+        },
+        "llama": {
+            "vocab_size": 32000,
+            "hidden_size": 512,
+            "intermediate_size": 1376,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+        },
     },
 }
 
@@ -96,7 +102,7 @@ def build(kind: str, size: str, attention: str = "sdpa"):
 
     torch.manual_seed(SEED)
     params = dict(SIZES[size][kind])
-    common = dict(attn_implementation=attention)
+    common = {"attn_implementation": attention}
     if kind == "bert":
         config = tf.BertConfig(**params, **common)
         model = tf.BertModel(config, add_pooling_layer=False)
@@ -110,8 +116,24 @@ def build(kind: str, size: str, attention: str = "sdpa"):
     else:
         config = tf.LlamaConfig(**params, use_cache=False, **common)
         model = tf.LlamaModel(config)
+    randomize(model)
     model.eval()
     return model, config
+
+
+def randomize(model) -> None:
+    """transformers initialises every bias and LayerNorm shift to 0 and every norm scale to 1,
+    which would let a fusion that drops or misplaces them pass its numerics check; give every
+    parameter seeded random values instead (norm scales near 1, the rest small)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for module in model.modules():
+            is_norm = "Norm" in type(module).__name__
+            for name, parameter in module.named_parameters(recurse=False):
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.copy_(1 + 0.1 * noise if is_norm and name == "weight" else 0.05 * noise)
 
 
 def example_inputs(kind: str, config):
@@ -313,8 +335,6 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(HERE, "transformers")
     os.makedirs(out, exist_ok=True)
     external = args.size != "tiny"
-
-    import torch
 
     exporters = args.exporters.split(",")
     for kind in args.models.split(","):
