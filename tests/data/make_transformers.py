@@ -13,7 +13,7 @@ Files, for NAME in bert, gpt2, vit, llama (a LlamaModel with grouped-query atten
   NAME_legacy.onnx, NAME_dynamo.onnx    transformers' default attention (SDPA), opset 18
   NAME_legacy_eager.onnx, ..._eager     eager attention (explicit MatMul, Softmax, MatMul)
   bert/gpt2_legacy_opset14.onnx         opset 14, where LayerNorm is still decomposed (tiny only)
-  bert/llama_legacy_fp16.onnx           float16, legacy exporter (see export_fp16 for the fallbacks)
+  bert/llama_legacy_fp16.onnx           float16, legacy exporter, eager attention (see export_fp16)
 
 Every model has dynamic batch and sequence dimensions (ViT: dynamic batch; its image size is
 fixed by the position embeddings). Tiny files are single files; real-size files keep their
@@ -299,24 +299,19 @@ def verify(path: str, kind: str, config) -> None:
 
 
 def export_fp16(kind: str, size: str, path: str, external: bool) -> None:
-    """The legacy exporter on the float16 model with the default attention; if its graph is
-    invalid (the SDPA symbolic of some torch versions mixes float32 into a float16 graph), with
-    eager attention; if that fails too, the documented cast of the float32 export."""
+    """The legacy exporter on the float16 model, with eager attention: its SDPA symbolic upcasts
+    inside attention and leaves float32 behind (an invalid graph for BERT, float32 weights and a
+    float32 residual stream for Llama). If the export fails, the documented cast of the float32
+    export instead."""
     import torch
 
-    for attention in ("sdpa", "eager"):
-        model, config = build(kind, size, attention)
-        try:
-            export(kind, model.half(), config, "legacy", path, external, dtype=torch.float16)
-            verify(path, kind, config)
-        except Exception as error:  # noqa: BLE001 - any exporter or runtime failure means: try the next way
-            print(f"{kind}: float16 legacy export with {attention} attention failed ({type(error).__name__}: {error})")
-            continue
-        print(f"{kind}: float16 legacy export with {attention} attention")
-        report(path)
-        return
-    print(f"{kind}: casting the float32 export to float16 instead")
-    cast_to_fp16(path.replace("_fp16.onnx", ".onnx"), path, external)
+    model, config = build(kind, size, "eager")
+    try:
+        export(kind, model.half(), config, "legacy", path, external, dtype=torch.float16)
+        verify(path, kind, config)
+    except Exception as error:  # noqa: BLE001 - any exporter or runtime failure means: fall back
+        print(f"{kind}: float16 legacy export failed ({type(error).__name__}: {error}); casting the float32 export")
+        cast_to_fp16(path.replace("_fp16.onnx", "_eager.onnx"), path, external)
     finish(path, kind, config)
 
 
