@@ -58,7 +58,9 @@ def _count_graph(graph: onnx.GraphProto) -> dict[str, int]:
     def is_centering(sub: onnx.NodeProto) -> bool:
         """Sub(x, ReduceMean(x))."""
         mean = producer.get(sub.input[1]) if len(sub.input) > 1 else None
-        return sub.op_type == "Sub" and mean is not None and mean.op_type == "ReduceMean" and mean.input[0] == sub.input[0]
+        return (
+            sub.op_type == "Sub" and mean is not None and mean.op_type == "ReduceMean" and mean.input[0] == sub.input[0]
+        )
 
     def squared_operand(node: onnx.NodeProto | None) -> str | None:
         if node is None:

@@ -302,7 +302,7 @@ def export_fp16(kind: str, size: str, path: str, external: bool) -> None:
     """The legacy exporter on the float16 model, with eager attention: its SDPA symbolic upcasts
     inside attention and leaves float32 behind (an invalid graph for BERT, float32 weights and a
     float32 residual stream for Llama). If the export fails, the documented cast of the float32
-    export instead."""
+    (SDPA) export instead."""
     import torch
 
     model, config = build(kind, size, "eager")
@@ -311,7 +311,7 @@ def export_fp16(kind: str, size: str, path: str, external: bool) -> None:
         verify(path, kind, config)
     except Exception as error:  # noqa: BLE001 - any exporter or runtime failure means: fall back
         print(f"{kind}: float16 legacy export failed ({type(error).__name__}: {error}); casting the float32 export")
-        cast_to_fp16(path.replace("_fp16.onnx", "_eager.onnx"), path, external)
+        cast_to_fp16(path.replace("_fp16.onnx", ".onnx"), path, external)
     finish(path, kind, config)
 
 
@@ -322,7 +322,10 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="bert,gpt2,vit,llama")
     parser.add_argument("--exporters", default="legacy,dynamo")
     parser.add_argument(
-        "--no-eager", dest="eager", action="store_false", help="skip the *_eager variants (eager attention code)"
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also export the *_eager variants (eager attention code); default: for --size tiny only",
     )
     args = parser.parse_args(argv)
     if args.out is None and args.size != "tiny":
@@ -330,6 +333,8 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(HERE, "transformers")
     os.makedirs(out, exist_ok=True)
     external = args.size != "tiny"
+    if args.eager is None:
+        args.eager = args.size == "tiny"
 
     exporters = args.exporters.split(",")
     for kind in args.models.split(","):
