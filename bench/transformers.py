@@ -57,6 +57,7 @@ DEFAULT_MODELS = [
 SHAPES = {"tiny": (2, 16), "real": (1, 128)}  # batch, sequence
 COLUMNS = ("orig", "onnx", "onnx23", "ort", "ort-opt", "onnxscript")
 # onnxruntime's optimizer has no Llama model type; its GPT-2 type runs the decoder fusions.
+NO_OPSET = "fuser.optimize has no `opset` option"
 ORT_MODEL_TYPES = {"bert": "bert", "gpt2": "gpt2", "vit": "vit", "llama": "gpt2"}
 
 
@@ -163,7 +164,7 @@ def make_cells(path: str, original: onnx.ModelProto, kind: str, size: str, feeds
     if opset_supported():
         cells["onnx23"] = fuser_cell(path, feeds, target="onnx", opset=23)
     else:
-        cells["onnx23"] = Cell(missing="fuser.optimize has no `opset` option")
+        cells["onnx23"] = Cell(missing=NO_OPSET)
     cells["ort"] = fuser_cell(path, feeds, target="onnxruntime")
     cells["ort-opt"] = ort_optimizer_cell(original, kind, size)
     cells["onnxscript"] = onnxscript_cell(original)
@@ -264,7 +265,9 @@ def main(argv=None) -> int:
             rows[name] = {}
         for column, cell in cells.items():
             if cell.missing:
-                notes.append(f"{name} {column}: n/a, {cell.missing}")
+                where = column if cell.missing == NO_OPSET else f"{name} {column}"  # the same for every model
+                if f"{where}: n/a, {cell.missing}" not in notes:
+                    notes.append(f"{where}: n/a, {cell.missing}")
             if cell.model is None:
                 continue
             mark = "!" if cell.unchecked else ""
