@@ -23,9 +23,8 @@ each latency as a ratio to the original's at "all".
 
 fuser checks its output against the original on those same inputs. When the check fails (or
 fuser raises), the cell is made again without the check and marked `!`; the reason is listed
-under the tables. Latencies are timed round-robin, one level at a time with the original at
-"all" in both rounds so that every ratio compares samples taken side by side; machines are
-noisy, so compare within one run of this script.
+under the tables. Latencies are timed round-robin over every column at both levels, so that
+the machine's drift hits them alike; machines are noisy, so compare within one run of this script.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import time
 
 import numpy as np
 import onnx
+from onnx.external_data_helper import load_external_data_for_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -112,14 +112,20 @@ def first_line(error: BaseException) -> str:
 def fuser_cell(path: str, feeds: dict, **options) -> Cell:
     try:
         optimized, _ = fuser.optimize(path, inputs=feeds, **options)
-        return Cell(optimized)
+        return Cell(with_weights(optimized, path))
     except Exception as error:  # noqa: BLE001 - a failing cell is reported, not fatal
         reason = first_line(error)
     try:
         optimized, _ = fuser.optimize(path, check=False, **options)
-        return Cell(optimized, unchecked=reason)
+        return Cell(with_weights(optimized, path), unchecked=reason)
     except Exception as error:  # noqa: BLE001
         return Cell(missing=f"{reason}; without the check: {first_line(error)}")
+
+
+def with_weights(model: onnx.ModelProto, path: str) -> onnx.ModelProto:
+    """fuser's output refers to the input's external data file; read it in, for sessions built from bytes."""
+    load_external_data_for_model(model, os.path.dirname(path))
+    return model
 
 
 def ort_optimizer_cell(model: onnx.ModelProto, kind: str, size: str) -> Cell:
@@ -201,21 +207,17 @@ def max_abs_diff(cells: dict[str, Cell], feeds: dict, threads: int) -> dict[str,
 
 
 def latencies(cells: dict[str, Cell], feeds: dict, threads: int, runs: int) -> dict[tuple[str, str], float]:
-    """Medians per (column, level): the "off" round also times the original at "all" so that every
-    ratio to it compares samples taken in the same round-robin."""
-    present = [name for name, cell in cells.items() if cell.model is not None]
-    medians = {}
-    for level in ("off", "all"):
-        keys = [(name, level) for name in present]
-        if level == "off":
-            keys.append(("orig", "all"))
-        sessions = {key: session(cells[key[0]].model, key[1], threads) for key in keys}
-        timed = medians_ms(sessions, feeds, runs)
-        del sessions
-        if level == "off":
-            medians[("orig", "all", "off-round")] = timed.pop(("orig", "all"))
-        medians.update(timed)
-    return medians
+    """Medians per (column, level), every column at both levels timed in one round-robin. The
+    sessions are built first and the models then let go, so that only the sessions hold weights."""
+    sessions = {
+        (name, level): session(cell.model, level, threads)
+        for name, cell in cells.items()
+        if cell.model is not None
+        for level in ("off", "all")
+    }
+    for cell in cells.values():
+        cell.model = None
+    return medians_ms(sessions, feeds, runs)
 
 
 def table(title: str, rows: dict[str, dict[str, str]]) -> str:
@@ -260,9 +262,9 @@ def main(argv=None) -> int:
         feeds = realistic_inputs(original, kind, args.size, batch, sequence)
         cells = make_cells(path, original, kind, args.size, feeds)
         diffs = max_abs_diff(cells, feeds, args.threads)
-        medians = latencies(cells, feeds, args.threads, args.runs)
         for rows in tables.values():
             rows[name] = {}
+        timed = []
         for column, cell in cells.items():
             if cell.missing:
                 where = column if cell.missing == NO_OPSET else f"{name} {column}"  # the same for every model
@@ -270,6 +272,7 @@ def main(argv=None) -> int:
                     notes.append(f"{where}: n/a, {cell.missing}")
             if cell.model is None:
                 continue
+            timed.append(column)
             mark = "!" if cell.unchecked else ""
             if cell.unchecked:
                 notes.append(f"{name} {column}: `!` fuser's check failed, made with check=False ({cell.unchecked})")
@@ -277,12 +280,13 @@ def main(argv=None) -> int:
             tables["nodes"][name][column] = f"{node_count(cell.model)}{mark}"
             tables["patterns"][name][column] = "/".join(str(left[p]) for p in PATTERNS) + mark
             tables["diff"][name][column] = f"{diffs[column]:.1e}{mark}"
+        medians = latencies(cells, feeds, args.threads, args.runs)
+        baseline = medians[("orig", "all")]
+        for column in timed:
+            mark = "!" if cells[column].unchecked else ""
             for level in ("off", "all"):
                 tables[level][name][column] = f"{medians[(column, level)]:.3f}{mark}"
-            tables["ratio_off"][name][column] = (
-                f"{medians[(column, 'off')] / medians[('orig', 'all', 'off-round')]:.2f}"
-            )
-            tables["ratio_all"][name][column] = f"{medians[(column, 'all')] / medians[('orig', 'all')]:.2f}"
+                tables[f"ratio_{level}"][name][column] = f"{medians[(column, level)] / baseline:.2f}{mark}"
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         sys.stderr.flush()
 
