@@ -24,7 +24,9 @@ each latency as a ratio to the original's at "all".
 fuser checks its output against the original on those same inputs. When the check fails (or
 fuser raises), the cell is made again without the check and marked `!`; the reason is listed
 under the tables. Latencies are timed round-robin over every column at both levels, so that
-the machine's drift hits them alike; machines are noisy, so compare within one run of this script.
+the machine's drift hits them alike (real size: one level at a time, each round also timing the
+original at "all" for the ratios, since twelve sessions of a real-size model need too much
+memory); machines are noisy, so compare within one run of this script.
 """
 
 from __future__ import annotations
@@ -206,18 +208,30 @@ def max_abs_diff(cells: dict[str, Cell], feeds: dict, threads: int) -> dict[str,
     return diffs
 
 
-def latencies(cells: dict[str, Cell], feeds: dict, threads: int, runs: int) -> dict[tuple[str, str], float]:
-    """Medians per (column, level), every column at both levels timed in one round-robin. The
-    sessions are built first and the models then let go, so that only the sessions hold weights."""
-    sessions = {
-        (name, level): session(cell.model, level, threads)
-        for name, cell in cells.items()
-        if cell.model is not None
-        for level in ("off", "all")
-    }
-    for cell in cells.values():
-        cell.model = None
-    return medians_ms(sessions, feeds, runs)
+def latencies(cells: dict[str, Cell], feeds: dict, threads: int, runs: int, split: bool) -> dict:
+    """Medians per (column, level) and the original's at "all" they are compared with, per level.
+
+    In one round-robin over every column at both levels by default; with `split`, one level at a
+    time (half the sessions alive at once: real-size models need that much less memory), the
+    original at "all" timed in both rounds so that every ratio compares samples taken side by side.
+    The models are let go once their sessions exist, so that only the sessions hold weights."""
+    present = [name for name, cell in cells.items() if cell.model is not None]
+    rounds = [["off", "all"]] if not split else [["off"], ["all"]]
+    medians, baselines = {}, {}
+    for levels in rounds:
+        keys = [(name, level) for name in present for level in levels]
+        if ("orig", "all") not in keys:
+            keys.append(("orig", "all"))
+        sessions = {key: session(cells[key[0]].model, key[1], threads) for key in keys}
+        if levels == rounds[-1]:
+            for cell in cells.values():
+                cell.model = None
+        timed = medians_ms(sessions, feeds, runs)
+        del sessions
+        for level in levels:
+            baselines[level] = timed[("orig", "all")]
+        medians.update({key: value for key, value in timed.items() if key[1] in levels})
+    return {"medians": medians, "baselines": baselines}
 
 
 def table(title: str, rows: dict[str, dict[str, str]]) -> str:
@@ -236,6 +250,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--sequence", type=int, default=None)
+    parser.add_argument(
+        "--split-levels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time one optimization level at a time (half the memory); default: for --size real only",
+    )
     args = parser.parse_args(argv)
     folder = args.dir or FOLDERS[args.size]
     batch = args.batch or SHAPES[args.size][0]
@@ -280,13 +300,15 @@ def main(argv=None) -> int:
             tables["nodes"][name][column] = f"{node_count(cell.model)}{mark}"
             tables["patterns"][name][column] = "/".join(str(left[p]) for p in PATTERNS) + mark
             tables["diff"][name][column] = f"{diffs[column]:.1e}{mark}"
-        medians = latencies(cells, feeds, args.threads, args.runs)
-        baseline = medians[("orig", "all")]
+        del original
+        split = args.split_levels if args.split_levels is not None else args.size == "real"
+        timing = latencies(cells, feeds, args.threads, args.runs, split)
         for column in timed:
             mark = "!" if cells[column].unchecked else ""
             for level in ("off", "all"):
-                tables[level][name][column] = f"{medians[(column, level)]:.3f}{mark}"
-                tables[f"ratio_{level}"][name][column] = f"{medians[(column, level)] / baseline:.2f}{mark}"
+                median = timing["medians"][(column, level)]
+                tables[level][name][column] = f"{median:.3f}{mark}"
+                tables[f"ratio_{level}"][name][column] = f"{median / timing['baselines'][level]:.2f}{mark}"
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         sys.stderr.flush()
 
