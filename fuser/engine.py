@@ -180,46 +180,64 @@ class Engine:
         return self.result
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
-        for phase in self._phases:
-            if self.result.rewrites:
-                self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
-            self._by_root = {}
-            for candidate in self.rules:
-                if candidate.phase == phase:
-                    for op_type, _ in candidate.roots:
-                        if candidate not in self._by_root.get(op_type, ()):
-                            self._by_root.setdefault(op_type, []).append(candidate)
-            # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes the
-            # dims below it) can let the phase's rules do more: its fixed point includes them.
-            for _ in range(PHASE_ROUNDS):
-                before = len(self.result.rewrites)
-                self._run_phase(graph, scope, apply)
-                if len(self.result.rewrites) == before or self._limit_reached() or not self._types.learns_more():
-                    break
+        # A later phase's rewrites can give an earlier phase's rules work again (attention
+        # fusion leaves a Reshape that simplification folds): the phases sweep again, over the
+        # nodes the previous sweep touched only, until a sweep changes nothing.
+        seeds: set[int] | None = None
+        for _ in range(PHASE_ROUNDS):
+            touched: set[int] = set()
+            for phase in self._phases:
+                if self.result.rewrites:
+                    self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
+                self._by_root = {}
+                for candidate in self.rules:
+                    if candidate.phase == phase:
+                        for op_type, _ in candidate.roots:
+                            if candidate not in self._by_root.get(op_type, ()):
+                                self._by_root.setdefault(op_type, []).append(candidate)
+                # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes
+                # the dims below it) can let the phase's rules do more: its fixed point includes them.
+                for _ in range(PHASE_ROUNDS):
+                    before = len(self.result.rewrites)
+                    touched |= self._run_phase(graph, scope, apply, seeds)
+                    if len(self.result.rewrites) == before or self._limit_reached() or not self._types.learns_more():
+                        break
+            if not apply or not touched or len(self._phases) == 1 or self._limit_reached():
+                return
+            seeds = touched
 
-    def _run_phase(self, graph: Graph, scope: str, apply: bool) -> None:
+    def _run_phase(self, graph: Graph, scope: str, apply: bool, seeds: set[int] | None = None) -> set[int]:
+        """Run the current phase's rules over every node of their root types, or over `seeds`
+        only; returns the nodes its rewrites created or touched."""
         heap: list[tuple[tuple, int]] = []
         queued: set[int] = set()
+        touched_all: set[int] = set()
 
         def push(node_id: int) -> None:
             if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
-        for op_type, candidates in self._by_root.items():
-            for candidate in candidates:
-                for root_type, domain in candidate.roots:
-                    if root_type == op_type:
-                        for node_id in graph.nodes_of_type(op_type, domain):
-                            push(node_id)
+        if seeds is not None:
+            for node_id in seeds:
+                push(node_id)
+        else:
+            for op_type, candidates in self._by_root.items():
+                for candidate in candidates:
+                    for root_type, domain in candidate.roots:
+                        if root_type == op_type:
+                            for node_id in graph.nodes_of_type(op_type, domain):
+                                push(node_id)
         while heap and not self._limit_reached():
             _, node_id = heapq.heappop(heap)
             queued.discard(node_id)
             if not graph.has_node(node_id):
                 continue
             touched = self._visit(graph, scope, node_id, apply)
+            touched_all.update(touched)
             for other in touched:
                 push(other)
+        return touched_all
 
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
         op_type = graph.node(node_id).op_type
