@@ -102,3 +102,29 @@ def same_dim(a, b) -> bool:
 
 def same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
+
+
+def written_out_norm(m: Match, reductions: dict[str, str]) -> tuple[np.dtype, int, tuple[int, ...], float]:
+    """dtype, axis, normalized dims and epsilon of a written-out layer or RMS norm.
+
+    reductions: the pattern's ReduceMean nodes and their axes inputs ({"mean": "mean_axes"}).
+    The constants the patterns bind (an exponent "two", a reciprocal's numerator "one") must
+    have their exact values, every mean keeps its dims and reduces the same trailing axes, and
+    "eps" is one small non-negative number."""
+    dtype = require_float(m, "x")
+    if m.has("two"):
+        require_scalar(m, "two", 2.0, "the exponent")
+    if m.has("one"):
+        require_scalar(m, "one", 1.0, "the numerator of the reciprocal")
+    axes = []
+    for node, axes_input in reductions.items():
+        m.require(m.attr(node, "keepdims", 1) == 1, "a ReduceMean drops the reduced axes (keepdims=0)")
+        axes.append(reduced_axes(m, node, axes_input))
+    m.require(all(a == axes[0] for a in axes), "the mean and the variance reduce different axes")
+    axis = trailing_axes(m, axes[0], "x")
+    dims = static_dims(m, "x", axis)
+    epsilon = m.value("eps")
+    m.require(epsilon.size == 1, "epsilon is not a single value")
+    epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
+    m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
+    return dtype, axis, dims, epsilon

@@ -11,7 +11,7 @@ division is Div, or Mul by Reciprocal.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._common import reduced_axes, require_float, require_scalar, static_dims, trailing_axes
+from fuser.rules._common import written_out_norm
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -32,28 +32,10 @@ def _patterns():
 PATTERNS = tuple(_patterns())
 
 
-def _normalization(m: Match) -> tuple[np.dtype, int, tuple[int, ...], float]:
-    """dtype, axis, normalized dims and epsilon of a matched layer normalization."""
-    dtype = require_float(m, "x")
-    if m.has("two"):
-        require_scalar(m, "two", 2.0, "the exponent")
-    for node in ("mean", "var"):
-        m.require(m.attr(node, "keepdims", 1) == 1, "a ReduceMean drops the reduced axes (keepdims=0)")
-    axes = reduced_axes(m, "mean", "mean_axes")
-    m.require(axes == reduced_axes(m, "var", "var_axes"), "the mean and the variance reduce different axes")
-    axis = trailing_axes(m, axes, "x")
-    dims = static_dims(m, "x", axis)
-    epsilon = m.value("eps")
-    m.require(epsilon.size == 1, "epsilon is not a single value")
-    epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
-    m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
-    return dtype, axis, dims, epsilon
-
-
 @rule("layer-norm", pattern=PATTERNS, opsets=(17, None))
 def layer_norm(m: Match, b: Builder):
     """Written-out layer normalization  =>  LayerNormalization (scale 1, no bias)."""
-    dtype, axis, dims, epsilon = _normalization(m)
+    dtype, axis, dims, epsilon = written_out_norm(m, {"mean": "mean_axes", "var": "var_axes"})
     return b.LayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)
 
 
@@ -69,5 +51,5 @@ def layer_norm(m: Match, b: Builder):
 )
 def layer_norm_ort(m: Match, b: Builder):
     """Written-out layer normalization  =>  LayerNormalization (onnxruntime, below opset 17)."""
-    dtype, axis, dims, epsilon = _normalization(m)
+    dtype, axis, dims, epsilon = written_out_norm(m, {"mean": "mean_axes", "var": "var_axes"})
     return b.LayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)

@@ -11,7 +11,7 @@ follows is folded into the scale by norm-scale-fold.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._common import reduced_axes, require_float, require_scalar, static_dims, trailing_axes
+from fuser.rules._common import require_float, written_out_norm
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -32,27 +32,10 @@ def _patterns():
 PATTERNS = tuple(_patterns())
 
 
-def _normalization(m: Match) -> tuple[np.dtype, int, tuple[int, ...], float]:
-    """dtype, axis, normalized dims and epsilon of a matched RMS normalization."""
-    dtype = require_float(m, "x")
-    if m.has("two"):
-        require_scalar(m, "two", 2.0, "the exponent")
-    if m.has("one"):
-        require_scalar(m, "one", 1.0, "the numerator of the reciprocal")
-    m.require(m.attr("mean", "keepdims", 1) == 1, "ReduceMean drops the reduced axes (keepdims=0)")
-    axis = trailing_axes(m, reduced_axes(m, "mean", "axes"), "x")
-    dims = static_dims(m, "x", axis)
-    epsilon = m.value("eps")
-    m.require(epsilon.size == 1, "epsilon is not a single value")
-    epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
-    m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
-    return dtype, axis, dims, epsilon
-
-
 @rule("rms-norm", pattern=PATTERNS, opsets=(23, None))
 def rms_norm(m: Match, b: Builder):
     """Written-out RMS normalization  =>  RMSNormalization (scale 1)."""
-    dtype, axis, dims, epsilon = _normalization(m)
+    dtype, axis, dims, epsilon = written_out_norm(m, {"mean": "axes"})
     return b.RMSNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)
 
 
@@ -68,6 +51,6 @@ def rms_norm(m: Match, b: Builder):
 )
 def rms_norm_ort(m: Match, b: Builder):
     """Written-out RMS normalization  =>  SimplifiedLayerNormalization (onnxruntime, below opset 23)."""
-    dtype, axis, dims, epsilon = _normalization(m)
+    dtype, axis, dims, epsilon = written_out_norm(m, {"mean": "axes"})
     require_float(m, "x", ("float16", "float32", "float64"))
     return b.SimplifiedLayerNormalization(m["x"], np.ones(dims, dtype), axis=axis, epsilon=epsilon)
