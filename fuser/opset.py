@@ -30,4 +30,15 @@ def upgrade(model: Model, version: int) -> Model:
     except Exception as error:  # noqa: BLE001 - the converter raises bare RuntimeErrors
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"onnx's version converter cannot bring this model from opset {current} to {version}: {detail}") from error
+    _keep_annotations(model.to_proto(), converted)
     return Model(converted, base_dir=model.base_dir, path=model.path)
+
+
+def _keep_annotations(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
+    """The converter replaces the exporter's shape annotations (symbolic dims named after the
+    model's inputs) with what its own inference manages, often unnamed dims. An upgrade changes no
+    tensor's type, so the original annotations of the tensors that remain are kept instead."""
+    produced = {o for n in converted.graph.node for o in n.output}
+    kept = [v for v in original.graph.value_info if v.name in produced]
+    del converted.graph.value_info[:]
+    converted.graph.value_info.extend(kept)

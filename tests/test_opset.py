@@ -8,6 +8,7 @@ becomes Gelu, with the converted model checked against the original.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +17,8 @@ from onnx import helper
 
 import fuser
 from fuser.errors import UsageError
+from fuser.model import Model
+from fuser.opset import upgrade
 from tests.helpers import in_process_cli, make_model, opsets_of, op_types, run
 
 
@@ -113,3 +116,19 @@ def test_the_summary_says_which_rules_need_a_newer_opset(cli, tmp_path):
     onnx.save(relu, tmp_path / "relu.onnx")
     done = cli(tmp_path, "optimize", "relu.onnx", "-o", "relu_out.onnx")
     assert "need a newer opset" not in done.stderr  # no rule needing one has anything to look at
+
+
+BERT_DYNAMO = Path(__file__).resolve().parent / "data" / "transformers" / "bert_dynamo.onnx"
+
+
+@pytest.mark.skipif(not BERT_DYNAMO.exists(), reason="tests/data/transformers is made by tests/data/make_transformers.py")
+def test_the_upgrade_keeps_the_exporters_shape_annotations():
+    """onnx's converter re-infers shapes with unnamed dims; kept, the exporter's named dims let
+    attention fuse into the standard Attention op at opset 23."""
+    original = onnx.load(BERT_DYNAMO)
+    upgraded = upgrade(Model(original), 23).to_proto()
+    annotated = {v.name: v.type for v in original.graph.value_info}
+    assert [v for v in upgraded.graph.value_info if annotated.get(v.name) != v.type] == []
+    optimized, report = fuser.optimize(BERT_DYNAMO, target="onnx", opset=23)
+    assert "Softmax" not in op_types(optimized) and "Attention" in op_types(optimized)
+    assert report.verdict.passed
