@@ -137,6 +137,7 @@ class Engine:
         self.limit = limit
         self.vetoed = set(vetoed)
         self._advised: set[tuple] = set()
+        self._declined_keys: set[tuple] = set()
         self.result = EngineResult()
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
@@ -288,7 +289,12 @@ class Engine:
         return []
 
     def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
+        """Record a decline once: later sweeps and re-queued nodes revisit the same matches."""
         nodes = [n.label for n in match.nodes]
+        key = (candidate.name, scope, tuple(nodes), reason)
+        if key in self._declined_keys:
+            return
+        self._declined_keys.add(key)
         source = str(candidate.source) if candidate.source else None
         self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
 
