@@ -185,11 +185,13 @@ class Engine:
         # fusion leaves a Reshape that simplification folds): the phases sweep again, over the
         # nodes the previous sweep touched only, until a sweep changes nothing.
         seeds: set[int] | None = None
+        inferred_at = 0  # how many rewrites the type table has seen
         for _ in range(PHASE_ROUNDS):
             touched: set[int] = set()
             for phase in self._phases:
-                if self.result.rewrites:
+                if len(self.result.rewrites) != inferred_at:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
+                    inferred_at = len(self.result.rewrites)
                 self._by_root = {}
                 for candidate in self.rules:
                     if candidate.phase == phase:
@@ -201,7 +203,10 @@ class Engine:
                 for _ in range(PHASE_ROUNDS):
                     before = len(self.result.rewrites)
                     touched |= self._run_phase(graph, scope, apply, seeds)
-                    if len(self.result.rewrites) == before or self._limit_reached() or not self._types.learns_more():
+                    if len(self.result.rewrites) == before or self._limit_reached():
+                        break
+                    inferred_at = len(self.result.rewrites)
+                    if not self._types.learns_more():
                         break
             if not apply or not touched or len(self._phases) == 1 or self._limit_reached():
                 return

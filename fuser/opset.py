@@ -25,12 +25,13 @@ def upgrade(model: Model, version: int) -> Model:
         raise UsageError(f"--opset {version} is beyond the newest opset this onnx knows ({latest})")
     if version == current:
         return model
+    original = model.to_proto()
     try:
-        converted = version_converter.convert_version(model.to_proto(), version)
+        converted = version_converter.convert_version(original, version)
     except Exception as error:  # noqa: BLE001 - the converter raises bare RuntimeErrors
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"onnx's version converter cannot bring this model from opset {current} to {version}: {detail}") from error
-    _keep_annotations(model.to_proto(), converted)
+    _keep_annotations(original, converted)
     return Model(converted, base_dir=model.base_dir, path=model.path)
 
 
