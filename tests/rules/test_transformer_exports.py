@@ -99,7 +99,7 @@ def norms_followed_by_constant_mul(model: onnx.ModelProto) -> list[str]:
 @pytest.fixture(scope="module", params=[p.name for p in FILES] or ["missing"])
 def optimized(request):
     if not FILES:
-        pytest.skip(f"{DATA} is absent: the transformer exports come with the exports branch")
+        pytest.skip(f"{DATA} is absent: tests/data/make_transformers.py makes it (needs torch)")
     path = DATA / request.param
     original = onnx.load(str(path))
     after, report = fuser.optimize(str(path), target="onnxruntime", inputs=realistic_inputs(original))
