@@ -74,14 +74,6 @@ def static_dims(m: Match, tensor: str, first_axis: int) -> tuple[int, ...]:
     return dims
 
 
-def require_finite(m: Match, value: np.ndarray, dtype, what: str) -> np.ndarray:
-    """`value` cast to `dtype`, declining when the cast overflows (float16 folding)."""
-    with np.errstate(over="ignore"):  # the overflow is the decline below, not a warning
-        cast = np.asarray(value).astype(dtype)
-    m.require(bool(np.all(np.isfinite(cast.astype(np.float64)))), f"{what} is not finite in {np.dtype(dtype).name}")
-    return cast
-
-
 def broadcast_over(m: Match, value: np.ndarray, dims: tuple[int, ...], rank: int, what: str) -> np.ndarray:
     """`value` (a Mul/Add operand) as an array of shape `dims` when it varies only along the
     trailing `dims` of a rank-`rank` tensor and does not grow the result; declines otherwise."""

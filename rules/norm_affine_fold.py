@@ -12,7 +12,8 @@ way through their gamma and beta; their other outputs (the residual sum) do not 
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._common import broadcast_over, require_finite, static_dims
+from fuser.rules._common import broadcast_over, static_dims
+from fuser.rules._folding import cast_finite
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -71,12 +72,12 @@ def norm_scale_fold(m: Match, b: Builder):
     m.require(weight.dtype == scale.dtype, f"the multiplier is {weight.dtype}, the scale {scale.dtype}")
     g = broadcast_over(m, weight, dims, rank, "the multiplier").astype(np.float64)
     s = broadcast_over(m, scale, dims, rank, "the scale").astype(np.float64)
-    new_scale = require_finite(m, s * g, scale.dtype, "the folded scale")
+    new_scale = cast_finite(m, "scale values", s * g, scale.dtype)
     bias = m.value("b") if m.has("b") else None
     new_bias = None
     if bias is not None:
         folded = broadcast_over(m, bias, dims, rank, "the bias").astype(np.float64) * g
-        new_bias = require_finite(m, folded, bias.dtype, "the folded bias")
+        new_bias = cast_finite(m, "bias values", folded, bias.dtype)
     return _norm(m, b, new_scale, new_bias)
 
 
@@ -89,5 +90,5 @@ def norm_bias_fold(m: Match, b: Builder):
     c = broadcast_over(m, shift, dims, rank, "the addend").astype(np.float64)
     bias = m.value("b") if m.has("b") else None
     base = np.zeros(dims) if bias is None else broadcast_over(m, bias, dims, rank, "the bias").astype(np.float64)
-    new_bias = require_finite(m, base + c, scale.dtype, "the folded bias")
+    new_bias = cast_finite(m, "bias values", base + c, scale.dtype)
     return _norm(m, b, np.array(scale), new_bias)

@@ -274,19 +274,19 @@ def test_addend_varying_along_other_axis_declined():
 def test_float16_scale_overflow_declined():
     """300 * 300 = 90000 is beyond float16's 65504: the folded scale would be inf."""
     model = norm_model(dtype=np.float16, constants={"s": np.full(8, 300.0), "g": np.full(8, 300.0)}, bias=False)
-    assert_declined(model, norm_scale_fold, "the folded scale is not finite in float16")
+    assert_declined(model, norm_scale_fold, "the folded scale values are not finite in float16")
 
 
 def test_float16_bias_overflow_declined():
     model = norm_model(
         dtype=np.float16, after=(("Add", "c"),), constants={"b": np.full(8, 60000.0), "c": np.full(8, 60000.0)}
     )
-    assert_declined(model, norm_bias_fold, "the folded bias is not finite in float16")
+    assert_declined(model, norm_bias_fold, "the folded bias values are not finite in float16")
 
 
 def test_float16_folded_bias_overflow_in_scale_fold_declined():
     model = norm_model(dtype=np.float16, constants={"b": np.full(8, 1000.0), "g": np.full(8, 100.0)})
-    assert_declined(model, norm_scale_fold, "the folded bias is not finite in float16")
+    assert_declined(model, norm_scale_fold, "the folded bias values are not finite in float16")
 
 
 def test_norm_output_used_elsewhere_declined():
