@@ -51,7 +51,6 @@ def test_unknown_operators_and_other_errors_are_still_refused(tmp_path):
         Model.load(one_node_model("SimplifiedLayerNormalization", tmp_path, broken_elsewhere=True))
 
 
-@pytest.mark.skipif(not LLAMA.exists(), reason="tests/data/transformers is made by tests/data/make_transformers.py")
 def test_a_second_run_over_the_onnxruntime_output_changes_nothing(tmp_path):
     first = tmp_path / "first.onnx"
     optimized, report = fuser.optimize(LLAMA, target="onnxruntime")

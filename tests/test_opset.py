@@ -121,7 +121,6 @@ def test_the_summary_says_which_rules_need_a_newer_opset(cli, tmp_path):
 BERT_DYNAMO = Path(__file__).resolve().parent / "data" / "transformers" / "bert_dynamo.onnx"
 
 
-@pytest.mark.skipif(not BERT_DYNAMO.exists(), reason="tests/data/transformers is made by tests/data/make_transformers.py")
 def test_the_upgrade_keeps_the_exporters_shape_annotations():
     """onnx's converter re-infers shapes with unnamed dims; kept, the exporter's named dims let
     attention fuse into the standard Attention op at opset 23."""

@@ -96,10 +96,18 @@ def norms_followed_by_constant_mul(model: onnx.ModelProto) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module", params=[p.name for p in FILES] or ["missing"])
+def test_the_corpus_has_every_pattern_the_checks_below_look_for():
+    """The per-file checks hold trivially for a file without the pattern; the corpus as a whole
+    must have each one, or a check would prove nothing."""
+    assert len(FILES) >= 20, f"{DATA} should hold the committed exports (tests/data/make_transformers.py)"
+    models = [onnx.load(str(path)) for path in FILES]
+    assert any(n.op_type in ("Erf", "Tanh") for m in models for n in m.graph.node)
+    assert any(n.op_type == "ReduceMean" for m in models for n in m.graph.node)
+    assert any(sigmoid_times_input(m) for m in models)
+
+
+@pytest.fixture(scope="module", params=[p.name for p in FILES])
 def optimized(request):
-    if not FILES:
-        pytest.skip(f"{DATA} is absent: tests/data/make_transformers.py makes it (needs torch)")
     path = DATA / request.param
     original = onnx.load(str(path))
     after, report = fuser.optimize(str(path), target="onnxruntime", inputs=realistic_inputs(original))
@@ -119,23 +127,17 @@ def test_gelu_fused(optimized):
     name, original, after, report = optimized
     before, now = Counter(n.op_type for n in original.graph.node), Counter(n.op_type for n in after.graph.node)
     written_out = before["Erf"] + before["Tanh"]
-    if not written_out:
-        pytest.skip(f"{name} has no written-out GELU")
     assert now["Erf"] == now["Tanh"] == 0
     assert sum(now[op] for op in GELU_OPS) == written_out
 
 
 def test_norms_fused(optimized):
     name, original, after, report = optimized
-    if not any(n.op_type == "ReduceMean" for n in original.graph.node):
-        pytest.skip(f"{name} has no written-out normalization")
     assert not [n.name for n in after.graph.node if n.op_type == "ReduceMean"]
 
 
 def test_silu_fused(optimized):
     name, original, after, report = optimized
-    if not sigmoid_times_input(original):
-        pytest.skip(f"{name} has no written-out SiLU")
     assert sigmoid_times_input(after) == []
 
 
