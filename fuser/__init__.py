@@ -3,6 +3,7 @@
 Public API for users and rule authors:
 
     fuser.optimize(model_or_path, ...) -> (onnx.ModelProto, Report)
+    fuser.CheckOptions                               the numerics check's settings
     fuser.rule, fuser.op, fuser.var, fuser.const     to write rules
     fuser.Match, fuser.Builder, fuser.Decline        what a rule's function works with
 """
@@ -17,6 +18,7 @@ from fuser.match import Decline, Match
 from fuser.model import Model
 from fuser.pattern import const, op, var
 from fuser.rule import Builder, Rule, rule
+from fuser.verify import CheckOptions
 
 
 def _source_checkout_rules() -> None:
@@ -45,6 +47,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "Builder",
+    "CheckOptions",
     "Decline",
     "Match",
     "Model",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from fuser.model import Model, count_op_types
 from fuser.opset import upgrade
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
-from fuser.verify import Checker, Verdict
+from fuser.verify import Checker, CheckOptions, Verdict
 
 
 @dataclass
@@ -106,23 +107,21 @@ def optimize(
     rule_files=(),
     check: bool = True,
     on_mismatch: str = "fail",
-    seed: int = 0,
-    runs: int = 1,
-    dims: dict[str, int] | None = None,
-    shapes: dict[str, tuple] | None = None,
-    ranges: dict[str, tuple[float, float]] | None = None,
-    inputs: dict | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
+    check_options: CheckOptions | None = None,
     trace: bool = False,
     progress: Callable[[str], None] | None = None,
     opset: int | None = None,
     measure: str | None = None,
     measure_threads: int = 1,
+    **check_settings,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
     `rules` defaults to every registered rule for `target`; pass a list to use exactly those.
+    The check's settings are a `fuser.CheckOptions` (`check_options=`), or its fields as
+    keywords: `seed` (0), `runs` (1 input set), `dims` ({name: size} of symbolic dimensions),
+    `shapes` ({input: shape}), `ranges` ({input: (low, high)}), `inputs` (real inputs by name),
+    `rtol` and `atol` (override the per-dtype tolerances).
     When the check fails, the guilty rewrites are found by bisection; with
     on_mismatch="fail" NumericsMismatch is raised naming them (its `evidence` holds both
     models and the verdict), with on_mismatch="drop" they are left out and the rest is
@@ -135,6 +134,7 @@ def optimize(
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
+    options = _check_options(check_options, check_settings)
     say = progress or (lambda message: None)
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -151,7 +151,7 @@ def optimize(
         model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
     base = model.to_proto() if check and upgraded else original
-    measured = _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say) if measure else None
+    measured = _measure_phases(model, chosen, measure, measure_threads, options, say) if measure else None
     if measured is not None:
         chosen, measure_notes, unoptimized, feeds = measured
     say(f"rewriting with {len(chosen)} rules")
@@ -181,27 +181,16 @@ def optimize(
         return optimized, report
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
-        if inputs is None and runs == 1:
-            runs = 3
+        if options.inputs is None and options.runs == 1:
+            options = options.replace(runs=3)
         report.notes.append(
             "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
-            f"iterations its inputs reach ({runs} input set{'s' if runs > 1 else ''}): "
+            f"iterations its inputs reach ({_input_sets(options.runs)}): "
             "use --check-runs or --inputs to cover the others"
         )
     started = time.perf_counter()
-    say(f"checking numerics in onnxruntime ({runs} input set{'s' if runs > 1 else ''})")
-    checker = Checker(
-        original,
-        seed=seed,
-        runs=runs,
-        dims=dims,
-        shapes=shapes,
-        ranges=ranges,
-        inputs=inputs,
-        rtol=rtol,
-        atol=atol,
-        base_dir=model.base_dir,
-    )
+    say(f"checking numerics in onnxruntime ({_input_sets(options.runs)})")
+    checker = Checker(original, options, base_dir=model.base_dir)
     if upgraded:
         # Checked on its own first, so a converter error is not blamed on a rewrite.
         converted = checker.check(base, exact=False)
@@ -240,14 +229,35 @@ def optimize(
     )
 
 
-def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, say):
+def _check_options(options: CheckOptions | None, settings: dict) -> CheckOptions:
+    """`check_options=` or its fields as keywords, not both; a misspelled keyword is an error."""
+    known = {f.name for f in dataclasses.fields(CheckOptions)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(f"optimize() got unexpected keyword argument(s) {', '.join(unknown)}")
+    if options is not None and settings:
+        raise UsageError(
+            f"give the check settings either as check_options= or as keywords, not both: {sorted(settings)}"
+        )
+    if options is not None:
+        return options
+    return CheckOptions(**{k: v for k, v in settings.items() if v is not None})
+
+
+def _input_sets(runs: int) -> str:
+    return f"{runs} input set{'s' if runs > 1 else ''}"
+
+
+def _measure_phases(model: Model, chosen, level, threads, options: CheckOptions, say):
     """The rules of the phases that do not slow the model down, their notes, the unoptimized
     model and the inputs it is timed on."""
     from fuser.measure import paying_rules, session
     from fuser.verify import synthesize_inputs
 
     unoptimized = model.to_proto()
-    feeds = inputs if inputs is not None else synthesize_inputs(session(unoptimized, "off"), dims=dims, shapes=shapes)
+    feeds = options.inputs
+    if feeds is None:
+        feeds = synthesize_inputs(session(unoptimized, "off"), dims=options.dims, shapes=options.shapes)
     say(f"timing each phase of rules in onnxruntime (optimizations {level})")
     kept, notes = paying_rules(
         unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say

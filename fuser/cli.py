@@ -39,7 +39,7 @@ from fuser.config import default_map
 from fuser.graph import all_graph_protos
 from fuser.registry import all_rules, select
 from fuser.tensors import external_data_fields, uses_external_data
-from fuser.verify import check_names, input_names
+from fuser.verify import CheckOptions, check_names, input_names, load_inputs
 
 EXIT_CODES_HELP = """\b
 Exit codes (every command):
@@ -206,30 +206,35 @@ def with_check_options(function):
     return function
 
 
-def _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol) -> dict:
-    from fuser.verify import load_inputs
-
-    return {
-        "seed": seed,
-        "runs": runs,
-        "inputs": load_inputs(inputs_path) if inputs_path else None,
-        "dims": _parse_dims(dims),
-        "shapes": _parse_shapes(shapes),
-        "ranges": _parse_ranges(ranges),
-        "atol": atol,
-        "rtol": rtol,
-    }
+def _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol) -> CheckOptions:
+    return CheckOptions(
+        seed=seed,
+        runs=runs,
+        inputs=load_inputs(inputs_path) if inputs_path else None,
+        dims=_parse_dims(dims),
+        shapes=_parse_shapes(shapes),
+        ranges=_parse_ranges(ranges),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
-def _check_names(model, settings: dict) -> None:
-    """Names typed on the command line must exist in the model; names from [tool.fuser], which
-    serves every model of a project, apply to the models that have them."""
-    names, symbols = input_names(model)
+def _from_config() -> frozenset[str]:
+    """The check settings naming inputs that come from [tool.fuser], which serves every model of a
+    project: they apply to the models that have those names (names typed on the command line must exist)."""
     context = click.get_current_context()
-    for parameter, known in (("dims", symbols), ("shapes", names), ("ranges", names)):
-        if context.get_parameter_source(parameter) == click.core.ParameterSource.DEFAULT_MAP:
-            settings[parameter] = {k: v for k, v in settings[parameter].items() if k in known}
-    check_names(model, **{k: settings[k] for k in ("dims", "shapes", "ranges", "inputs")})
+    source = context.get_parameter_source
+    return frozenset(p for p in ("dims", "shapes", "ranges") if source(p) == click.core.ParameterSource.DEFAULT_MAP)
+
+
+def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: frozenset[str]) -> CheckOptions:
+    """`options` for this model: settings from [tool.fuser] narrowed to the names it has, the rest checked."""
+    names, symbols = input_names(model)
+    known = {"dims": symbols, "shapes": names, "ranges": names}
+    narrowed = {field: {k: v for k, v in getattr(options, field).items() if k in known[field]} for field in from_config}
+    options = options.replace(**narrowed)
+    check_names(model, options)
+    return options
 
 
 def with_rule_options(function):
@@ -331,10 +336,10 @@ def optimize(
         _check_report_path(report_path, source, destination)
         loaded = Model.load(source)
         data["input"] = report_module.file_entry(source)
-        settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         size_before = _size_on_disk(source, loaded)
         original_proto = loaded.to_proto()
-        _check_names(original_proto, settings)
+        options = options_for(original_proto, options, _from_config())
         if writes_external_data(original_proto, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
@@ -354,7 +359,7 @@ def optimize(
             progress=_progress(quiet),
             measure=measure,
             measure_threads=measure_threads,
-            **settings,
+            check_options=options,
         )
         write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
         result.output_path = str(destination)
@@ -638,9 +643,9 @@ def compare(
     try:
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
-        settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        _check_names(a.to_proto(), settings)
-        verdict = Checker(a.to_proto(), base_dir=a.base_dir, **settings).check(b.to_proto(), exact, base_dir=b.base_dir)
+        options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        options = options_for(a.to_proto(), options, _from_config())
+        verdict = Checker(a.to_proto(), options, base_dir=a.base_dir).check(b.to_proto(), exact, base_dir=b.base_dir)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(

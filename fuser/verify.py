@@ -7,6 +7,7 @@ fusions neither hide nor cause differences. This is the only module importing on
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,29 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 }
 DEFAULT_DIM = 1
 INT_RANGE = (0, 10)
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """How the numerics check runs: the inputs it synthesizes (or is given) and its tolerances.
+
+    seed, runs: the first input set's seed and how many sets; dims: values of symbolic
+    dimensions by name; shapes: whole input shapes by input name; ranges: (low, high) of an
+    input's values; inputs: real inputs by name (or "#0", "#1", ... by position), used instead of
+    synthesized ones; rtol, atol: override the per-dtype tolerances (TOLERANCES).
+    """
+
+    seed: int = 0
+    runs: int = 1
+    dims: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple] = field(default_factory=dict)
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    inputs: dict[str, np.ndarray] | None = None
+    rtol: float | None = None
+    atol: float | None = None
+
+    def replace(self, **changes) -> CheckOptions:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -526,20 +550,16 @@ class Checker:
     def __init__(
         self,
         original: onnx.ModelProto,
+        options: CheckOptions = CheckOptions(),
         *,
-        seed: int = 0,
-        runs: int = 1,
-        dims: dict[str, int] | None = None,
-        shapes: dict[str, tuple] | None = None,
-        ranges: dict[str, tuple[float, float]] | None = None,
-        inputs: dict[str, np.ndarray] | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
         base_dir: str | os.PathLike | None = None,
     ):
+        seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
+        dims, shapes, ranges = options.dims, options.shapes, options.ranges
+        self.options = options
         self.rtol, self.atol = rtol, atol
         self.base_dir = base_dir
-        check_names(original, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs)
+        check_names(original, options)
         self.session = session(original, base_dir)
         if inputs is not None:
             self.feeds = [self._named(inputs)]
@@ -670,15 +690,9 @@ def input_names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
     return names, symbols
 
 
-def check_names(
-    model: onnx.ModelProto,
-    *,
-    dims: dict | None = None,
-    shapes: dict | None = None,
-    ranges: dict | None = None,
-    inputs: dict | None = None,
-) -> None:
+def check_names(model: onnx.ModelProto, options: CheckOptions) -> None:
     """Refuse settings that name no graph input or symbolic dim (a typo would silently do nothing)."""
+    dims, shapes, ranges, inputs = options.dims, options.shapes, options.ranges, options.inputs
     names, symbols = input_names(model)
     listed = ", ".join(names) or "none"
     for option, given in (("--input-shape", shapes), ("--input-range", ranges)):
@@ -695,23 +709,6 @@ def check_names(
     unknown = sorted(set(inputs or {}) - set(names) - positional)
     if unknown:
         raise UsageError(f"--inputs: the model has no input {', '.join(unknown)} (its inputs: {listed})")
-
-
-def verify(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
-    *,
-    exact: bool,
-    seed: int = 0,
-    runs: int = 1,
-    dims: dict[str, int] | None = None,
-    shapes: dict[str, tuple] | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> Verdict:
-    """Run both models on the same seeded inputs and compare every graph output."""
-    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, rtol=rtol, atol=atol)
-    return checker.check(optimized, exact)
 
 
 def _severity(check: OutputCheck) -> int:

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from fuser.verify import Checker, index_ranges, session, shape_candidates, synthesize_inputs
+from fuser.verify import Checker, CheckOptions, index_ranges, session, shape_candidates, synthesize_inputs
 from tests.helpers import in_process_cli, make_model
 
 EXPORTS = Path(__file__).parent / "data" / "transformers"
@@ -139,7 +139,7 @@ def test_symbolic_image_dims_get_a_size_the_detector_runs_on():
     candidates = shape_candidates(session(model), model)
     assert candidates[0] == {"images": (1, 3, 224, 224)} and candidates[-1] == {"images": (1, 3, 1, 1)}
     with pytest.raises(Exception, match="Concat|concat"):
-        Checker(model, shapes={"images": (1, 3, 1, 1)})  # what fuser used to try
+        Checker(model, CheckOptions(shapes={"images": (1, 3, 1, 1)}))  # what fuser used to try
     assert Checker(model).input_shapes == {"images": (1, 3, 224, 224)}
 
 
@@ -151,8 +151,8 @@ def test_an_image_size_in_the_metadata_comes_first():
 
 def test_user_dims_and_shapes_win():
     model = yolo_like()
-    assert Checker(model, dims={"height": 32, "width": 64}).input_shapes == {"images": (1, 3, 32, 64)}
-    assert Checker(model, shapes={"images": (2, 3, 16, 16)}).input_shapes == {"images": (2, 3, 16, 16)}
+    assert Checker(model, CheckOptions(dims={"height": 32, "width": 64})).input_shapes == {"images": (1, 3, 32, 64)}
+    assert Checker(model, CheckOptions(shapes={"images": (2, 3, 16, 16)})).input_shapes == {"images": (2, 3, 16, 16)}
 
 
 def test_a_dim_written_as_a_sum_follows_its_parts():
@@ -233,7 +233,7 @@ def test_outputs_blind_to_the_inputs_and_non_finite_outputs_are_warned_about(cli
     assert len(warnings) == 3, warnings
     assert warnings[0] == "output 'nan' is entirely inf/NaN on the check inputs"
     assert f"output 'size' {blind}" in warnings[1] and f"output 'nan' {blind}" in warnings[2]
-    assert not Checker(model, runs=2).warnings[0].startswith("output 'y'")
+    assert not Checker(model, CheckOptions(runs=2)).warnings[0].startswith("output 'y'")
     onnx.save(model, tmp_path / "m.onnx")
     result = cli(tmp_path, "optimize", "m.onnx", "--report", "r.json")
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser.errors import InputError, UsageError
-from fuser.verify import TOLERANCES, Checker, compare, load_inputs, session, synthesize_inputs
+from fuser.verify import TOLERANCES, Checker, CheckOptions, compare, load_inputs, session, synthesize_inputs
 from tests.helpers import fuser_cli, in_process_cli, make_model
 
 
@@ -271,7 +271,7 @@ def dtype_model(perturb: str | None = None, delta: float = 0.0):
 
 @pytest.fixture(scope="module")
 def dtype_checker():
-    return Checker(dtype_model(), seed=0, dims={"batch": 4})
+    return Checker(dtype_model(), CheckOptions(seed=0, dims={"batch": 4}))
 
 
 def test_checker_same_model_is_ok_for_every_dtype(dtype_checker):
@@ -324,9 +324,9 @@ def test_checker_runs_keep_the_worst_result():
     # non-negative while the next seed's (used by the second run) is negative.
     negative = [bool(synthesize_inputs(session(model), seed=s)["x"][0, 0] < 0) for s in range(40)]
     seed = next(s for s in range(39) if not negative[s] and negative[s + 1])
-    assert Checker(model, seed=seed).check(identity, False).passed
-    assert not Checker(model, seed=seed + 1).check(identity, False).passed
-    verdict = Checker(model, seed=seed, runs=2).check(identity, False)
+    assert Checker(model, CheckOptions(seed=seed)).check(identity, False).passed
+    assert not Checker(model, CheckOptions(seed=seed + 1)).check(identity, False).passed
+    verdict = Checker(model, CheckOptions(seed=seed, runs=2)).check(identity, False)
     assert not verdict.passed and len(verdict.outputs) == 1  # one entry per output, the worst run
 
 
@@ -336,13 +336,13 @@ def test_checker_with_given_inputs_by_name_or_position():
         [helper.make_node("Identity", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])]
     )
     positive = np.array([0.5, 1.0, 2.0], np.float32)
-    assert Checker(model, inputs={"x": positive}).check(identity, False).passed
-    assert Checker(model, inputs={"#0": positive}).check(identity, False).passed
-    assert not Checker(model, inputs={"x": -positive}).check(identity, False).passed
+    assert Checker(model, CheckOptions(inputs={"x": positive})).check(identity, False).passed
+    assert Checker(model, CheckOptions(inputs={"#0": positive})).check(identity, False).passed
+    assert not Checker(model, CheckOptions(inputs={"x": -positive})).check(identity, False).passed
     with pytest.raises(InputError, match="no value for graph input 'x'"):
-        Checker(model, inputs={})
+        Checker(model, CheckOptions(inputs={}))
     with pytest.raises(UsageError, match=r"--inputs: the model has no input other \(its inputs: x\)"):
-        Checker(model, inputs={"x": positive, "other": positive})
+        Checker(model, CheckOptions(inputs={"x": positive, "other": positive}))
 
 
 def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
@@ -390,7 +390,7 @@ def test_inputs_that_do_not_fit_the_model_raise_input_error(settings):
         [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
     )
     with pytest.raises(InputError):
-        Checker(model, **settings)
+        Checker(model, CheckOptions(**settings))
 
 
 def test_an_empty_integer_range_is_an_input_error():
