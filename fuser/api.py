@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from fuser.measure import Timing
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.opset import upgrade
+from fuser.progress import Progress, silent
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
 from fuser.verify import Checker, CheckOptions, Verdict
@@ -109,7 +110,7 @@ def optimize(
     on_mismatch: str = "fail",
     check_options: CheckOptions | None = None,
     trace: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     opset: int | None = None,
     measure: str | None = None,
     measure_threads: int = 1,
@@ -131,33 +132,40 @@ def optimize(
     measure: an onnxruntime optimization level ("off", "basic", "extended", "all") to time the
     models at (fuser/measure.py): a phase of rules whose output is slower than its input
     beyond noise is left out, and `report.latency` compares the result with the original.
+    progress: `progress(stage, done, total)` (fuser/progress.py) as the stages go;
+    `report.timings` has the seconds each stage took.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
     options = _check_options(check_options, check_settings)
-    say = progress or (lambda message: None)
-    timings: dict[str, float] = {}
-    started = time.perf_counter()
-    say("loading the model")
-    model = load(model_or_path)
-    timings["load"] = time.perf_counter() - started
-    original = model.to_proto() if check else None
+    stage = _Stages(progress)
+    if isinstance(model_or_path, Model):
+        model = model_or_path
+    else:
+        with stage("load"):
+            model = load(model_or_path)
+    original = None
+    if check:
+        with stage("check", announce=False):
+            original = model.to_proto()
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
     op_types_before = model.op_counts()
     opset_before = model.opsets.get("", 1)
     if opset is not None:
-        say(f"upgrading to opset {opset}")
-        model = upgrade(model, opset)
+        with stage("upgrade"):
+            model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
     base = model.to_proto() if check and upgraded else original
-    measured = _measure_phases(model, chosen, measure, measure_threads, options, say) if measure else None
-    if measured is not None:
+    measured = None
+    if measure:
+        with stage("measure"):
+            measured = _measure_phases(model, chosen, measure, measure_threads, options, stage.say)
         chosen, measure_notes, unoptimized, feeds = measured
-    say(f"rewriting with {len(chosen)} rules")
-    result = Engine(model, chosen, trace=trace).run(apply=True)
-    timings["rewrite"] = result.seconds
-    optimized = model.to_proto()
+    with stage("rewrite"):
+        result = Engine(model, chosen, trace=trace, progress=stage.progress).run(apply=True)
+    with stage("write", announce=False):
+        optimized = model.to_proto()
     report = Report(
         target=target,
         rules=[r.name for r in chosen],
@@ -166,7 +174,7 @@ def optimize(
         op_types_before=op_types_before,
         op_types_after=model.op_counts(),
         engine=result,
-        timings=timings,
+        timings=stage.timings,
         input_path=str(model.path) if model.path else None,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
@@ -175,7 +183,8 @@ def optimize(
     if measured is not None:
         report.notes.extend(measure_notes)
         if result.rewrites:
-            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+            with stage("measure"):
+                report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
             report.notes.append(f"--measure: {report.latency.summary()}")
     if not (check and (result.rewrites or upgraded)):
         return optimized, report
@@ -188,29 +197,34 @@ def optimize(
             f"iterations its inputs reach ({_input_sets(options.runs)}): "
             "use --check-runs or --inputs to cover the others"
         )
-    started = time.perf_counter()
-    say(f"checking numerics in onnxruntime ({_input_sets(options.runs)})")
-    checker = Checker(original, options, base_dir=model.base_dir)
-    if upgraded:
-        # Checked on its own first, so a converter error is not blamed on a rewrite.
-        converted = checker.check(base, exact=False)
-        if not converted.passed:
-            raise NumericsMismatch(
-                f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
-                evidence={"original": original, "optimized": base, "report": report},
-            )
-    applied = set(report.counts)
-    exact = all(r.exact for r in chosen if r.name in applied)
-    stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
-    report.verdict = checker.check(optimized, exact, stabilizing)
-    timings["verify"] = time.perf_counter() - started
+    with stage("check"):
+        # Progress in model runs: the original's input sets, then the optimized model's.
+        runs = 1 if options.inputs is not None else options.runs
+        stage.progress("check", 0, 2 * runs)
+        checker = Checker(original, options, base_dir=model.base_dir)
+        stage.progress("check", runs, 2 * runs)
+        if upgraded:
+            # Checked on its own first, so a converter error is not blamed on a rewrite.
+            converted = checker.check(base, exact=False)
+            if not converted.passed:
+                raise NumericsMismatch(
+                    f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
+                    evidence={"original": original, "optimized": base, "report": report},
+                )
+        applied = set(report.counts)
+        exact = all(r.exact for r in chosen if r.name in applied)
+        stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
+        report.verdict = checker.check(
+            optimized,
+            exact,
+            stabilizing,
+            progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
+        )
     if report.verdict.passed:
         return optimized, report
-    started = time.perf_counter()
-    say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
     first = Attempt(optimized, result, report.verdict)
-    blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=say)
-    timings["blame"] = time.perf_counter() - started
+    with stage("blame"):
+        blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=stage.progress)
     report.blamed = blame.guilty
     report.blame_checks = blame.checks
     final = blame.final
@@ -227,6 +241,29 @@ def optimize(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
     )
+
+
+class _Stages:
+    """Times each stage into `timings` (a stage entered twice adds up) and tells `progress` when one
+    starts, unless it is a short step of its stage done out of turn (announce=False)."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress or silent
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str, announce: bool = True):
+        if announce:
+            self.progress(name, 0, None)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - started
+
+    def say(self, message: str) -> None:
+        """For the parts that narrate in sentences (fuser/measure.py): their stage goes on."""
+        self.progress("measure", 0, None)
 
 
 def _check_options(options: CheckOptions | None, settings: dict) -> CheckOptions:

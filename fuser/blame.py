@@ -10,13 +10,13 @@ all against one onnxruntime session of the original and one set of inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnx
 
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.model import Model
+from fuser.progress import Progress, silent
 from fuser.rule import Rule
 from fuser.verify import Checker, Verdict
 
@@ -58,9 +58,11 @@ def find_guilty(
     rules: list[Rule],
     checker: Checker,
     failing: Attempt,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Blame:
-    """Veto guilty rewrites one at a time until the remaining ones pass the check."""
+    """Veto guilty rewrites one at a time until the remaining ones pass the check; `progress` is
+    told the checks made, out of those known to be needed (more follow for each further guilty rewrite)."""
+    progress = progress or silent
     blame = Blame()
     vetoed: set[tuple] = set()
     known_good = 0  # a prefix of this many rewrites passes
@@ -70,6 +72,7 @@ def find_guilty(
         if high == 0:
             break  # nothing left to blame: the mismatch is not caused by a rewrite
         while high - low > 1:
+            progress("blame", blame.checks, blame.checks + (high - low - 1).bit_length() + 1)
             middle = (low + high) // 2
             probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed)
             blame.checks += 1
@@ -78,12 +81,12 @@ def find_guilty(
             else:
                 high = middle
         culprit = attempt.result.rewrites[high - 1]
-        if progress:
-            progress(f"blame: rewrite #{culprit.index} ({culprit.rule} on {', '.join(culprit.matched)}) fails")
         blame.guilty.append(culprit)
         vetoed.add(culprit.key)
         known_good = high - 1
+        progress("blame", blame.checks, blame.checks + 1)
         attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed)
         blame.checks += 1
+    progress("blame", blame.checks, blame.checks)
     blame.final = attempt
     return blame

@@ -8,14 +8,16 @@ from __future__ import annotations
 import fnmatch
 import os
 import sys
-import traceback
+import time
 from pathlib import Path
 
 import click
-import onnx
 
 import fuser
-from fuser import api, explain, verify, report as report_module
+from fuser import api, explain, verify
+from fuser import jobs as jobs_module
+from fuser import report as report_module
+from fuser.config import default_map
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -23,23 +25,12 @@ from fuser.errors import (
     EXIT_USAGE,
     EXIT_WORK_FOUND,
     FuserError,
-    NumericsMismatch,
     UsageError,
 )
-from fuser.model import (
-    EXTERNAL_DATA_MODES,
-    Model,
-    external_data_path,
-    refuse_input_data_file,
-    write_bytes_atomically,
-    write_model,
-    writes_external_data,
-)
-from fuser.config import default_map
-from fuser.graph import all_graph_protos
+from fuser.model import EXTERNAL_DATA_MODES, Model, write_bytes_atomically
+from fuser.progress import UNITS
 from fuser.registry import all_rules, select
-from fuser.tensors import external_data_fields, uses_external_data
-from fuser.verify import CheckOptions, check_names, input_names, load_inputs
+from fuser.verify import CheckOptions, load_inputs
 
 EXIT_CODES_HELP = """\b
 Exit codes (every command):
@@ -65,17 +56,10 @@ def _fail(error: BaseException, debug: bool) -> int:
     if isinstance(error, BrokenPipeError):  # the reader of our output went away (`| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    if debug:
-        traceback.print_exception(error)
-    if isinstance(error, FuserError):
-        click.echo(f"fuser: error: {error}", err=True)
-        return error.exit_code
-    click.echo(
-        f"fuser: internal error: {type(error).__name__}: {error} "
-        "(this is a bug in fuser; please report it, rerun with --debug for details)",
-        err=True,
-    )
-    return EXIT_INTERNAL
+    code, messages = jobs_module.describe_error(error, debug)
+    for message in messages:
+        click.echo(message, err=True)
+    return code
 
 
 def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
@@ -227,16 +211,6 @@ def _from_config() -> frozenset[str]:
     return frozenset(p for p in ("dims", "shapes", "ranges") if source(p) == click.core.ParameterSource.DEFAULT_MAP)
 
 
-def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: frozenset[str]) -> CheckOptions:
-    """`options` for this model: settings from [tool.fuser] narrowed to the names it has, the rest checked."""
-    names, symbols = input_names(model)
-    known = {"dims": symbols, "shapes": names, "ranges": names}
-    narrowed = {field: {k: v for k, v in getattr(options, field).items() if k in known[field]} for field in from_config}
-    options = options.replace(**narrowed)
-    check_names(model, options)
-    return options
-
-
 def with_rule_options(function):
     for option in reversed(rule_options):
         function = option(function)
@@ -261,9 +235,22 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
-@click.argument("model", type=click.Path(dir_okay=True))
-@click.option("-o", "--output", type=click.Path(), help="Where to write (default: MODEL.fused.onnx beside MODEL).")
-@click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=True))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="One model: the output file (default: MODEL.fused.onnx beside MODEL). Several: a folder, "
+    "created if missing, that gets them under their own names (default: each MODEL.fused.onnx beside its input).",
+)
+@click.option("--force", is_flag=True, help="Replace output files that exist.")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(1),
+    help="With several models: how many to optimize at once, each in its own process "
+    "(default: one per core, as many as the available memory holds).",
+)
 @click.option(
     "--external-data",
     type=click.Choice(EXTERNAL_DATA_MODES),
@@ -287,7 +274,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
     help="Time original and result in onnxruntime at this optimization level; leave out a phase that slows it.",
 )
 @click.option("--measure-threads", type=click.IntRange(1), default=1, show_default=True, help="Threads for --measure.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option(
+    "--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report (of every model) here."
+)
 @click.option(
     "--format",
     "fmt",
@@ -301,9 +290,10 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.pass_obj
 def optimize(
     ctx: Context,
-    model,
+    models,
     output,
     force,
+    jobs,
     external_data,
     target,
     opset,
@@ -327,79 +317,116 @@ def optimize(
     verbose,
     quiet,
 ):
-    """Optimize MODEL and write the result (the input is never modified)."""
-    source = Path(model)
-    destination = Path(output) if output else source.with_name(_fused_name(source.name))
-    data: dict = {"input": None, "output": None}
+    """Optimize each MODEL and write the result (the inputs are never modified).
+
+    MODELS are .onnx files, folders (their *.onnx files, not those of subfolders, leaving out
+    *.fused.onnx) or quoted glob patterns. Several models are optimized in parallel, each in a
+    process of its own: one summary line each, one report for all, and the exit code of the
+    worst one.
+    """
     try:
-        _check_destination(source, destination, force)
-        _check_report_path(report_path, source, destination)
-        loaded = Model.load(source)
-        data["input"] = report_module.file_entry(source)
+        sources, several = jobs_module.expand_models(models)
+        destinations = jobs_module.plan_outputs(sources, output, several)
+        _check_report_path(report_path, *sources, *destinations)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        size_before = _size_on_disk(source, loaded)
-        original_proto = loaded.to_proto()
-        options = options_for(original_proto, options, _from_config())
-        if writes_external_data(original_proto, external_data):  # fail before the long work
-            refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
-            _check_destination(source, external_data_path(destination), force)
-            external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
-        if no_check:
-            _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
-        optimized, result = api.optimize(
-            loaded,
-            target=target,
-            opset=opset,
-            enable=enable,
-            disable=_disable_list(enable, disable),
-            rule_files=rule_files,
-            check=not no_check,
-            on_mismatch=on_mismatch,
-            trace=True,  # the report and -v list every decline
-            progress=_progress(quiet),
-            measure=measure,
-            measure_threads=measure_threads,
-            check_options=options,
-        )
-        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
-        result.output_path = str(destination)
-        body = result.to_dict()
-        size_after = _size_on_disk(destination)
-        body.update(
-            input=data["input"],
-            output=report_module.file_entry(destination),
-            size_before=size_before,
-            size_after=size_after,
-        )
-        verdict = "optimized" if result.rewrites else "unchanged"
-        _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
-        if fmt == "text":
-            _print_summary(result, destination, verbose, quiet, (size_before, size_after))
-        return EXIT_OK
-    except NumericsMismatch as error:
-        folder = _keep_evidence(error, source)
-        code = _fail(NumericsMismatch(f"{error}; nothing written, evidence kept in {folder}"), ctx.debug)
-        body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
-        body.update(input=data["input"], output=None, evidence=str(folder))
-        _emit_report(
-            report_module.envelope("optimize", "mismatch", code, error=str(error), **body),
-            report_path,
-            fmt,
-            folder / "report.json",
-        )
-        return code
+        planned = [
+            jobs_module.OptimizeJob(
+                source=source,
+                destination=destination,
+                force=force,
+                external_data=external_data,
+                target=target,
+                opset=opset,
+                rule_files=tuple(rule_files),
+                enable=tuple(enable),
+                disable=tuple(_disable_list(enable, disable)),
+                check=not no_check,
+                on_mismatch=on_mismatch,
+                options=options,
+                from_config=_from_config(),
+                measure=measure,
+                measure_threads=measure_threads,
+                verbose=verbose,
+                debug=ctx.debug,
+            )
+            for source, destination in zip(sources, destinations)
+        ]
+        if several and output is not None:
+            _make_folder(Path(output))
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
-        code = _fail(error, ctx.debug)
-        if isinstance(error, ReportPathError):
-            report_path = None
-        if report_path or fmt == "json":
-            try:
-                _emit_report(
-                    report_module.envelope("optimize", "error", code, error=str(error), **data), report_path, fmt
-                )
-            except (OSError, FuserError):
-                pass  # the report's own path is unusable; the one-line error above already said why
-        return code
+        return _fail_with_report("optimize", error, ctx.debug, report_path, fmt)
+    if no_check:
+        _say("fuser: warning: --no-check: the optimized model is NOT verified in onnxruntime", quiet)
+    if several:
+        return _optimize_many(planned, jobs, report_path, fmt, verbose, quiet)
+    return _optimize_one(planned[0], report_path, fmt, quiet)
+
+
+def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
+    terminal = _terminal_progress(quiet)
+    try:
+        outcome = jobs_module.optimize_file(job, progress=terminal)
+    finally:
+        if terminal is not None:
+            terminal.close()
+    for message in outcome.messages:
+        click.echo(message, err=True)
+    if outcome.error is None or outcome.report["verdict"] == "mismatch" or report_path or fmt == "json":
+        try:
+            _emit_report(outcome.report, report_path, fmt)
+        except (OSError, FuserError) as error:
+            if outcome.error is None:
+                raise
+            del error  # the report's own path is unusable; the one-line error above already said why
+    if outcome.error is None and fmt == "text":
+        _say("\n".join(outcome.summary), quiet)
+    return outcome.code
+
+
+def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fmt, verbose, quiet) -> int:
+    started = time.perf_counter()
+    workers = min(jobs or jobs_module.default_jobs([job.source for job in planned]), len(planned))
+    _say(f"fuser: {len(planned)} models, {workers} at a time", quiet)
+    terminal = _terminal_progress(quiet)
+    finished = 0
+
+    def show(outcome: jobs_module.Outcome) -> None:
+        nonlocal finished
+        finished += 1
+        lines = [*outcome.messages[:-1], outcome.line()] if outcome.error is not None else [outcome.line()]
+        if verbose and outcome.error is None:
+            lines += [f"  {line}" for line in outcome.summary[:-1]]
+        if outcome.error is not None or not quiet:
+            for line in lines:
+                terminal.echo(line) if terminal is not None else click.echo(line, err=True)
+        if terminal is not None:
+            terminal("models", finished, len(planned))
+
+    try:
+        if terminal is not None:
+            terminal("models", 0, len(planned))
+        outcomes = jobs_module.run_jobs(planned, workers, show)
+    finally:
+        if terminal is not None:
+            terminal.close()
+    code = max(outcome.code for outcome in outcomes)
+    failed = sum(outcome.error is not None for outcome in outcomes)
+    elapsed = time.perf_counter() - started
+    _say(
+        f"{len(outcomes)} models: {len(outcomes) - failed} written, {failed} failed (exit {code}); "
+        f"{workers} at a time, {elapsed:.1f} s",
+        quiet and not failed,
+    )
+    combined = report_module.batch_envelope("optimize", [o.report for o in outcomes], jobs=workers, seconds=elapsed)
+    _emit_report(combined, report_path, fmt)
+    return code
+
+
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"-o {folder}: cannot create the folder ({error.strerror or error})") from error
 
 
 def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt) -> int:
@@ -415,33 +442,6 @@ def _fail_with_report(command: str, error: BaseException, debug: bool, report_pa
     return code
 
 
-TOP_OP_TYPES = 8
-
-
-def _op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """The op types that changed most, before -> after, largest first (at most TOP_OP_TYPES)."""
-    changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name, 0) != after.get(name, 0)]
-    if not changed:
-        return []
-    changed.sort(key=lambda name: (-max(before.get(name, 0), after.get(name, 0)), name))
-    shown = changed[:TOP_OP_TYPES]
-    width = max(len(name) for name in shown)
-    lines = [f"  {name:<{width}}  {before.get(name, 0):>6} -> {after.get(name, 0)}" for name in shown]
-    if len(changed) > len(shown):
-        lines.append(f"  ... and {len(changed) - len(shown)} more op types changed")
-    return ["op types:", *lines]
-
-
-def _bytes_text(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    for unit in ("KB", "MB", "GB"):
-        size /= 1024
-        if size < 1024 or unit == "GB":
-            break
-    return f"{size:.1f} {unit}"
-
-
 def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[str, ...]:
     """A rule named by --enable on the command line wins over a `disable` from [tool.fuser]."""
     context = click.get_current_context()
@@ -450,30 +450,69 @@ def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[st
     return disable
 
 
-def _progress(quiet: bool):
-    """Stage messages on stderr when it is a terminal; silent in CI logs and with -q."""
+def _terminal_progress(quiet: bool) -> TerminalProgress | None:
+    """Progress bars on stderr when it is a terminal; nothing in CI logs and with -q."""
     if quiet or not sys.stderr.isatty():
         return None
-    return lambda message: click.echo(f"fuser: {message}...", err=True)
+    return TerminalProgress()
 
 
-def _keep_evidence(error: NumericsMismatch, source: Path) -> Path:
-    import tempfile
+class TerminalProgress:
+    """Draws `progress(stage, done, total)` (fuser/progress.py) on stderr: the stage's name while
+    its total is unknown, then a bar with the counts and the rate."""
 
-    folder = Path(tempfile.mkdtemp(prefix=f"fuser-mismatch-{source.stem}-"))
-    for name in ("original", "optimized"):
-        if name not in error.evidence:
-            continue
-        try:
-            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
-        except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
-            (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
-    return folder
+    LABELS = {
+        "load": "loading",
+        "upgrade": "upgrading the opset",
+        "measure": "timing in onnxruntime",
+        "rewrite": "rewriting",
+        "check": "checking numerics",
+        "blame": "finding the guilty rewrites",
+        "write": "writing",
+        "models": "models",
+    }
 
+    def __init__(self):
+        self.stage: str | None = None
+        self.bar = None
+        self.started = 0.0
 
-def _fused_name(name: str) -> str:
-    stem = name[: -len(".onnx")] if name.endswith(".onnx") else name
-    return f"{stem}.fused.onnx"
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        label = f"fuser: {self.LABELS.get(stage, stage)}"
+        if stage != self.stage:
+            self.close()
+            self.stage, self.started = stage, time.perf_counter()
+            click.echo(f"\r\033[K{label}...", err=True, nl=False)
+        if total is None:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(
+                length=max(total, 1),
+                label=label,
+                show_pos=True,
+                show_eta=False,
+                item_show_func=lambda rate: rate,
+                file=sys.stderr,
+            )
+            self.bar.__enter__()
+        if max(total, done) > self.bar.length:  # more work found (rewrites queue nodes): the bar goes on
+            self.bar.length, self.bar.finished = max(total, done), False
+        elapsed = time.perf_counter() - self.started
+        rate = f"{done / elapsed:,.1f} {UNITS.get(stage, stage)}/s" if done and elapsed > 0 else ""
+        self.bar.update(done - self.bar.pos, rate)
+
+    def echo(self, line: str) -> None:
+        """A line above the bar, which is drawn again below it."""
+        click.echo(f"\r\033[K{line}", err=True)
+        if self.bar is not None:
+            self.bar.render_progress()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.render_finish()
+        elif self.stage is not None:
+            click.echo("", err=True)
+        self.bar, self.stage = None, None
 
 
 class ReportPathError(UsageError):
@@ -485,7 +524,7 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
     if report_path is None:
         return
     try:
-        _check_folder(Path(report_path))
+        jobs_module.check_folder(Path(report_path))
     except UsageError as error:
         raise ReportPathError(f"--report {error}") from error
     target = Path(report_path).resolve()
@@ -494,136 +533,63 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
             raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
 
 
-def _size_on_disk(path: Path, model: Model | None = None) -> int:
-    """The model file plus the external data files it references (each counted once)."""
-    files = {path.resolve()}
-    if model is None:
-        if external_data_path(path).exists():  # maybe stale from an earlier run: count it only if referenced
-            written = onnx.load(path, load_external_data=False)
-            referenced = {
-                external_data_fields(t).get("location", "")
-                for g in all_graph_protos(written.graph)
-                for t in g.initializer
-                if uses_external_data(t)
-            }
-            files |= {(path.parent / location).resolve() for location in referenced}
-    else:
-        files |= {
-            model.tensors.resolve(external_data_fields(t).get("location", ""))
-            for t in model.initializers()
-            if uses_external_data(t)
-        }
-    return sum(f.stat().st_size for f in files)
-
-
-def _check_folder(path: Path) -> None:
-    """Refuse early a path that cannot be written: an existing ancestor of it is not a folder."""
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
-
-
-def _check_destination(source: Path, destination: Path, force: bool) -> None:
-    _check_folder(destination)
-    if destination.exists() and source.exists() and destination.resolve() == source.resolve():
-        raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
-    if destination.exists() and not force:
-        raise UsageError(f"{destination} already exists; pass --force to replace it")
-    if destination.exists() and destination.is_dir():
-        raise UsageError(f"{destination} is a directory")
-
-
-def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: bool, sizes=None) -> None:
-    if quiet:
-        return
-    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
-    if result.counts:
-        width = max(len(n) for n in result.counts)
-        lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
-    else:
-        lines.append("  no rule applied: nothing to fuse")
-    skipped = result.engine.skipped_rules
-    if verbose:
-        lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()]
-    else:
-        newer = result.engine.need_newer_opset
-        if newer:
-            lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
-    advice = result.engine.advice
-    if advice:
-        lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
-        if verbose:
-            lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
-    lines += _op_type_table(result.op_types_before, result.op_types_after)
-    if sizes is not None:
-        lines.append(f"size on disk: {_bytes_text(sizes[0])} -> {_bytes_text(sizes[1])}")
-    if result.verdict is not None:
-        stabilized = result.verdict.stabilized
-        status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
-        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
-        on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
-        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
-        lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
-    elif result.rewrites:
-        lines.append("numerics check: SKIPPED")
-    lines += [f"  note: {note}" for note in result.notes]
-    for rewrite in result.dropped:
-        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
-    if verbose:
-        for rewrite in result.rewrites:
-            lines.append(
-                f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
-                f"{', '.join(rewrite.created)}"
-            )
-    if verbose:
-        lines += explain.decline_lines(result.engine.unique_declines())
-    lines.append(f"wrote {destination}")
-    _say("\n".join(lines))
-
-
 @cli.command(epilog=EXIT_CODES_HELP)
-@click.argument("model", type=click.Path(dir_okay=True))
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @with_rule_options
 @click.option("--exit-zero", is_flag=True, help="Exit 0 even when there is work to do.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
-def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
-    """List the fusions the enabled rules would make in MODEL; write nothing.
+def check(ctx: Context, models, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
+    """List the fusions the enabled rules would make in each MODEL; write nothing.
 
-    Exits 1 when there is at least one (a gate for "the exported model is fully fused").
+    Exits 1 when there is at least one (a gate for "the exported model is fully fused"). MODELS
+    are files, folders or glob patterns as for `optimize`; with several, the worst exit code wins.
     """
     try:
-        _check_report_path(report_path, Path(model))
+        sources, several = jobs_module.expand_models(models)
+        _check_report_path(report_path, *sources)
         disable = _disable_list(enable, disable)
-        result = api.find_opportunities(
-            model, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset
-        )
+    except Exception as error:  # noqa: BLE001
+        return _fail_with_report("check", error, ctx.debug, report_path, fmt)
+    reports = []
+    for source in sources:
+        try:
+            result = api.find_opportunities(
+                source, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset
+            )
+        except Exception as error:  # noqa: BLE001
+            if not several:
+                return _fail_with_report("check", error, ctx.debug, report_path, fmt)
+            code = _fail(error, ctx.debug)
+            entry = report_module.file_entry(source) if source.is_file() else None
+            reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
+            continue
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
-        _emit_report(
+        reports.append(
             report_module.envelope(
                 "check",
                 "work-found" if found else "fully-fused",
                 code,
-                input=report_module.file_entry(model),
+                input=report_module.file_entry(source),
                 target=target,
                 opportunities=[o.to_dict() for o in found],
                 skipped_rules=result.skipped_rules,
-            ),
-            report_path,
-            fmt,
+            )
         )
         if fmt == "text" and not quiet:
             for item in found:
-                _say(f"{model}: {item.rule} [{item.scope}] {', '.join(item.nodes)}")
-            _say(f"{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
-        return code
+                _say(f"{source}: {item.rule} [{item.scope}] {', '.join(item.nodes)}")
+            name = f"{source}: " if several else ""
+            _say(f"{name}{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
+    try:
+        combined = report_module.batch_envelope("check", reports) if several else reports[0]
+        _emit_report(combined, report_path, fmt)
     except Exception as error:  # noqa: BLE001
-        return _fail_with_report("check", error, ctx.debug, report_path, fmt)
+        return _fail(error, ctx.debug)
+    return combined["exit_code"]
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -644,7 +610,7 @@ def compare(
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        options = options_for(a.to_proto(), options, _from_config())
+        options = jobs_module.options_for(a.to_proto(), options, _from_config())
         verdict = Checker(a.to_proto(), options, base_dir=a.base_dir).check(b.to_proto(), exact, base_dir=b.base_dir)
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(

@@ -18,6 +18,7 @@ from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import OP, SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, TypeInfo, find_matches
 from fuser.model import Model
+from fuser.progress import Progress, Ticker
 from fuser.rule import Builder, Rule, as_outputs
 
 
@@ -129,10 +130,12 @@ class Engine:
         trace: bool = False,
         limit: int | None = None,
         vetoed: set[tuple] = frozenset(),
+        progress: Progress | None = None,
     ):
         """limit: stop after this many rewrites (a prefix of the full run, for blame);
-        vetoed: keys of rewrites (Rewrite.key) never to apply."""
+        vetoed: keys of rewrites (Rewrite.key) never to apply; progress: told the nodes visited."""
         self.model = model
+        self._visits = Ticker(progress, "rewrite")
         self.trace = trace
         self.limit = limit
         self.vetoed = set(vetoed)
@@ -177,6 +180,7 @@ class Engine:
                     for index, sub in enumerate(graphs):
                         suffix = f"[{index}]" if len(graphs) > 1 else ""
                         scopes.append((sub, f"{scope}/{info.name or info.op_type}.{attr}{suffix}"))
+        self._visits.finish()
         self.result.seconds = time.perf_counter() - started
         return self.result
 
@@ -239,6 +243,7 @@ class Engine:
             queued.discard(node_id)
             if not graph.has_node(node_id):
                 continue
+            self._visits.tick(len(heap))
             touched = self._visit(graph, scope, node_id, apply)
             touched_all.update(touched)
             for other in touched:

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: declines
+SCHEMA_VERSION = 3  # 2: declines; 3: several models in one report (`models`), stage times named after the stages
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -116,7 +116,18 @@ REPORT_SCHEMA = {
                 "warnings": {"type": "array", "items": {"type": "string"}},
             },
         },
-        "timings": {"type": "object", "additionalProperties": {"type": "number"}},
+        "timings": {
+            "type": "object",
+            "description": "seconds per stage: load, upgrade, measure, rewrite, check, blame, write (those that ran)",
+            "additionalProperties": {"type": "number"},
+        },
+        "models": {
+            "type": "array",
+            "description": "a run over several models: each one's own report; the top level has the worst exit code",
+            "items": {"$ref": "#"},
+        },
+        "jobs": {"type": "integer", "description": "how many models were optimized at once"},
+        "seconds": {"type": "number", "description": "the whole run's wall-clock time"},
         "latency": {
             "type": ["object", "null"],
             "required": ["original_ms", "optimized_ms", "ratio", "noise", "slower", "rounds", "threads", "level"],
@@ -188,6 +199,21 @@ def envelope(command: str, verdict: str, exit_code: int, **fields) -> dict:
     return report
 
 
+def batch_envelope(command: str, reports: list[dict], **fields) -> dict:
+    """One report over several models: theirs in `models`, and at the top the worst exit code and
+    its verdict (among successes, "optimized" if any model was)."""
+    code = max(r["exit_code"] for r in reports)
+    worst = [r for r in reports if r["exit_code"] == code]
+    verdicts = {r["verdict"] for r in worst}
+    if "optimized" in verdicts or "work-found" in verdicts:
+        verdict = "optimized" if "optimized" in verdicts else "work-found"
+    else:
+        verdict = worst[0]["verdict"]
+    failed = [r for r in reports if r["verdict"] in ("error", "mismatch")]
+    error = f"{len(failed)} of {len(reports)} models failed" if failed else None
+    return envelope(command, verdict, code, error=error, **fields, models=reports)
+
+
 def dumps(report: dict) -> str:
     return json.dumps(report, indent=2, sort_keys=False, allow_nan=False, default=_plain)
 
@@ -211,6 +237,8 @@ if __name__ == "__main__":
 
 def markdown(report: dict) -> str:
     """The report as Markdown, for a CI job summary (`--format markdown >> $GITHUB_STEP_SUMMARY`)."""
+    if "models" in report:
+        return _batch_markdown(report)
     lines = [f"### fuser {report['command']}: {report['verdict']}", ""]
     if report.get("error"):
         lines += [f"**Error:** {report['error']}", ""]
@@ -265,4 +293,27 @@ def markdown(report: dict) -> str:
     timings = report.get("timings") or {}
     if timings:
         lines += ["", "Time: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in timings.items())]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _batch_markdown(report: dict) -> str:
+    """A table of the models, then each model's own section."""
+    models = report["models"]
+    lines = [f"## fuser {report['command']}: {len(models)} models, exit {report['exit_code']}", ""]
+    lines += [
+        "| model | verdict | exit | nodes | rewrites | numerics | seconds |",
+        "| --- | --- | ---: | --- | ---: | --- | ---: |",
+    ]
+    for model in models:
+        path = (model.get("input") or {}).get("path", "?")
+        nodes = f"{model['nodes_before']} → {model['nodes_after']}" if "nodes_before" in model else ""
+        rewrites = len(model.get("rewrites") or model.get("opportunities") or [])
+        numerics = model.get("numerics")
+        passed = "" if not numerics else ("passed" if numerics["passed"] else "FAILED")
+        seconds = sum((model.get("timings") or {}).values())
+        verdict, code = model["verdict"], model["exit_code"]
+        lines.append(f"| `{path}` | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds:.2f} |")
+    lines.append("")
+    for model in models:
+        lines.append(markdown(model).replace("### fuser", "### ", 1).replace("###  ", "### ", 1))
     return "\n".join(lines).rstrip() + "\n"

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from fuser.errors import InputError, UsageError
+from fuser.progress import silent
 from fuser.tensors import TensorStore, uses_external_data
 
 # (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
@@ -631,14 +632,17 @@ class Checker:
             feeds[spec.name] = value
         return feeds
 
-    def check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None) -> Verdict:
-        """Compare `candidate` (external data beside `base_dir`, default the original's folder)."""
-        verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir)
+    def check(
+        self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None, progress=None
+    ) -> Verdict:
+        """Compare `candidate` (external data beside `base_dir`, default the original's folder);
+        `progress` (fuser.progress) is told each input set run."""
+        verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir, progress or silent)
         verdict.input_shapes = dict(self.input_shapes)
         verdict.warnings = list(self.warnings)
         return verdict
 
-    def _check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool, base_dir) -> Verdict:
+    def _check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool, base_dir, progress) -> Verdict:
         try:
             after = session(candidate, base_dir)
         except InputError as error:
@@ -655,7 +659,7 @@ class Checker:
                     f"outputs missing from the second: {missing}"
                 )
             )
-        for feeds, expected in zip(self.feeds, self.expected):
+        for done, (feeds, expected) in enumerate(zip(self.feeds, self.expected), 1):
             try:
                 actual = run(after, feeds)
             except Exception as error:  # noqa: BLE001
@@ -667,6 +671,7 @@ class Checker:
                     verdict.outputs.append(check)
                 elif (_severity(check), check.max_abs_error) > (_severity(previous), previous.max_abs_error):
                     verdict.outputs[verdict.outputs.index(previous)] = check
+            progress("check", done, len(self.feeds))
         return verdict
 
 

@@ -1,0 +1,585 @@
+"""Optimizing model files: one in this process, or many at once, each in a worker process of its own.
+
+`optimize_file` takes one model from file to file (load, rewrite, check, write) and returns an
+`Outcome`: the exit code, the report, the lines of its summary. It never prints and never exits,
+so the command line decides what to show, and a worker process can send the Outcome back.
+`run_jobs` runs several at a time, each in a fresh process: a crash, or the system killing a
+worker when memory runs out, is that model's failure, reported as such; the others go on.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import onnx
+
+from fuser import api, explain, verify
+from fuser import report as report_module
+from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, NumericsMismatch, UsageError
+from fuser.graph import all_graph_protos
+from fuser.model import (
+    Model,
+    external_data_path,
+    refuse_input_data_file,
+    write_bytes_atomically,
+    write_model,
+    writes_external_data,
+)
+from fuser.progress import STAGES, Progress, silent
+from fuser.tensors import external_data_fields, uses_external_data
+from fuser.verify import CheckOptions, check_names, input_names
+
+FUSED_SUFFIX = ".fused.onnx"
+
+
+@dataclass(frozen=True)
+class OptimizeJob:
+    """Everything one model's optimization needs; plain data, so it can go to a worker process.
+
+    from_config: the check settings (of "dims", "shapes", "ranges") that came from [tool.fuser],
+    which serves every model of a project: each model keeps the names it has of those.
+    """
+
+    source: Path
+    destination: Path
+    force: bool = False
+    external_data: str = "auto"
+    target: str = "onnx"
+    opset: int | None = None
+    rule_files: tuple[str, ...] = ()
+    enable: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+    check: bool = True
+    on_mismatch: str = "fail"
+    options: CheckOptions = CheckOptions()
+    from_config: frozenset[str] = frozenset()
+    measure: str | None = None
+    measure_threads: int = 1
+    verbose: bool = False
+    debug: bool = False
+
+
+@dataclass
+class Outcome:
+    """What became of one model: its exit code, its report, and what to tell a person."""
+
+    source: str
+    code: int
+    report: dict
+    summary: list[str] = field(default_factory=list)  # the full summary, ending with "wrote ..."
+    messages: list[str] = field(default_factory=list)  # the error line (and a traceback under --debug)
+    error: str | None = None
+    written: str | None = None
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """One line for this model among many."""
+        if self.error is not None:
+            return f"FAILED {self.source} (exit {self.code}): {self.error.removeprefix(f'{self.source}: ')}"
+        nodes = f"nodes {self.report.get('nodes_before')} -> {self.report.get('nodes_after')}"
+        rewrites = len(self.report.get("rewrites") or [])
+        numerics = self.report.get("numerics")
+        if numerics is not None:
+            check = "check passed"
+        elif rewrites:
+            check = "check SKIPPED"
+        else:
+            check = "nothing to check"
+        return f"{self.source} -> {self.written}: {nodes}, {rewrites} rewrites, {check}, {self.seconds:.1f} s"
+
+
+def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: frozenset[str]) -> CheckOptions:
+    """`options` for this model: settings from [tool.fuser] narrowed to the names it has, the rest checked."""
+    names, symbols = input_names(model)
+    known = {"dims": symbols, "shapes": names, "ranges": names}
+    narrowed = {name: {k: v for k, v in getattr(options, name).items() if k in known[name]} for name in from_config}
+    options = options.replace(**narrowed)
+    check_names(model, options)
+    return options
+
+
+def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome:
+    """Optimize job.source into job.destination: the report and summary of it, or of its failure."""
+    started = time.perf_counter()
+    source, destination = job.source, job.destination
+    progress = progress or silent
+    entries: dict = {"input": None, "output": None}
+    try:
+        check_destination(source, destination, job.force)
+        progress("load", 0, None)
+        loading = time.perf_counter()
+        loaded = Model.load(source)
+        load_seconds = time.perf_counter() - loading
+        entries["input"] = report_module.file_entry(source)
+        size_before = size_on_disk(source, loaded)
+        original = loaded.to_proto()
+        options = options_for(original, job.options, job.from_config)
+        external_data = job.external_data
+        if writes_external_data(original, external_data):  # fail before the long work
+            refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
+            check_destination(source, external_data_path(destination), job.force)
+            external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
+        del original
+        optimized, result = api.optimize(
+            loaded,
+            target=job.target,
+            opset=job.opset,
+            enable=job.enable,
+            disable=job.disable,
+            rule_files=job.rule_files,
+            check=job.check,
+            on_mismatch=job.on_mismatch,
+            trace=True,  # the report and -v list every decline
+            progress=progress,
+            measure=job.measure,
+            measure_threads=job.measure_threads,
+            check_options=options,
+        )
+        progress("write", 0, None)
+        writing = time.perf_counter()
+        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
+        result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
+        result.output_path = str(destination)
+        body = result.to_dict()
+        sizes = (size_before, size_on_disk(destination))
+        body.update(
+            input=entries["input"],
+            output=report_module.file_entry(destination),
+            size_before=sizes[0],
+            size_after=sizes[1],
+        )
+        verdict = "optimized" if result.rewrites else "unchanged"
+        return Outcome(
+            source=str(source),
+            code=EXIT_OK,
+            report=report_module.envelope("optimize", verdict, EXIT_OK, **body),
+            summary=summary_lines(result, destination, sizes, job.verbose),
+            written=str(destination),
+            seconds=time.perf_counter() - started,
+        )
+    except NumericsMismatch as error:
+        folder = keep_evidence(error, source)
+        told = NumericsMismatch(f"{error}; nothing written, evidence kept in {folder}")
+        code, messages = describe_error(told, job.debug)
+        body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
+        if "report" in error.evidence:
+            body["timings"] = _in_stage_order(body["timings"], load=load_seconds)
+        body.update(input=entries["input"], output=None, evidence=str(folder))
+        report = report_module.envelope("optimize", "mismatch", code, error=str(error), **body)
+        write_bytes_atomically(folder / "report.json", (report_module.dumps(report) + "\n").encode())
+        return Outcome(
+            str(source), code, report, messages=messages, error=f"{error}; evidence kept in {folder}",
+            seconds=time.perf_counter() - started,
+        )  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
+        code, messages = describe_error(error, job.debug)
+        report = report_module.envelope("optimize", "error", code, error=str(error), **entries)
+        return Outcome(
+            str(source), code, report, messages=messages, error=_error_text(error),
+            seconds=time.perf_counter() - started,
+        )  # fmt: skip
+
+
+def _in_stage_order(timings: dict[str, float], **more: float) -> dict[str, float]:
+    combined = dict(timings)
+    for stage, seconds in more.items():
+        combined[stage] = combined.get(stage, 0.0) + seconds
+    return {stage: combined[stage] for stage in STAGES if stage in combined}
+
+
+def describe_error(error: BaseException, debug: bool) -> tuple[int, list[str]]:
+    """The exit code of `error` and the lines that tell a person (the traceback first under --debug)."""
+    messages = ["".join(traceback.format_exception(error)).rstrip()] if debug else []
+    if isinstance(error, FuserError):
+        return error.exit_code, [*messages, f"fuser: error: {error}"]
+    return EXIT_INTERNAL, [*messages, f"fuser: internal error: {_error_text(error)}"]
+
+
+def _error_text(error: BaseException) -> str:
+    if isinstance(error, FuserError):
+        return str(error)
+    return f"{type(error).__name__}: {error} (this is a bug in fuser; please report it, rerun with --debug for details)"
+
+
+# ------------------------------------------------------------------------ files and folders
+
+
+def fused_name(name: str) -> str:
+    return name.removesuffix(".onnx") + FUSED_SUFFIX
+
+
+def expand_models(arguments: Iterable[str]) -> tuple[list[Path], bool]:
+    """The model files the arguments name, and whether they are several (more than one argument,
+    or a folder or a glob pattern, whatever it matched).
+
+    A folder stands for its *.onnx files, not those of its subfolders, leaving out fuser's own
+    outputs (*.fused.onnx) so that a second run over the folder does not optimize them again. A
+    pattern with * ? or [ that names no file is expanded (for shells that leave it as it is). A
+    file named twice is optimized once. A name that does not exist is kept: it fails as that model's error.
+    """
+    arguments = list(arguments)
+    several = len(arguments) > 1
+    found: list[Path] = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            several = True
+            matches = sorted(p for p in path.glob("*.onnx") if p.is_file() and not p.name.endswith(FUSED_SUFFIX))
+            if not matches:
+                raise UsageError(f"{argument}: no .onnx files in this folder")
+            found += matches
+        elif not path.exists() and glob.has_magic(argument):
+            several = True
+            matches = sorted(Path(p) for p in glob.glob(argument) if Path(p).is_file())
+            if not matches:
+                raise UsageError(f"{argument}: no file matches this pattern")
+            found += matches
+        else:
+            found.append(path)
+    unique: dict[Path, Path] = {}
+    for path in found:
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values()), several
+
+
+def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list[Path]:
+    """Where each model goes. One model: `output`, else MODEL.fused.onnx beside it. Several: into
+    the folder `output` under their own names, else each beside its input as MODEL.fused.onnx.
+    Refused before any work: -o naming a file with several models, two models going to one
+    file, and an output that is one of the inputs."""
+    if not several:
+        source = sources[0]
+        return [Path(output) if output else source.with_name(fused_name(source.name))]
+    if output is not None:
+        folder = Path(output)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"-o {output}: with several models -o names a folder, and {output} is a file")
+        if not folder.exists() and folder.suffix == ".onnx":
+            raise UsageError(
+                f"-o {output}: with several models -o names a folder (created if missing), not a .onnx file"
+            )
+        destinations = [folder / source.name for source in sources]
+    else:
+        destinations = [source.with_name(fused_name(source.name)) for source in sources]
+    by_destination: dict[Path, list[Path]] = {}
+    for source, destination in zip(sources, destinations):
+        by_destination.setdefault(destination.resolve(), []).append(source)
+    clashes = [f"{', '.join(map(str, group))}" for group in by_destination.values() if len(group) > 1]
+    if clashes:
+        raise UsageError(
+            f"several models would be written to the same file ({'; '.join(clashes)}): "
+            "optimize them in separate runs or into separate -o folders"
+        )
+    inputs = {source.resolve(): source for source in sources}
+    for source, destination in zip(sources, destinations):
+        if destination.resolve() in inputs:
+            raise UsageError(
+                f"{source} would be written to {destination}, which is one of the input models; "
+                "choose another -o folder"
+            )
+    return destinations
+
+
+def check_folder(path: Path) -> None:
+    """Refuse early a path that cannot be written: an existing ancestor of it is not a folder."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
+
+
+def check_destination(source: Path, destination: Path, force: bool) -> None:
+    check_folder(destination)
+    if destination.exists() and source.exists() and destination.resolve() == source.resolve():
+        raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
+    if destination.exists() and not force:
+        raise UsageError(f"{destination} already exists; pass --force to replace it")
+    if destination.exists() and destination.is_dir():
+        raise UsageError(f"{destination} is a directory")
+
+
+def size_on_disk(path: Path, model: Model | None = None) -> int:
+    """The model file plus the external data files it references (each counted once)."""
+    files = {path.resolve()}
+    if model is None:
+        if external_data_path(path).exists():  # maybe stale from an earlier run: count it only if referenced
+            files |= _referenced_files(path)
+    else:
+        files |= {
+            model.tensors.resolve(external_data_fields(t).get("location", ""))
+            for t in model.initializers()
+            if uses_external_data(t)
+        }
+    return sum(f.stat().st_size for f in files)
+
+
+def _referenced_files(path: Path) -> set[Path]:
+    written = onnx.load(path, load_external_data=False)
+    referenced = {
+        external_data_fields(t).get("location", "")
+        for g in all_graph_protos(written.graph)
+        for t in g.initializer
+        if uses_external_data(t)
+    }
+    return {(path.parent / location).resolve() for location in referenced}
+
+
+def keep_evidence(error: NumericsMismatch, source: Path) -> Path:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"fuser-mismatch-{source.stem}-"))
+    for name in ("original", "optimized"):
+        if name not in error.evidence:
+            continue
+        try:
+            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
+        except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
+            (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
+    return folder
+
+
+# ------------------------------------------------------------------------ the summary
+
+TOP_OP_TYPES = 8
+
+
+def summary_lines(result: api.Report, destination: Path, sizes=None, verbose: bool = False) -> list[str]:
+    """What a person reads after one model: counts, op types, sizes, the check, notes, times."""
+    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
+    if result.counts:
+        width = max(len(n) for n in result.counts)
+        lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
+    else:
+        lines.append("  no rule applied: nothing to fuse")
+    skipped = result.engine.skipped_rules
+    newer = result.engine.need_newer_opset
+    lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()] if verbose else []
+    if newer and not verbose:
+        lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
+    advice = result.engine.advice
+    if advice:
+        lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
+        if verbose:
+            lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
+    lines += op_type_table(result.op_types_before, result.op_types_after)
+    if sizes is not None:
+        lines.append(f"size on disk: {bytes_text(sizes[0])} -> {bytes_text(sizes[1])}")
+    if result.verdict is not None:
+        stabilized = result.verdict.stabilized
+        status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
+        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
+        on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
+        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
+    elif result.rewrites:
+        lines.append("numerics check: SKIPPED")
+    lines += [f"  note: {note}" for note in result.notes]
+    for rewrite in result.dropped:
+        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
+    if verbose:
+        for rewrite in result.rewrites:
+            lines.append(
+                f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
+                f"{', '.join(rewrite.created)}"
+            )
+        lines += explain.decline_lines(result.engine.unique_declines())
+    lines.append(stage_times(result.timings))
+    lines.append(f"wrote {destination}")
+    return lines
+
+
+def stage_times(timings: dict[str, float]) -> str:
+    """`time: load 0.12 s, rewrite 0.40 s, check 0.31 s, write 0.05 s`."""
+    return "time: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in timings.items())
+
+
+def op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The op types that changed most, before -> after, largest first (at most TOP_OP_TYPES)."""
+    changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name, 0) != after.get(name, 0)]
+    if not changed:
+        return []
+    changed.sort(key=lambda name: (-max(before.get(name, 0), after.get(name, 0)), name))
+    shown = changed[:TOP_OP_TYPES]
+    width = max(len(name) for name in shown)
+    lines = [f"  {name:<{width}}  {before.get(name, 0):>6} -> {after.get(name, 0)}" for name in shown]
+    if len(changed) > len(shown):
+        lines.append(f"  ... and {len(changed) - len(shown)} more op types changed")
+    return ["op types:", *lines]
+
+
+def bytes_text(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KB", "MB", "GB"):
+        size /= 1024
+        if size < 1024 or unit == "GB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+# ------------------------------------------------------------------------ many models at once
+
+# A worker's resident memory before its model: Python, onnx, onnxruntime and fuser imported.
+WORKER_BASE_BYTES = 200 << 20
+# Peak memory per byte of model (file and external data), rewrite and check included: the
+# README's measurements put a 498 MB GPT-2 export at 3.5 GB with the check.
+PEAK_PER_MODEL_BYTE = 7
+# Files smaller than this are read to find their external data; a larger one holds its weights itself.
+EXTERNAL_DATA_PROBE_LIMIT = 64 << 20
+
+
+def default_jobs(sources: list[Path]) -> int:
+    """How many models to optimize at once: one per core, no more than the available memory holds
+    at the estimated peak of the largest models, and at least one."""
+    cores = available_cores()
+    memory = available_memory()
+    count = max(1, min(cores, len(sources)))
+    if memory is None:
+        return count
+    peaks = sorted((estimated_peak(source) for source in sources), reverse=True)[:count]
+    fitting, total = 0, 0
+    for peak in peaks:
+        total += peak
+        if total > memory:
+            break
+        fitting += 1
+    return max(1, fitting)
+
+
+def estimated_peak(source: Path) -> int:
+    return WORKER_BASE_BYTES + PEAK_PER_MODEL_BYTE * model_bytes(source)
+
+
+def model_bytes(source: Path) -> int:
+    """The model file's size plus the external data files it references (0 for a missing file)."""
+    try:
+        size = source.stat().st_size
+    except OSError:
+        return 0
+    if size >= EXTERNAL_DATA_PROBE_LIMIT:
+        return size
+    try:
+        return size + sum(f.stat().st_size for f in _referenced_files(source) if f.is_file())
+    except Exception:  # noqa: BLE001 - not a readable model: its own run says so; it weighs its size
+        return size
+
+
+def available_cores() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _read_first("/sys/fs/cgroup/cpu.max")  # "max 100000" or "200000 100000" in a container
+    if quota and not quota.startswith("max"):
+        limit, period = (int(part) for part in quota.split()[:2])
+        cores = min(cores, max(1, -(-limit // period)))
+    return max(1, cores)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still use: the system's available memory, or less in a container."""
+    available = None
+    meminfo = _read_first("/proc/meminfo", whole=True)
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    limit, used = _read_first("/sys/fs/cgroup/memory.max"), _read_first("/sys/fs/cgroup/memory.current")
+    if limit and limit != "max" and used:
+        available = min(available, max(0, int(limit) - int(used)))
+    return available
+
+
+def _read_first(path: str, whole: bool = False) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read() if whole else handle.readline().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], None] = lambda outcome: None):
+    """Optimize every job, at most `workers` at a time, each in a process of its own; `done` hears
+    of each model as it finishes. Outcomes come back in the order of `jobs`."""
+    context = _process_context()
+    waiting = list(enumerate(jobs))
+    running: dict[int, tuple] = {}
+    outcomes: list[Outcome | None] = [None] * len(jobs)
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                index, job = waiting.pop(0)
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(target=_work, args=(job, sender), name=f"fuser {job.source.name}")
+                process.start()
+                sender.close()  # the worker holds the only sending end: its death closes the pipe
+                running[index] = (job, process, receiver)
+            ready = set(wait([r for _, _, r in running.values()] + [p.sentinel for _, p, _ in running.values()]))
+            for index, (job, process, receiver) in list(running.items()):
+                if receiver not in ready and process.sentinel not in ready:
+                    continue
+                outcome = None
+                if receiver.poll():
+                    try:
+                        outcome = receiver.recv()
+                    except (EOFError, OSError):
+                        outcome = None
+                elif process.is_alive():
+                    continue
+                process.join()
+                receiver.close()
+                del running[index]
+                outcomes[index] = outcome if outcome is not None else _crashed(job, process.exitcode)
+                done(outcomes[index])
+    finally:
+        for _, process, _ in running.values():
+            process.terminate()
+        for _, process, _ in running.values():
+            process.join()
+    return outcomes
+
+
+def _work(job: OptimizeJob, sender) -> None:
+    verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
+    outcome = optimize_file(job)
+    sender.send(outcome)
+    sender.close()
+
+
+def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
+        how = f"was killed by signal {name}"
+        if -exitcode == signal.SIGKILL:
+            how += " (the system does this when memory runs out: try fewer models at once, -j)"
+    else:
+        how = f"ended with exit code {exitcode} before reporting"
+    error = f"the worker process optimizing {job.source} {how}"
+    entry = report_module.file_entry(job.source) if job.source.is_file() else None
+    report = report_module.envelope("optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None)
+    return Outcome(str(job.source), EXIT_INTERNAL, report, messages=[f"fuser: error: {error}"], error=error)
+
+
+def _process_context():
+    """Workers start from a server process that has imported fuser, onnx and onnxruntime once
+    (forkserver), or as fresh interpreters where there is none (spawn); never by forking this
+    process, whose threads and state a fork would copy half-way."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["fuser.jobs", "fuser.rules", "onnxruntime"])
+        return context
+    return multiprocessing.get_context("spawn")
