@@ -19,7 +19,7 @@ from fuser.measure import Timing
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.opset import upgrade
-from fuser.progress import Progress, silent
+from fuser.progress import STAGES, Progress, silent
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
 from fuser.verify import Checker, CheckOptions, Verdict
@@ -77,7 +77,7 @@ class Report:
             "numerics": None if self.verdict is None else self.verdict.to_dict(),
             "blamed": [r.to_dict() for r in self.blamed],
             "dropped": [r.to_dict() for r in self.dropped],
-            "timings": self.timings,
+            "timings": {stage: self.timings[stage] for stage in STAGES if stage in self.timings},
             "latency": None if self.latency is None else self.latency.to_dict(),
         }
 

@@ -1,0 +1,355 @@
+"""Pipelines: several models in one run (each in its own worker process), one report over all,
+the worst exit code, progress only on a terminal, and the time of each stage.
+
+Most tests call fuser.cli.main in this process (the workers are real processes either way);
+the progress tests start real `python -m fuser.cli` processes, one under a pseudo-terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import shutil
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from fuser import jobs
+from fuser.report import REPORT_SCHEMA
+from tests.helpers import fuser_cli, in_process_cli, model_from_text, run
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+SAMPLES = ("resnet_small.onnx", "mlp.onnx", "classifier_head.onnx")
+
+# A rule file whose rule kills its own process, as the system does to a process that takes too
+# much memory: only models with a Sin node are hit.
+KILLING_RULES = """\
+import os
+import signal
+
+from fuser import op, rule, var
+
+
+@rule("kill-on-sin", pattern=op.Sin(var("x")))
+def kill_on_sin(m, b):
+    \"\"\"Sin(x) -> the end of this process.\"\"\"
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# A wrong rewrite: Cos(x) -> Sin(x) fails the numerics check.
+WRONG_RULES = """\
+from fuser import op, rule, var
+
+
+@rule("wrong-cos", pattern=op.Cos(var("x")))
+def wrong_cos(m, b):
+    \"\"\"Cos(x) -> Sin(x), which is wrong.\"\"\"
+    return b.Sin(m["x"])
+"""
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+@pytest.fixture
+def zoo(tmp_path) -> Path:
+    folder = tmp_path / "zoo"
+    folder.mkdir()
+    for name in SAMPLES:
+        shutil.copy(MODELS / name, folder / name)
+    return folder
+
+
+def unary_model(op_type: str) -> onnx.ModelProto:
+    return model_from_text(f"agraph (float[2, 3] x) => (float[2, 3] y) {{ y = {op_type}(x) }}")
+
+
+def validated(path: Path) -> dict:
+    report = json.loads(path.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    return report
+
+
+def by_input(report: dict) -> dict[str, dict]:
+    return {Path((m["input"] or {"path": m["error"]})["path"]).name: m for m in report["models"]}
+
+
+def test_a_folder_of_models_goes_into_an_output_folder_with_one_report(cli, zoo, tmp_path):
+    before = {name: (zoo / name).read_bytes() for name in SAMPLES}
+    out = tmp_path / "out" / "nested"
+    result = cli(tmp_path, "optimize", zoo, "-o", out, "-j", "2", "--report", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(SAMPLES)
+    assert {name: (zoo / name).read_bytes() for name in SAMPLES} == before
+    for name in SAMPLES:
+        onnx.checker.check_model(onnx.load(out / name), full_check=True)
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "fuser: 3 models, 2 at a time"
+    assert sum(line.startswith(str(zoo)) for line in lines) == 3
+    assert lines[-1].startswith("3 models: 3 written, 0 failed (exit 0); 2 at a time")
+    report = validated(tmp_path / "r.json")
+    assert report["schema_version"] == 3 and report["exit_code"] == 0 and report["verdict"] == "optimized"
+    assert report["jobs"] == 2 and len(report["models"]) == 3
+    for name, model in by_input(report).items():
+        assert model["output"]["path"] == str(out / name)
+        assert model["numerics"]["passed"]
+        assert {"load", "rewrite", "check", "write"} <= set(model["timings"])
+
+
+def test_the_outputs_compute_what_the_inputs_do(cli, zoo, tmp_path):
+    result = cli(tmp_path, "optimize", zoo / "mlp.onnx", zoo / "classifier_head.onnx", "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    for name in ("mlp.onnx", "classifier_head.onnx"):
+        original, optimized = onnx.load(zoo / name), onnx.load(tmp_path / "out" / name)
+        spec = original.graph.input[0]
+        shape = [d.dim_value or 1 for d in spec.type.tensor_type.shape.dim]
+        feeds = {spec.name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        np.testing.assert_allclose(run(optimized, feeds)[0], run(original, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_without_o_each_output_goes_beside_its_input_and_a_second_run_skips_them(cli, zoo, tmp_path):
+    assert cli(tmp_path, "optimize", zoo).returncode == 0
+    fused = sorted(p.name for p in zoo.glob("*.fused.onnx"))
+    assert fused == sorted(name.replace(".onnx", ".fused.onnx") for name in SAMPLES)
+    again = cli(tmp_path, "optimize", zoo, "--force")  # the folder's *.fused.onnx are outputs, not inputs
+    assert again.returncode == 0, again.stderr
+    assert not list(zoo.glob("*.fused.fused.onnx"))
+
+
+def test_a_quoted_glob_is_expanded(cli, zoo, tmp_path):
+    result = cli(tmp_path, "optimize", str(zoo / "[mc]*.onnx"), "-o", tmp_path / "out", "--report", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["classifier_head.onnx", "mlp.onnx"]
+    assert len(validated(tmp_path / "r.json")["models"]) == 2
+
+
+def test_a_corrupt_file_fails_alone(cli, zoo, tmp_path):
+    (zoo / "broken.onnx").write_bytes(b"this is not a model\n")
+    result = cli(tmp_path, "optimize", zoo, "-o", tmp_path / "out", "--report", tmp_path / "r.json")
+    assert result.returncode == 2
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(SAMPLES)
+    assert f"FAILED {zoo / 'broken.onnx'} (exit 2): not an ONNX model" in result.stderr
+    report = validated(tmp_path / "r.json")
+    assert report["exit_code"] == 2 and report["verdict"] == "error" and report["error"] == "1 of 4 models failed"
+    codes = sorted(m["exit_code"] for m in report["models"])
+    assert codes == [0, 0, 0, 2]
+
+
+def test_a_killed_worker_is_that_models_failure_and_the_worst_code_wins(cli, zoo, tmp_path):
+    (tmp_path / "killing_rules.py").write_text(KILLING_RULES)
+    onnx.save(unary_model("Sin"), zoo / "sine.onnx")
+    (zoo / "broken.onnx").write_bytes(b"")
+    result = cli(tmp_path, "optimize", zoo, "-o", tmp_path / "out", "--rules", "killing_rules.py", "--report", "r.json")
+    assert result.returncode == 4, result.stderr  # 4 (the crash) is worse than 2 (the corrupt file)
+    assert "killed by signal SIGKILL" in result.stderr and "-j" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(SAMPLES)
+    report = validated(tmp_path / "r.json")
+    models = by_input(report)
+    assert models["sine.onnx"]["exit_code"] == 4 and models["sine.onnx"]["output"] is None
+    assert report["exit_code"] == 4
+    assert sorted(m["exit_code"] for m in report["models"]) == [0, 0, 0, 2, 4]
+
+
+def test_a_mismatch_keeps_its_evidence_and_the_others_are_written(cli, zoo, tmp_path):
+    (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
+    onnx.save(unary_model("Cos"), zoo / "cosine.onnx")
+    result = cli(tmp_path, "optimize", zoo, "-o", "out", "--rules", "wrong_rules.py", "--report", "r.json")
+    assert result.returncode == 3, result.stderr
+    assert not (tmp_path / "out" / "cosine.onnx").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(SAMPLES)
+    cosine = by_input(validated(tmp_path / "r.json"))["cosine.onnx"]
+    assert cosine["verdict"] == "mismatch" and cosine["blamed"][0]["rule"] == "wrong-cos"
+    assert "blame" in cosine["timings"]
+    evidence = Path(cosine["evidence"])
+    assert (evidence / "original.onnx").exists() and (evidence / "report.json").exists()
+
+
+def test_existing_outputs_need_force_model_by_model(cli, zoo, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlp.onnx").write_bytes(b"keep me")
+    result = cli(tmp_path, "optimize", zoo, "-o", out)
+    assert result.returncode == 2
+    assert (out / "mlp.onnx").read_bytes() == b"keep me"
+    assert (out / "resnet_small.onnx").exists() and (out / "classifier_head.onnx").exists()
+    assert "already exists; pass --force" in result.stderr
+    assert cli(tmp_path, "optimize", zoo, "-o", out, "--force").returncode == 0
+    assert (out / "mlp.onnx").read_bytes() != b"keep me"
+
+
+@pytest.mark.parametrize(
+    "arrange, message",
+    [
+        ("o-is-a-file", "-o names a folder"),
+        ("o-ends-in-onnx", "not a .onnx file"),
+        ("same-name-twice", "same file"),
+        ("output-is-an-input", "one of the input models"),
+        ("empty-folder", "no .onnx files"),
+        ("glob-matches-nothing", "no file matches"),
+    ],
+)
+def test_ambiguous_runs_are_refused_before_any_work(cli, zoo, tmp_path, arrange, message):
+    args = [zoo]
+    if arrange == "o-is-a-file":
+        (tmp_path / "file").write_text("x")
+        args += ["-o", tmp_path / "file"]
+    elif arrange == "o-ends-in-onnx":
+        args += ["-o", tmp_path / "all.onnx"]
+    elif arrange == "same-name-twice":
+        other = tmp_path / "other"
+        other.mkdir()
+        shutil.copy(zoo / "mlp.onnx", other / "mlp.onnx")
+        args = [zoo / "mlp.onnx", other / "mlp.onnx", "-o", tmp_path / "out"]
+    elif arrange == "output-is-an-input":
+        shutil.copy(zoo / "mlp.onnx", zoo / "mlp.fused.onnx")
+        args = [str(zoo / "mlp*.onnx")]  # both mlp.onnx and mlp.fused.onnx: the first would overwrite the second
+    elif arrange == "empty-folder":
+        (tmp_path / "empty").mkdir()
+        args = [tmp_path / "empty"]
+    else:
+        args = [str(tmp_path / "*.onnx")]
+    snapshot = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    result = cli(tmp_path, "optimize", *args, "--force")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot
+
+
+def test_one_model_keeps_its_report_format(cli, zoo, tmp_path):
+    result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", tmp_path / "mlp.out.onnx", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    report = validated(tmp_path / "r.json")
+    assert "models" not in report and report["schema_version"] == 3
+    assert list(report["timings"]) == ["load", "rewrite", "check", "write"]
+    assert "time: load " in result.stderr and ", write " in result.stderr
+
+
+def test_the_shipped_schema_is_the_one_in_the_code():
+    assert json.loads(files("fuser").joinpath("report.schema.json").read_text()) == REPORT_SCHEMA
+
+
+def test_json_and_markdown_cover_every_model(cli, zoo, tmp_path):
+    result = cli(tmp_path, "optimize", zoo, "-o", "out", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert len(report["models"]) == 3
+    markdown = cli(tmp_path, "optimize", zoo, "-o", "out", "--force", "--format", "markdown")
+    assert markdown.returncode == 0
+    assert markdown.stdout.startswith("## fuser optimize: 3 models, exit 0")
+    for name in SAMPLES:
+        assert f"`{zoo / name}`" in markdown.stdout
+
+
+def test_check_takes_several_models_and_the_worst_code_wins(cli, zoo, tmp_path):
+    assert cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", tmp_path / "done.onnx").returncode == 0
+    result = cli(tmp_path, "check", zoo / "mlp.onnx", tmp_path / "done.onnx", "--report", "r.json")
+    assert result.returncode == 1
+    report = validated(tmp_path / "r.json")
+    assert [m["verdict"] for m in report["models"]] == ["work-found", "fully-fused"]
+    (tmp_path / "broken.onnx").write_bytes(b"")
+    worse = cli(tmp_path, "check", zoo / "mlp.onnx", tmp_path / "broken.onnx")
+    assert worse.returncode == 2
+    assert f"{zoo / 'mlp.onnx'}: " in worse.stderr and "broken.onnx" in worse.stderr
+
+
+def test_default_jobs_fit_cores_and_memory(zoo):
+    sources = sorted(zoo.iterdir())
+    assert jobs.default_jobs(sources) == max(1, min(jobs.available_cores(), 3))
+    assert jobs.available_memory() > 0
+    assert jobs.estimated_peak(zoo / "mlp.onnx") > jobs.PEAK_PER_MODEL_BYTE * (zoo / "mlp.onnx").stat().st_size
+
+
+def test_model_size_counts_external_data(tmp_path):
+    weights = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.weights", size_threshold=0)
+    expected = (tmp_path / "m.onnx").stat().st_size + (tmp_path / "m.weights").stat().st_size
+    assert jobs.model_bytes(tmp_path / "m.onnx") == expected
+    assert jobs.model_bytes(tmp_path / "missing.onnx") == 0
+
+
+# ------------------------------------------------------------------------ progress
+
+
+def chain(nodes: int) -> onnx.ModelProto:
+    """Relu and Identity by turns: enough nodes that the rewrite stage reports progress (every 1000
+    visits), and Identity nodes to remove, so that the check runs."""
+    text = "\n".join(f"r{i + 1} = {'Relu' if i % 2 else 'Identity'}(r{i})" for i in range(nodes))
+    return model_from_text(f"agraph (float[4] r0) => (float[4] r{nodes}) {{\n{text}\n}}")
+
+
+def run_in_terminal(args: list, cwd: Path) -> tuple[int, str]:
+    """Run `python -m fuser.cli ARGS` with stderr on a pseudo-terminal; its exit code and what it drew."""
+    main, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fuser.cli", *map(str, args)],
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=secondary,
+    )
+    os.close(secondary)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal closes when the process ends
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(main)
+    return process.wait(timeout=300), drawn.decode(errors="replace")
+
+
+def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
+    onnx.save(chain(2500), tmp_path / "chain.onnx")
+    code, drawn = run_in_terminal(["optimize", "chain.onnx"], tmp_path)
+    assert code == 0, drawn
+    assert "fuser: loading..." in drawn
+    assert re.search(r"fuser: rewriting .*\] +[1-9]\d*000/\d+ +[\d,.]+ nodes/s", drawn)
+    assert "fuser: checking numerics" in drawn and "2/2" in drawn and "model runs/s" in drawn
+    assert "time: load " in drawn
+    code, drawn = run_in_terminal(["optimize", "chain.onnx", "-q", "--force"], tmp_path)
+    assert code == 0 and drawn == ""
+
+
+def test_no_progress_in_a_log(tmp_path):
+    onnx.save(chain(2500), tmp_path / "chain.onnx")
+    result = fuser_cli("optimize", "chain.onnx", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr and "..." not in result.stderr and "nodes/s" not in result.stderr
+    assert "time: load " in result.stderr
+
+
+def test_the_progress_hook_hears_every_stage_in_order():
+    import fuser
+
+    heard = []
+    _, report = fuser.optimize(chain(2500), progress=lambda stage, done, total: heard.append((stage, done, total)))
+    stages = list(dict.fromkeys(stage for stage, _, _ in heard))
+    assert stages == ["load", "rewrite", "check"]
+    rewrite = [(done, total) for stage, done, total in heard if stage == "rewrite" and total is not None]
+    assert rewrite[0] == (1000, rewrite[0][1]) and rewrite[-1][0] == rewrite[-1][1] >= 2500
+    assert len(rewrite) < 20  # every 1000 nodes, not every node
+    assert [(d, t) for s, d, t in heard if s == "check" and t is not None] == [(0, 2), (1, 2), (2, 2)]
+    assert list(report.to_dict()["timings"]) == ["load", "rewrite", "check", "write"]
