@@ -39,6 +39,7 @@ Exit codes (every command):
   2  bad usage or unusable input (missing file, not ONNX, invalid model)
   3  the numerics check failed
   4  internal error in fuser or a rule (please report it)
+With several models, the worst model's code.
 """
 
 

@@ -9,10 +9,12 @@ worker when memory runs out, is that model's failure, reported as such; the othe
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -66,6 +68,7 @@ class OptimizeJob:
     measure_threads: int = 1
     verbose: bool = False
     debug: bool = False
+    threads: int = 0  # of the check's onnxruntime sessions; 0: onnxruntime's default (every core)
 
 
 @dataclass
@@ -516,7 +519,8 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
     """Optimize every job, at most `workers` at a time, each in a process of its own; `done` hears
     of each model as it finishes. Outcomes come back in the order of `jobs`."""
     context = _process_context()
-    waiting = list(enumerate(jobs))
+    threads = max(1, available_cores() // workers)  # the workers share the cores out
+    waiting = [(index, dataclasses.replace(job, threads=threads)) for index, job in enumerate(jobs)]
     running: dict[int, tuple] = {}
     outcomes: list[Outcome | None] = [None] * len(jobs)
     try:
@@ -554,7 +558,12 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
 
 
 def _work(job: OptimizeJob, sender) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone handles it, by ending the workers,
+    # whose SIGTERM unwinds like an exception so that no temporary file is left half-written.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
+    verify.SESSION_THREADS = job.threads
     outcome = optimize_file(job)
     sender.send(outcome)
     sender.close()

@@ -139,6 +139,9 @@ class Verdict:
 # the user before fuser's one-line message; 4 keeps only fatal ones. The CLI lowers it under --debug.
 QUIET = 4
 LOG_SEVERITY = QUIET
+# Threads of each check session; 0 lets onnxruntime take every core. Workers that optimize
+# several models at once share the cores out instead of each taking all of them.
+SESSION_THREADS = 0
 
 
 def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
@@ -154,6 +157,7 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
+    options.intra_op_num_threads = SESSION_THREADS
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())
