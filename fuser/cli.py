@@ -377,8 +377,8 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
             _emit_report(outcome.report, report_path, fmt)
         except (OSError, FuserError) as error:
             if outcome.error is None:
-                raise
-            del error  # the report's own path is unusable; the one-line error above already said why
+                return _fail(error, job.debug)
+            # else the report's own path is unusable; the one-line error above already said why
     if outcome.error is None and fmt == "text":
         _say("\n".join(outcome.summary), quiet)
     return outcome.code
@@ -419,7 +419,10 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         quiet and not failed,
     )
     combined = report_module.batch_envelope("optimize", [o.report for o in outcomes], jobs=workers, seconds=elapsed)
-    _emit_report(combined, report_path, fmt)
+    try:
+        _emit_report(combined, report_path, fmt)
+    except (OSError, FuserError) as error:
+        return max(code, _fail(error, planned[0].debug))
     return code
 
 

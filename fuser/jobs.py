@@ -117,12 +117,13 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
     progress = progress or silent
     entries: dict = {"input": None, "output": None}
     try:
+        if source.is_file():  # the report names the input even when it cannot be read as a model
+            entries["input"] = report_module.file_entry(source)
         check_destination(source, destination, job.force)
         progress("load", 0, None)
         loading = time.perf_counter()
         loaded = Model.load(source)
         load_seconds = time.perf_counter() - loading
-        entries["input"] = report_module.file_entry(source)
         size_before = size_on_disk(source, loaded)
         original = loaded.to_proto()
         options = options_for(original, job.options, job.from_config)

@@ -235,11 +235,11 @@ if __name__ == "__main__":
     (Path(__file__).parent / "report.schema.json").write_text(schema_text())
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict, title: str | None = None) -> str:
     """The report as Markdown, for a CI job summary (`--format markdown >> $GITHUB_STEP_SUMMARY`)."""
     if "models" in report:
         return _batch_markdown(report)
-    lines = [f"### fuser {report['command']}: {report['verdict']}", ""]
+    lines = [title or f"### fuser {report['command']}: {report['verdict']}", ""]
     if report.get("error"):
         lines += [f"**Error:** {report['error']}", ""]
     files = [f"`{report[k]['path']}`" for k in ("input", "output") if report.get(k)]
@@ -315,5 +315,6 @@ def _batch_markdown(report: dict) -> str:
         lines.append(f"| `{path}` | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds:.2f} |")
     lines.append("")
     for model in models:
-        lines.append(markdown(model).replace("### fuser", "### ", 1).replace("###  ", "### ", 1))
+        path = (model.get("input") or {}).get("path", "?")
+        lines.append(markdown(model, title=f"### `{path}`: {model['verdict']}"))
     return "\n".join(lines).rstrip() + "\n"
