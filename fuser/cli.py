@@ -330,6 +330,7 @@ def optimize(
         destinations = jobs_module.plan_outputs(sources, output, several)
         _check_report_path(report_path, *sources, *destinations)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        from_config = _from_config()
         planned = [
             jobs_module.OptimizeJob(
                 source=source,
@@ -344,7 +345,7 @@ def optimize(
                 check=not no_check,
                 on_mismatch=on_mismatch,
                 options=options,
-                from_config=_from_config(),
+                from_config=from_config,
                 measure=measure,
                 measure_threads=measure_threads,
                 verbose=verbose,
@@ -389,9 +390,11 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
     workers = min(jobs or jobs_module.default_jobs([job.source for job in planned]), len(planned))
     _say(f"fuser: {len(planned)} models, {workers} at a time", quiet)
     terminal = _terminal_progress(quiet)
+    say = terminal.echo if terminal is not None else (lambda line: click.echo(line, err=True))
     finished = 0
 
     def show(outcome: jobs_module.Outcome) -> None:
+        """One line as each model finishes (its traceback first under --debug; its summary with -v)."""
         nonlocal finished
         finished += 1
         lines = [*outcome.messages[:-1], outcome.line()] if outcome.error is not None else [outcome.line()]
@@ -399,7 +402,7 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
             lines += [f"  {line}" for line in outcome.summary[:-1]]
         if outcome.error is not None or not quiet:
             for line in lines:
-                terminal.echo(line) if terminal is not None else click.echo(line, err=True)
+                say(line)
         if terminal is not None:
             terminal("models", finished, len(planned))
 
@@ -473,7 +476,7 @@ class TerminalProgress:
         "check": "checking numerics",
         "blame": "finding the guilty rewrites",
         "write": "writing",
-        "models": "models",
+        "models": "optimizing",
     }
 
     def __init__(self):
