@@ -561,7 +561,6 @@ class Checker:
     ):
         seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
         dims, shapes, ranges = options.dims, options.shapes, options.ranges
-        self.options = options
         self.rtol, self.atol = rtol, atol
         self.base_dir = base_dir
         check_names(original, options)
