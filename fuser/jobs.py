@@ -442,11 +442,12 @@ PEAK_PER_MODEL_BYTE = 7
 EXTERNAL_DATA_PROBE_LIMIT = 64 << 20
 
 
-def default_jobs(sources: list[Path]) -> int:
+def default_jobs(sources: list[Path], cores: int | None = None, memory: int | None = None) -> int:
     """How many models to optimize at once: one per core, no more than the available memory holds
-    at the estimated peak of the largest models, and at least one."""
-    cores = available_cores()
-    memory = available_memory()
+    at the estimated peak of the largest models, and at least one. `cores` and `memory` (bytes)
+    default to this machine's."""
+    cores = cores or available_cores()
+    memory = memory or available_memory()
     count = max(1, min(cores, len(sources)))
     if memory is None:
         return count

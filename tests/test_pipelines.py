@@ -269,6 +269,11 @@ def test_default_jobs_fit_cores_and_memory(zoo):
     assert jobs.default_jobs(sources) == max(1, min(jobs.available_cores(), 3))
     assert jobs.available_memory() > 0
     assert jobs.estimated_peak(zoo / "mlp.onnx") > jobs.PEAK_PER_MODEL_BYTE * (zoo / "mlp.onnx").stat().st_size
+    peaks = sorted((jobs.estimated_peak(source) for source in sources), reverse=True)
+    assert jobs.default_jobs(sources, cores=8, memory=sum(peaks)) == 3
+    assert jobs.default_jobs(sources, cores=8, memory=peaks[0] + peaks[1]) == 2  # the two largest fit
+    assert jobs.default_jobs(sources, cores=8, memory=peaks[0] // 2) == 1  # at least one, however short
+    assert jobs.default_jobs(sources, cores=2, memory=sum(peaks)) == 2
 
 
 def test_model_size_counts_external_data(tmp_path):
