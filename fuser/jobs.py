@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib
 import multiprocessing
 import os
+import pkgutil
 import signal
 import sys
 import time
@@ -591,6 +593,8 @@ def _process_context():
     process, whose threads and state a fork would copy half-way."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["fuser.jobs", "fuser.rules", "onnxruntime"])
+        builtin = importlib.import_module("fuser.rules")  # the package only; each worker would import every rule
+        rules = [f"fuser.rules.{module.name}" for module in pkgutil.iter_modules(builtin.__path__)]
+        context.set_forkserver_preload(["fuser.jobs", "onnxruntime", *rules])
         return context
     return multiprocessing.get_context("spawn")
