@@ -182,17 +182,13 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         body.update(input=entries["input"], output=None, evidence=str(folder))
         report = report_module.envelope("optimize", "mismatch", code, error=str(error), **body)
         write_bytes_atomically(folder / "report.json", (report_module.dumps(report) + "\n").encode())
-        return Outcome(
-            str(source), code, report, messages=messages, error=f"{error}; evidence kept in {folder}",
-            seconds=time.perf_counter() - started,
-        )  # fmt: skip
+        told = f"{error}; evidence kept in {folder}"
+        return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         code, messages = describe_error(error, job.debug)
         report = report_module.envelope("optimize", "error", code, error=str(error), **entries)
-        return Outcome(
-            str(source), code, report, messages=messages, error=_error_text(error),
-            seconds=time.perf_counter() - started,
-        )  # fmt: skip
+        told = _error_text(error)
+        return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
 
 
 def _in_stage_order(timings: dict[str, float], **more: float) -> dict[str, float]:
@@ -577,7 +573,7 @@ def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
         how = f"was killed by signal {name}"
-        if -exitcode == signal.SIGKILL:
+        if -exitcode == getattr(signal, "SIGKILL", None):  # what the system's out-of-memory killer sends
             how += " (the system does this when memory runs out: try fewer models at once, -j)"
     else:
         how = f"ended with exit code {exitcode} before reporting"
