@@ -3,8 +3,8 @@
 The engine knows nothing about particular rules. For each graph scope it keeps a
 worklist of nodes ordered by position; a node is tried against the rules whose pattern
 is rooted at its op type, in rule order, and the first match that passes the engine's
-safety checks, the rule's condition and its build is applied. After a rewrite only the
-touched neighbourhood goes back on the worklist.
+safety checks and the rule's own (the `m.require` calls in its function) is applied. After
+a rewrite only the touched neighbourhood goes back on the worklist.
 """
 
 from __future__ import annotations
@@ -255,8 +255,6 @@ class Engine:
                 try:
                     self._inputs_check(match)
                     keep, escaping = self._interior_check(graph, candidate, match)
-                    if candidate.condition is not None:
-                        candidate.condition(match)
                     if candidate.advisory:
                         _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)

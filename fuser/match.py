@@ -229,9 +229,6 @@ class Match:
     def opset(self) -> int:
         return self.graph.opset("") or 1
 
-    def opset_of(self, domain: str) -> int | None:
-        return self.graph.opset(domain)
-
     def consumers(self, name_or_tensor: str) -> int:
         return len(self.graph.consumers(self._tensor(name_or_tensor)))
 

@@ -1,4 +1,4 @@
-"""Rules: a pattern, a condition, and a function that builds the replacement.
+"""Rules: a pattern, and a function that checks the match's conditions and builds the replacement.
 
     @rule("conv-bn-fold", pattern=op.BatchNormalization(op.Conv(var("x"), const("w")), ...))
     def conv_bn_fold(m: Match, b: Builder):
@@ -26,7 +26,6 @@ from onnx import NodeProto, TensorProto, numpy_helper
 
 from fuser.errors import RuleError
 from fuser.graph import Graph
-from fuser.match import Match
 from fuser.operators import is_known_domain, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
 
@@ -42,7 +41,6 @@ class Rule:
     description: str
     pattern: OpPattern | tuple[OpPattern, ...]
     build: Callable
-    condition: Callable[[Match], None] | None = None
     target: str = "onnx"
     emits: dict[str, int] = field(default_factory=dict)
     opsets: tuple[int, int | None] | None = None
@@ -126,7 +124,6 @@ def rule(
     *,
     pattern: OpPattern | tuple[OpPattern, ...],
     description: str | None = None,
-    condition: Callable[[Match], None] | None = None,
     target: str = "onnx",
     emits: dict[str, int] | None = None,
     opsets: tuple[int, int | None] | None = None,
@@ -171,7 +168,6 @@ def rule(
             description=description or (doc[0].strip() if doc else ""),
             pattern=pattern,
             build=function,
-            condition=condition,
             target=target,
             emits=dict(emits or {}),
             opsets=opsets,
