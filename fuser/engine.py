@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fuser.errors import RewriteLimitExceeded, RuleError
-from fuser.graph import OP, SUBGRAPH_SLOT, Graph, paused_gc
+from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.rule import Builder, Rule, as_outputs
@@ -350,7 +350,7 @@ class Engine:
                     if candidate.shared_interior:
                         keep.add(info.id)
                         break
-                    where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
+                    where = "used outside the match" if graph.has_node(consumer) else "a graph output"
                     escaping.setdefault(output, f"'{output}' (output of {info.name or info.op_type}) is {where}")
         # A kept node still needs the matched nodes it reads from.
         pending = list(keep)
@@ -487,9 +487,7 @@ class Engine:
         for _ in range(self._depth):
             following = set()
             for node_id in frontier:
-                for _, consumer in graph.nx.out_edges(node_id):
-                    if consumer not in seen and graph.has_node(consumer):
-                        following.add(consumer)
+                following |= graph.op_successors(node_id) - seen
             seen |= following
             frontier = following
         return sorted(seen, key=graph.sort_key)

@@ -317,6 +317,10 @@ class Graph:
     def op_consumers(self, tensor: str) -> list[int]:
         return [c for c, _ in self.consumers(tensor) if self.nx.nodes[c]["kind"] == OP]
 
+    def op_successors(self, node_id: int) -> set[int]:
+        """The op nodes reading any output of `node_id`, through a subgraph too."""
+        return {c for _, c in self.nx.out_edges(node_id) if self.nx.nodes[c]["kind"] == OP}
+
     def is_graph_output(self, tensor: str) -> bool:
         return any(self.nx.nodes[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
 
