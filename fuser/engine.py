@@ -431,8 +431,8 @@ class Engine:
             graph.redirect(old, new)
         # Consumers now reading another tensor (a folded constant, say) may match rules anew.
         redirected_readers = {c for _, new in redirects for c in graph.op_consumers(new)}
-        for domain, version in candidate.emits.items():
-            self.model.require_opset(domain, version)
+        for domain in {node.domain for node in builder.nodes} & set(candidate.emits):
+            self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
