@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, TypeInfo, find_matches
@@ -129,10 +130,13 @@ class Engine:
         trace: bool = False,
         limit: int | None = None,
         vetoed: set[tuple] = frozenset(),
+        context: Context | None = None,
     ):
         """limit: stop after this many rewrites (a prefix of the full run, for blame);
-        vetoed: keys of rewrites (Rewrite.key) never to apply."""
+        vetoed: keys of rewrites (Rewrite.key) never to apply; context: what the rules may
+        know about the machine (default: this machine's, fuser/context.py)."""
         self.model = model
+        self.context = context if context is not None else resolve_context()
         self.trace = trace
         self.limit = limit
         self.vetoed = set(vetoed)
@@ -249,7 +253,7 @@ class Engine:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
             for pattern, bindings in _guarded_matches(graph, candidate, node_id):
-                match = Match(graph, pattern, bindings, self._types)
+                match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):
                     continue
                 try:
