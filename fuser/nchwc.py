@@ -27,14 +27,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from fuser.errors import InputError
+from fuser.errors import UsageError
 from fuser.graph import all_graph_protos
 
 NCHWC = "com.microsoft.nchwc"
 
 
-class LoweringError(InputError):
-    """A NCHWc operator this module cannot write with standard operators."""
+class LoweringError(UsageError):
+    """A NCHWc operator this module cannot write with standard operators, so a model for
+    another machine's block cannot be checked here."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{message} (--nchwc-block auto writes for this machine, which the check can run)")
 
 
 def has_nchwc(model: onnx.ModelProto) -> bool:

@@ -182,3 +182,17 @@ def test_measure_refuses_a_block_this_machine_cannot_run():
     foreign = next(b for b in BLOCKS if b != machine_nchwc_block())
     with pytest.raises(UsageError, match=f"cannot time a model written for --nchwc-block {foreign}"):
         fuser.optimize(image_model(), target="onnxruntime", nchwc_block=foreign, measure="off")
+
+
+def test_an_operator_the_lowering_does_not_know_is_a_clear_error():
+    """The check of a model for another machine's block cannot run what it cannot lower."""
+    model = make_model(
+        [helper.make_node("Upsample", ["x"], ["y"], domain=NCHWC, scales=[2, 2])],
+        [("x", np.float32, [1, 8, 2, 2])],
+        [("y", np.float32, [1, 8, 4, 4])],
+        extra_opsets={NCHWC: 1},
+        check=False,
+    )
+    with pytest.raises(UsageError, match="cannot check NCHWc operator 'Upsample' at another block size") as caught:
+        lower(model, 8)
+    assert "--nchwc-block auto" in str(caught.value)
