@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from fuser.context import Context
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.model import Model
 from fuser.progress import Progress, silent
@@ -42,9 +43,10 @@ def rewrite_and_check(
     checker: Checker,
     limit: int | None,
     vetoed: set[tuple],
+    context: Context | None = None,
 ) -> Attempt:
     model = Model(original, base_dir=base_dir)
-    result = Engine(model, rules, limit=limit, vetoed=vetoed).run()
+    result = Engine(model, rules, limit=limit, vetoed=vetoed, context=context).run()
     candidate = model.to_proto()
     applied = set(result.counts())
     exact = all(r.exact for r in rules if r.name in applied)
@@ -59,6 +61,7 @@ def find_guilty(
     checker: Checker,
     failing: Attempt,
     progress: Progress | None = None,
+    context: Context | None = None,
 ) -> Blame:
     """Veto guilty rewrites one at a time until the remaining ones pass the check; `progress` is
     told the checks made, out of those known to be needed (more follow for each further guilty rewrite)."""
@@ -74,7 +77,7 @@ def find_guilty(
         while high - low > 1:
             progress("blame", blame.checks, blame.checks + (high - low - 1).bit_length() + 1)
             middle = (low + high) // 2
-            probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed)
+            probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed, context)
             blame.checks += 1
             if probe.verdict.passed:
                 low = middle
@@ -85,7 +88,7 @@ def find_guilty(
         vetoed.add(culprit.key)
         known_good = high - 1
         progress("blame", blame.checks, blame.checks + 1)
-        attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed)
+        attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed, context)
         blame.checks += 1
     progress("blame", blame.checks, blame.checks)
     blame.final = attempt

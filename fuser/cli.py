@@ -18,6 +18,7 @@ from fuser import api, explain, verify
 from fuser import jobs as jobs_module
 from fuser import report as report_module
 from fuser.config import default_map
+from fuser.context import NCHWC_CHOICES, resolve_nchwc_block
 from fuser.errors import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,
@@ -143,6 +144,13 @@ rule_options = [
     click.option("--enable", multiple=True, metavar="RULE", help="Turn on a rule that is off by default."),
     click.option(
         "--disable", multiple=True, metavar="RULE", help="Turn off a rule; a pattern ('nchwc-*') turns off several."
+    ),
+    click.option(
+        "--nchwc-block",
+        type=click.Choice(NCHWC_CHOICES),
+        default="auto",
+        show_default=True,
+        help="Block size of onnxruntime's NCHWc layout (--target onnxruntime) to write for: auto is this machine's.",
     ),
 ]
 
@@ -301,6 +309,7 @@ def optimize(
     rule_files,
     enable,
     disable,
+    nchwc_block,
     no_check,
     on_mismatch,
     seed,
@@ -348,6 +357,7 @@ def optimize(
                 from_config=from_config,
                 measure=measure,
                 measure_threads=measure_threads,
+                nchwc_block=nchwc_block,
                 verbose=verbose,
                 debug=ctx.debug,
             )
@@ -548,7 +558,9 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
-def check(ctx: Context, models, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
+def check(
+    ctx: Context, models, target, opset, rule_files, enable, disable, nchwc_block, exit_zero, report_path, fmt, quiet
+):
     """List the fusions the enabled rules would make in each MODEL; write nothing.
 
     Exits 1 when there is at least one (a gate for "the exported model is fully fused"). MODELS
@@ -558,13 +570,20 @@ def check(ctx: Context, models, target, opset, rule_files, enable, disable, exit
         sources, several = jobs_module.expand_models(models)
         _check_report_path(report_path, *sources)
         disable = _disable_list(enable, disable)
+        block = resolve_nchwc_block(nchwc_block)
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
     reports = []
     for source in sources:
         try:
             result = api.find_opportunities(
-                source, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset
+                source,
+                target=target,
+                enable=enable,
+                disable=disable,
+                rule_files=rule_files,
+                opset=opset,
+                nchwc_block=block,
             )
         except Exception as error:  # noqa: BLE001
             if not several:
@@ -582,6 +601,7 @@ def check(ctx: Context, models, target, opset, rule_files, enable, disable, exit
                 code,
                 input=report_module.file_entry(source),
                 target=target,
+                nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],
                 skipped_rules=result.skipped_rules,
             )
@@ -761,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
-def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disable, only, fmt):
+def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disable, nchwc_block, only, fmt):
     """Say why each rule did or did not fire in MODEL: what it matched, applied and declined,
     grouped by reason, with the rule's file:line. Writes nothing; the numerics check is not run."""
     import fnmatch
@@ -771,7 +791,13 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
         enable = tuple(enable) + tuple(only)
         chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
         _, result = api.optimize(
-            Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True, opset=opset
+            Model.load(Path(model)),
+            rules=chosen,
+            target=target,
+            check=False,
+            trace=True,
+            opset=opset,
+            nchwc_block=nchwc_block,
         )
         explained = explain.explain(result.engine, chosen)
         if only:

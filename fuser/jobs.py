@@ -68,6 +68,7 @@ class OptimizeJob:
     from_config: frozenset[str] = frozenset()
     measure: str | None = None
     measure_threads: int = 1
+    nchwc_block: str | int = "auto"
     verbose: bool = False
     debug: bool = False
     threads: int = 0  # of the check's onnxruntime sessions; 0: onnxruntime's default (every core)
@@ -148,6 +149,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             progress=progress,
             measure=job.measure,
             measure_threads=job.measure_threads,
+            nchwc_block=job.nchwc_block,
             check_options=options,
         )
         progress("write", 0, None)
@@ -385,6 +387,8 @@ def summary_lines(result: api.Report, destination: Path, sizes=None, verbose: bo
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")
+    if result.target == "onnxruntime":
+        lines.append(f"NCHWc block: {result.context.nchwc_block or 'none (onnxruntime here has no NCHWc kernels)'}")
     lines += [f"  note: {note}" for note in result.notes]
     for rewrite in result.dropped:
         lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")

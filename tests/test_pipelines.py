@@ -24,7 +24,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fuser import jobs
-from fuser.report import REPORT_SCHEMA
+from fuser.report import REPORT_SCHEMA, SCHEMA_VERSION
 from tests.helpers import fuser_cli, in_process_cli, model_from_text, run
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -99,7 +99,7 @@ def test_a_folder_of_models_goes_into_an_output_folder_with_one_report(cli, zoo,
     assert sum(line.startswith(str(zoo)) for line in lines) == 3
     assert lines[-1].startswith("3 models: 3 written, 0 failed (exit 0); 2 at a time")
     report = validated(tmp_path / "r.json")
-    assert report["schema_version"] == 3 and report["exit_code"] == 0 and report["verdict"] == "optimized"
+    assert report["schema_version"] == SCHEMA_VERSION and report["exit_code"] == 0 and report["verdict"] == "optimized"
     assert report["jobs"] == 2 and len(report["models"]) == 3
     for name, model in by_input(report).items():
         assert model["output"]["path"] == str(out / name)
@@ -230,7 +230,7 @@ def test_one_model_keeps_its_report_format(cli, zoo, tmp_path):
     result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", tmp_path / "mlp.out.onnx", "--report", "r.json")
     assert result.returncode == 0, result.stderr
     report = validated(tmp_path / "r.json")
-    assert "models" not in report and report["schema_version"] == 3
+    assert "models" not in report and report["schema_version"] == SCHEMA_VERSION
     assert list(report["timings"]) == ["load", "rewrite", "check", "write"]
     assert "time: load " in result.stderr and ", write " in result.stderr
 
