@@ -358,3 +358,10 @@ def test_the_progress_hook_hears_every_stage_in_order():
     assert len(rewrite) < 20  # every 1000 nodes, not every node
     assert [(d, t) for s, d, t in heard if s == "check" and t is not None] == [(0, 2), (1, 2), (2, 2)]
     assert list(report.to_dict()["timings"]) == ["load", "rewrite", "check", "write"]
+
+
+def test_each_worker_writes_for_the_nchwc_block_asked(cli, zoo, tmp_path):
+    args = ["--target", "onnxruntime", "--nchwc-block", "16", "--report", "r.json"]
+    result = cli(tmp_path, "optimize", zoo / "mlp.onnx", zoo / "resnet_small.onnx", "-o", "out", *args)
+    assert result.returncode == 0, result.stderr
+    assert [m["nchwc_block"] for m in validated(tmp_path / "r.json")["models"]] == [16, 16]
