@@ -365,3 +365,54 @@ def test_each_worker_writes_for_the_nchwc_block_asked(cli, zoo, tmp_path):
     result = cli(tmp_path, "optimize", zoo / "mlp.onnx", zoo / "resnet_small.onnx", "-o", "out", *args)
     assert result.returncode == 0, result.stderr
     assert [m["nchwc_block"] for m in validated(tmp_path / "r.json")["models"]] == [16, 16]
+
+
+# A rule that records its worker's pid, then takes its time: the run is interrupted meanwhile.
+SLOW_RULES = """\
+import os
+import time
+from pathlib import Path
+
+from fuser import op, rule, var
+
+
+@rule("slow-sin", pattern=op.Sin(var("x")))
+def slow_sin(m, b):
+    \"\"\"Sin(x) -> a long wait.\"\"\"
+    Path(f"worker-{os.getpid()}.pid").write_text("")
+    time.sleep(60)
+"""
+
+
+def test_ctrl_c_ends_every_worker_and_writes_nothing(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "slow_rules.py").write_text(SLOW_RULES)
+    for name in ("a", "b"):
+        onnx.save(unary_model("Sin"), tmp_path / f"{name}.onnx")
+    command = [
+        sys.executable,
+        "-m",
+        "fuser.cli",
+        "optimize",
+        "a.onnx",
+        "b.onnx",
+        "-o",
+        "out",
+        "--rules",
+        "slow_rules.py",
+    ]
+    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("worker-*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p.stem.split("-")[1]) for p in tmp_path.glob("worker-*.pid")]
+    assert len(workers) == 2
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the whole process group
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2 and "aborted" in stderr
+    assert list((tmp_path / "out").iterdir()) == []
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
