@@ -419,6 +419,7 @@ class Graph:
         for node_id in removed:
             info = self.node(node_id)
             inputs.extend(i for i in info.proto.input if i)
+            inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
             for output in info.proto.output:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
