@@ -194,11 +194,17 @@ def optimize(
         report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
     if measured is not None:
         report.notes.extend(measure_notes)
-        if result.rewrites:
-            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+
+    def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+        """`written` and its report, timed against the original when --measure asks: the model
+        returned, after any rewrites the check dropped, is the one timed."""
+        if measured is not None and report.rewrites:
+            report.latency = compare_latency(unoptimized, written, feeds, level=measure, threads=measure_threads)
             report.notes.append(f"--measure: {report.latency.summary()}")
+        return written, report
+
     if not (check and (result.rewrites or upgraded)):
-        return optimized, report
+        return finished(optimized)
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
         if inputs is None and runs == 1:
@@ -243,7 +249,7 @@ def optimize(
     report.verdict = checker.check(optimized, exact, stabilizing)
     timings["verify"] = time.perf_counter() - started
     if report.verdict.passed:
-        return optimized, report
+        return finished(optimized)
     started = time.perf_counter()
     say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
     first = Attempt(optimized, result, report.verdict)
@@ -260,7 +266,7 @@ def optimize(
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
         report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
-        return final.model, report
+        return finished(final.model)
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
