@@ -26,8 +26,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Change, sweep
 
-PRIORITY = 0
-
 PURE_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 

@@ -21,8 +21,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Change, sweep
 
-PRIORITY = 0
-
 
 def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorProto]]:
     """`tensors` split into groups of two or more with equal fingerprints, in file order."""
