@@ -143,3 +143,25 @@ def test_fingerprints_tell_external_and_inline_copies_alike(tmp_path):
         assert store.fingerprint(external, whole) == store.fingerprint(inline, whole)
     changed = onnx.numpy_helper.from_array(big + 1, "changed")
     assert store.fingerprint(changed) != store.fingerprint(inline)
+
+
+def test_equal_initializers_inside_a_branch_become_one_there():
+    onnx_float = helper.np_dtype_to_tensor_dtype(np.dtype(np.float32))
+    then_branch = helper.make_graph(
+        [helper.make_node("Add", ["x", "p"], ["t1"]), helper.make_node("Mul", ["t1", "q"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", onnx_float, [2, 3])],
+        [onnx.numpy_helper.from_array(W, "p"), onnx.numpy_helper.from_array(W.copy(), "q")],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["else_out"])], "else", [],
+        [helper.make_tensor_value_info("else_out", onnx_float, [2, 3])],
+    )
+    nodes = [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch)]
+    model = make_model(nodes, [("x", np.float32, [2, 3]), ("cond", np.bool_, [])], [("y", np.float32, [2, 3])])
+    feeds = {"x": FEEDS["x"], "cond": np.array(True)}
+    after, report = assert_rewritten(model, shared_initializer, counts={RULE: 1}, feeds=feeds)
+    assert [r.scope for r in report.rewrites] == ["main/if.then_branch"]
+    branch = next(a.g for a in after.graph.node[0].attribute if a.name == "then_branch")
+    assert [t.name for t in branch.initializer] == ["p"] and branch.node[1].input[1] == "p"
