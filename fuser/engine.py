@@ -245,7 +245,9 @@ class Engine:
     def _apply_change(self, graph: Graph, scope: str, candidate: Rule, change: Change, apply: bool) -> set[int]:
         """Check one change a sweep proposes and, with apply, make it; returns the nodes to revisit."""
         nodes = [n for n in change.nodes if graph.has_node(n)]
-        matched = [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
+        matched = (
+            [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
+        )
         created = [new for _, new in change.redirects]
         if self.vetoed and (candidate.name, scope, tuple(matched)) in self.vetoed:
             self._record_decline(candidate, scope, matched, "dropped: it failed the numerics check")

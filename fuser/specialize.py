@@ -35,7 +35,9 @@ def fix_shapes(
     positional: dict[str, dict[int, int]] = {}
     for name, sizes in shapes.items():
         if name not in inputs:
-            raise UsageError(f"--input-shape: the model has no input {name} (its inputs: {', '.join(inputs) or 'none'})")
+            raise UsageError(
+                f"--input-shape: the model has no input {name} (its inputs: {', '.join(inputs) or 'none'})"
+            )
         positional[name] = _bind_input(inputs[name], tuple(sizes), symbols)
     known = {d.dim_param for value in inputs.values() for d in _dims(value) if d.HasField("dim_param")}
     unknown = sorted(set(dims) - known)

@@ -54,7 +54,9 @@ def test_fixed_dims_fold_and_show_in_the_model_and_report():
 def test_input_shape_binds_the_symbols_it_covers_everywhere():
     nodes = [helper.make_node("Add", ["x", "z"], ["y"])]
     model = make_model(
-        nodes, [("x", np.float32, ["batch", "?"]), ("z", np.float32, ["batch", 1])], [("y", np.float32, ["batch", None])]
+        nodes,
+        [("x", np.float32, ["batch", "?"]), ("z", np.float32, ["batch", 1])],
+        [("y", np.float32, ["batch", None])],
     )
     model.graph.input[0].type.tensor_type.shape.dim[1].Clear()  # an unnamed dim
     after, report = fuser.optimize(model, shapes={"x": (3, 5)}, fix_shapes=True)

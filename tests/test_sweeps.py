@@ -25,7 +25,9 @@ def _model():
         helper.make_node("Mul", ["r", "b"], ["z"], name="mul"),
     ]
     return make_model(
-        nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
+        nodes,
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
         {"a": W, "b": W + 1},
     )
 

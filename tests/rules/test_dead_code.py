@@ -47,9 +47,7 @@ def test_nodes_dead_only_through_other_dead_nodes_go_too():
 
 def test_unused_initializers_go_in_one_rewrite():
     nodes = [helper.make_node("Add", ["x", "w"], ["y"])]
-    model = make_model(
-        nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], _weights("w", "old_a", "old_b")
-    )
+    model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], _weights("w", "old_a", "old_b"))
     after, report = assert_rewritten(model, dead_code, counts={RULE: 1}, expected_ops=["Add"], feeds=FEEDS)
     assert report.rewrites[0].matched == ["old_a", "old_b"]
     assert [t.name for t in after.graph.initializer] == ["w"]
@@ -59,7 +57,9 @@ def test_an_overridable_initializer_is_an_input_and_stays():
     # IR >= 4: an initializer listed as a graph input is a default the caller may replace.
     nodes = [helper.make_node("Add", ["x", "w"], ["y"])]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3]), ("bias", np.float32, [2, 3])], [("y", np.float32, [2, 3])],
+        nodes,
+        [("x", np.float32, [2, 3]), ("bias", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
         _weights("w", "bias"),
     )
     after, _ = assert_declined(model, dead_code, None)
@@ -100,23 +100,22 @@ def test_a_dead_ml_domain_node_goes():
         helper.make_node("Normalizer", ["x"], ["n"], domain="ai.onnx.ml", norm="MAX"),
         helper.make_node("Neg", ["x"], ["y"]),
     ]
-    model = make_model(
-        nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], extra_opsets={"ai.onnx.ml": 1}
-    )
+    model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], extra_opsets={"ai.onnx.ml": 1})
     assert_rewritten(model, dead_code, counts={RULE: 1}, expected_ops=["Neg"], feeds=FEEDS)
 
 
 def _if_model(then_nodes, then_output, else_nodes, else_output, outer_nodes=(), initializers=None, outputs=("out",)):
     def branch(name, body, output):
-        return helper.make_graph(
-            list(body), name, [], [helper.make_tensor_value_info(output, onnx_float, [2, 3])]
-        )
+        return helper.make_graph(list(body), name, [], [helper.make_tensor_value_info(output, onnx_float, [2, 3])])
 
     onnx_float = helper.np_dtype_to_tensor_dtype(np.dtype(np.float32))
     nodes = [
         *outer_nodes,
         helper.make_node(
-            "If", ["cond"], ["out"], name="if",
+            "If",
+            ["cond"],
+            ["out"],
+            name="if",
             then_branch=branch("then", then_nodes, then_output),
             else_branch=branch("else", else_nodes, else_output),
         ),

@@ -39,7 +39,9 @@ def test_equal_integer_and_float16_initializers_become_one():
 def test_three_copies_share_the_first():
     nodes = [helper.make_node("Add", ["x", name], [f"y{i}"]) for i, name in enumerate("abc")]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3])], [(f"y{i}", np.float32, [2, 3]) for i in range(3)],
+        nodes,
+        [("x", np.float32, [2, 3])],
+        [(f"y{i}", np.float32, [2, 3]) for i in range(3)],
         {"a": W, "b": W.copy(), "c": W.copy()},
     )
     after, _ = assert_rewritten(model, shared_initializer, counts={RULE: 2}, feeds=FEEDS)
@@ -47,18 +49,25 @@ def test_three_copies_share_the_first():
 
 
 def test_same_bytes_in_another_shape_or_dtype_stay_apart():
-    nodes = [helper.make_node("Add", ["x", "a"], ["y"]), helper.make_node("Reshape", ["b", "shape"], ["b2"]),
-             helper.make_node("Add", ["x", "b2"], ["z"])]
+    nodes = [
+        helper.make_node("Add", ["x", "a"], ["y"]),
+        helper.make_node("Reshape", ["b", "shape"], ["b2"]),
+        helper.make_node("Add", ["x", "b2"], ["z"]),
+    ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
+        nodes,
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
         {"a": W, "b": W.reshape(3, 2), "shape": np.array([2, 3], np.int64)},
     )
     assert_declined(model, shared_initializer, None)
     as_ints = W.view(np.int32)
     nodes = [helper.make_node("Add", ["x", "a"], ["y"]), helper.make_node("Add", ["i", "b"], ["z"])]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3]), ("i", np.int32, [2, 3])],
-        [("y", np.float32, [2, 3]), ("z", np.int32, [2, 3])], {"a": W, "b": as_ints},
+        nodes,
+        [("x", np.float32, [2, 3]), ("i", np.int32, [2, 3])],
+        [("y", np.float32, [2, 3]), ("z", np.int32, [2, 3])],
+        {"a": W, "b": as_ints},
     )
     assert_declined(model, shared_initializer, None)
 
@@ -69,7 +78,9 @@ def test_initializers_differing_only_after_their_first_bytes_stay_apart():
     other[-1, -1] += 1.0
     nodes = [helper.make_node("Add", ["x", "a"], ["y"]), helper.make_node("Add", ["x", "b"], ["z"])]
     model = make_model(
-        nodes, [("x", np.float32, [64, 64])], [("y", np.float32, [64, 64]), ("z", np.float32, [64, 64])],
+        nodes,
+        [("x", np.float32, [64, 64])],
+        [("y", np.float32, [64, 64]), ("z", np.float32, [64, 64])],
         {"a": big, "b": other},
     )
     assert_declined(model, shared_initializer, None)
@@ -84,7 +95,8 @@ def test_an_overridable_initializer_is_never_merged():
 def test_a_duplicate_that_is_a_graph_output_keeps_its_name():
     nodes = [helper.make_node("Add", ["x", "a"], ["y"]), helper.make_node("Mul", ["x", "b"], ["z"])]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3])],
+        nodes,
+        [("x", np.float32, [2, 3])],
         [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3]), ("b", np.float32, [2, 3])],
         {"a": W, "b": W.copy()},
     )
@@ -100,14 +112,19 @@ def test_a_duplicate_read_inside_a_subgraph_stays():
     nodes = [
         helper.make_node("Add", ["x", "a"], ["y"]),
         helper.make_node(
-            "If", ["cond"], ["z"], name="if",
+            "If",
+            ["cond"],
+            ["z"],
+            name="if",
             then_branch=branch("then", helper.make_node("Mul", ["x", "b"], ["then_out"])),
             else_branch=branch("else", helper.make_node("Neg", ["x"], ["else_out"])),
         ),
     ]
     model = make_model(
-        nodes, [("x", np.float32, [2, 3]), ("cond", np.bool_, [])],
-        [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])], {"a": W, "b": W.copy()},
+        nodes,
+        [("x", np.float32, [2, 3]), ("cond", np.bool_, [])],
+        [("y", np.float32, [2, 3]), ("z", np.float32, [2, 3])],
+        {"a": W, "b": W.copy()},
     )
     assert_declined(model, shared_initializer, "'b' is read inside a subgraph")
 
@@ -116,7 +133,9 @@ def test_equal_external_data_tensors_become_one(tmp_path):
     big = RNG.standard_normal((32, 32)).astype(np.float32)
     nodes = [helper.make_node("Add", ["x", "a"], ["y"]), helper.make_node("Mul", ["x", "b"], ["z"])]
     model = make_model(
-        nodes, [("x", np.float32, [32, 32])], [("y", np.float32, [32, 32]), ("z", np.float32, [32, 32])],
+        nodes,
+        [("x", np.float32, [32, 32])],
+        [("y", np.float32, [32, 32]), ("z", np.float32, [32, 32])],
         {"a": big, "b": big.copy()},
     )
     original = onnx.ModelProto()
@@ -155,7 +174,9 @@ def test_equal_initializers_inside_a_branch_become_one_there():
         [onnx.numpy_helper.from_array(W, "p"), onnx.numpy_helper.from_array(W.copy(), "q")],
     )
     else_branch = helper.make_graph(
-        [helper.make_node("Neg", ["x"], ["else_out"])], "else", [],
+        [helper.make_node("Neg", ["x"], ["else_out"])],
+        "else",
+        [],
         [helper.make_tensor_value_info("else_out", onnx_float, [2, 3])],
     )
     nodes = [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch)]
