@@ -384,7 +384,7 @@ def optimize(
             size_before=size_before,
             size_after=size_after,
         )
-        verdict = "optimized" if result.rewrites else "unchanged"
+        verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
         _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
         if fmt == "text":
             _print_summary(result, destination, verbose, quiet, (size_before, size_after))

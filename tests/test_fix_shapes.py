@@ -86,7 +86,7 @@ def test_the_command_line_states_the_fixed_shapes(cli, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "--fix-shapes: written for inputs x[2,4]" in done.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["fixed_shapes"] == {"x": [2, 4]}
+    assert report["fixed_shapes"] == {"x": [2, 4]} and report["verdict"] == "optimized"
     written = onnx.load(str(tmp_path / "m.fused.onnx"))
     assert _dims(written.graph.input[0]) == [2, 4] and op_types(written) == ["Add"]
 
@@ -98,3 +98,14 @@ def test_fix_shapes_from_pyproject(cli, tmp_path):
     done = cli(tmp_path, "optimize", source, "-o", tmp_path / "out.onnx")
     assert done.returncode == 0, done.stderr
     assert _dims(onnx.load(str(tmp_path / "out.onnx")).graph.input[0]) == [2, 4]
+
+
+def test_a_model_only_specialised_is_reported_as_changed(cli, tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    source = tmp_path / "m.onnx"
+    onnx.save(make_model(nodes, [("x", np.float32, ["batch", 4])], [("y", np.float32, ["batch", 4])]), str(source))
+    done = cli(tmp_path, "optimize", source, "--dim", "batch=3", "--fix-shapes", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "optimized" and report["rewrites"] == [] and report["fixed_shapes"] == {"x": [3, 4]}
+    assert report["numerics"]["passed"]
