@@ -5,6 +5,7 @@ Public API for users and rule authors:
     fuser.optimize(model_or_path, ...) -> (onnx.ModelProto, Report)
     fuser.CheckOptions                               the numerics check's settings
     fuser.rule, fuser.op, fuser.var, fuser.const     to write rules
+    fuser.sweep, fuser.Change                        rules that look at a whole graph
     fuser.Match, fuser.Builder, fuser.Decline        what a rule's function works with
 """
 
@@ -17,7 +18,7 @@ from fuser.api import Report, find_opportunities, optimize
 from fuser.match import Decline, Match
 from fuser.model import Model
 from fuser.pattern import const, op, var
-from fuser.rule import Builder, Rule, rule
+from fuser.rule import Builder, Change, Rule, rule, sweep
 from fuser.verify import CheckOptions
 
 
@@ -47,6 +48,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "Builder",
+    "Change",
     "CheckOptions",
     "Decline",
     "Match",
@@ -58,5 +60,6 @@ __all__ = [
     "op",
     "optimize",
     "rule",
+    "sweep",
     "var",
 ]

@@ -25,6 +25,7 @@ from fuser.opset import upgrade
 from fuser.progress import STAGES, Progress, silent
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
+from fuser.specialize import fix_shapes as specialize
 from fuser.verify import Checker, CheckOptions, Verdict
 
 
@@ -49,6 +50,7 @@ class Report:
     op_types_after: dict[str, int] = field(default_factory=dict)
     latency: Timing | None = None
     context: Context = field(default_factory=Context)
+    fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
 
     @property
     def rewrites(self):
@@ -84,6 +86,7 @@ class Report:
             "dropped": [r.to_dict() for r in self.dropped],
             "timings": {stage: self.timings[stage] for stage in STAGES if stage in self.timings},
             "latency": None if self.latency is None else self.latency.to_dict(),
+            "fixed_shapes": self.fixed_shapes,
         }
 
 
@@ -120,6 +123,7 @@ def optimize(
     measure: str | None = None,
     measure_threads: int = 1,
     nchwc_block: str | int = "auto",
+    fix_shapes: bool = False,
     **check_settings,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
@@ -140,6 +144,9 @@ def optimize(
     beyond noise is left out, and `report.latency` compares the result with the original.
     nchwc_block: the block of onnxruntime's NCHWc layout to write the model for: "auto" (this
     machine's), 8 or 16 (fuser/context.py); recorded in `report.context`.
+    fix_shapes: write the sizes `dims` and `shapes` give into the model's inputs first
+    (fuser/specialize.py), so shape arithmetic depending on them folds; the result accepts only
+    those sizes, and `report.fixed_shapes` lists them.
     progress: `progress(stage, done, total)` (fuser/progress.py) as the stages go;
     `report.timings` has the seconds each stage took.
     """
@@ -171,7 +178,13 @@ def optimize(
         with stage("upgrade"):
             model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
-    base = model.to_proto() if check and upgraded else original
+    fixed = None
+    if fix_shapes:
+        with stage("fix-shapes"):
+            model, fixed, bound = specialize(model, options.dims, options.shapes)
+        # the check feeds the original the sizes the output is fixed at
+        options = options.replace(dims={**bound, **options.dims})
+    base = model.to_proto() if check and (upgraded or fixed is not None) else original
     measured = None
     if measure:
         with stage("measure"):
@@ -192,18 +205,27 @@ def optimize(
         timings=stage.timings,
         input_path=str(model.path) if model.path else None,
         context=context,
+        fixed_shapes=fixed,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
     if upgraded:
         report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+    if fixed is not None:
+        report.notes.append(_fixed_shapes_note(fixed))
     if measured is not None:
         report.notes.extend(measure_notes)
-        if result.rewrites:
+
+    def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+        """`written` and its report, timed against the original when --measure asks: the model
+        returned, after any rewrites the check dropped, is the one timed."""
+        if measured is not None and report.rewrites:
             with stage("measure"):
-                report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+                report.latency = compare_latency(unoptimized, written, feeds, level=measure, threads=measure_threads)
             report.notes.append(f"--measure: {report.latency.summary()}")
-    if not (check and (result.rewrites or upgraded)):
-        return optimized, report
+        return written, report
+
+    if not (check and (result.rewrites or upgraded or fixed)):
+        return finished(optimized)
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
         if options.inputs is None and options.runs == 1:
@@ -245,7 +267,7 @@ def optimize(
             progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
         )
     if report.verdict.passed:
-        return optimized, report
+        return finished(optimized)
     first = Attempt(optimized, result, report.verdict)
     with stage("blame"):
         blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=stage.progress, context=context)
@@ -260,7 +282,7 @@ def optimize(
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
         report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
-        return final.model, report
+        return finished(final.model)
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
@@ -338,6 +360,13 @@ def _measure_phases(model: Model, chosen, level, threads, options: CheckOptions,
         unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say, context=context
     )
     return kept, notes, unoptimized, feeds
+
+
+def _fixed_shapes_note(fixed: dict[str, list]) -> str:
+    if not fixed:
+        return "--fix-shapes: the inputs already had these sizes; nothing was fixed"
+    shapes = ", ".join(f"{name}[{','.join(str(d) for d in dims)}]" for name, dims in fixed.items())
+    return f"--fix-shapes: written for inputs {shapes}; the model accepts only these sizes"
 
 
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:

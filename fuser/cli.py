@@ -278,6 +278,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
 )
 @with_check_options
 @click.option(
+    "--fix-shapes",
+    is_flag=True,
+    help="Write the sizes --dim and --input-shape give into the model, so shape arithmetic depending on "
+    "them folds; the output accepts only those sizes.",
+)
+@click.option(
     "--measure",
     type=click.Choice(["off", "basic", "extended", "all"]),
     help="Time original and result in onnxruntime at this optimization level; leave out a phase that slows it.",
@@ -320,6 +326,7 @@ def optimize(
     ranges,
     atol,
     rtol,
+    fix_shapes,
     measure,
     measure_threads,
     report_path,
@@ -358,6 +365,7 @@ def optimize(
                 measure=measure,
                 measure_threads=measure_threads,
                 nchwc_block=nchwc_block,
+                fix_shapes=fix_shapes,
                 verbose=verbose,
                 debug=ctx.debug,
             )
@@ -481,6 +489,7 @@ class TerminalProgress:
     LABELS = {
         "load": "loading",
         "upgrade": "upgrading the opset",
+        "fix-shapes": "fixing the input sizes",
         "measure": "timing in onnxruntime",
         "rewrite": "rewriting",
         "check": "checking numerics",

@@ -419,6 +419,7 @@ class Graph:
         for node_id in removed:
             info = self.node(node_id)
             inputs.extend(i for i in info.proto.input if i)
+            inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
             for output in info.proto.output:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
@@ -451,10 +452,14 @@ class Graph:
     def remove_if_unused(self, tensor: str) -> None:
         """Drop an initializer or a Constant-like producer that a rewrite left without consumers."""
         entry = self._producer.get(tensor)
-        if entry is None or self.consumers(tensor):
+        if entry is None:
             return
         node_id = entry[0]
         kind = self.nx.nodes[node_id]["kind"]
+        # A source node produces one tensor: its out-degree says at once whether anything
+        # reads it (a weight shared by thousands of nodes is asked once per removed reader).
+        if len(self.nx.succ[node_id]) > 0 if kind != OP else self.consumers(tensor):
+            return
         if kind == OUTER:
             del self._producer[tensor]
             self.nx.remove_node(node_id)

@@ -69,6 +69,7 @@ class OptimizeJob:
     measure: str | None = None
     measure_threads: int = 1
     nchwc_block: str | int = "auto"
+    fix_shapes: bool = False
     verbose: bool = False
     debug: bool = False
     threads: int = 0  # of the check's onnxruntime sessions; 0: onnxruntime's default (every core)
@@ -150,6 +151,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             measure=job.measure,
             measure_threads=job.measure_threads,
             nchwc_block=job.nchwc_block,
+            fix_shapes=job.fix_shapes,
             check_options=options,
         )
         progress("write", 0, None)
@@ -165,7 +167,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             size_before=sizes[0],
             size_after=sizes[1],
         )
-        verdict = "optimized" if result.rewrites else "unchanged"
+        verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
         return Outcome(
             source=str(source),
             code=EXIT_OK,

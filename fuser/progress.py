@@ -1,7 +1,7 @@
 """How long stages say where they are: `progress(stage, done, total)`, called by the api, the
 engine, the check and blame; the command line draws it (a bar on a terminal, nothing in CI logs).
 
-stage: "load", "upgrade", "measure", "rewrite", "check", "blame" or "write"; done and total
+stage: "load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame" or "write"; done and total
 count that stage's own units (nodes visited, with those still queued; models run on an input
 set; checks made), total None while unknown. A stage's last call has done == total. Callers
 report every so many units, not each one, so the hook costs nothing measurable even on a
@@ -15,7 +15,7 @@ from collections.abc import Callable
 Progress = Callable[[str, int, "int | None"], None]
 
 # The stages in the order a run goes through them (report timings are listed in this order).
-STAGES = ("load", "upgrade", "measure", "rewrite", "check", "blame", "write")
+STAGES = ("load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame", "write")
 
 # What each stage counts, for a rate shown next to its bar.
 UNITS = {"rewrite": "nodes", "check": "model runs", "blame": "checks", "models": "models"}
