@@ -333,9 +333,8 @@ def optimize(
         data["input"] = report_module.file_entry(source)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         size_before = _size_on_disk(source, loaded)
-        original_proto = loaded.to_proto()
-        _check_names(original_proto, settings)
-        if writes_external_data(original_proto, external_data):  # fail before the long work
+        _check_names(loaded.to_proto(weights=False), settings)
+        if writes_external_data(loaded, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
             external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
@@ -356,10 +355,10 @@ def optimize(
             measure_threads=measure_threads,
             **settings,
         )
-        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
+        written = write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
         result.output_path = str(destination)
         body = result.to_dict()
-        size_after = _size_on_disk(destination)
+        size_after = sum(path.stat().st_size for path in written)
         body.update(
             input=data["input"],
             output=report_module.file_entry(destination),

@@ -155,7 +155,7 @@ class Engine:
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
         self._depth = max((r.depth for r in self.rules), default=1)
-        self._types = TypeInfo(model.to_proto)
+        self._types = TypeInfo(lambda: model.to_proto(weights=False))
         self._max_rewrites = max_rewrites
 
     # ------------------------------------------------------------------ driving
@@ -253,8 +253,11 @@ class Engine:
                 if self._vetoed(candidate, scope, match):
                     continue
                 try:
-                    self._inputs_check(match)
-                    keep, escaping = self._interior_check(graph, candidate, match)
+                    if len(match.bindings.nodes) > 1:  # a lone root has no interior to check
+                        self._inputs_check(match)
+                        keep, escaping = self._interior_check(graph, candidate, match)
+                    else:
+                        keep, escaping = set(), {}
                     if candidate.condition is not None:
                         candidate.condition(match)
                     if candidate.advisory:
@@ -489,8 +492,8 @@ class Engine:
         for _ in range(self._depth):
             following = set()
             for node_id in frontier:
-                for _, consumer in graph.nx.out_edges(node_id):
-                    if consumer not in seen and graph.has_node(consumer):
+                for consumer in graph.op_successors(node_id):
+                    if consumer not in seen:
                         following.add(consumer)
             seen |= following
             frontier = following

@@ -30,11 +30,49 @@ def find_matches(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindin
     yield from _match_op(graph, pattern, root, Bindings())
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How to match one OpPattern, worked out once: the matcher visits every node of a large
+    graph, and re-deriving this per visit dominated its time."""
+
+    domains: tuple[str, ...]
+    size: int  # inputs the pattern lists
+    required: int  # of which not optional
+    # Per input order (two for a commutative op): the var/const leaves as
+    # (slot, name, optional, is_const), and the op inputs as (slot, pattern).
+    orders: tuple[tuple[tuple, tuple], ...]
+
+
+_plans: dict[int, tuple[OpPattern, _Plan]] = {}
+
+
+def _plan(pattern: OpPattern) -> _Plan:
+    cached = _plans.get(id(pattern))
+    if cached is not None and cached[0] is pattern:
+        return cached[1]
+    orders = []
+    for order in (pattern.inputs, tuple(reversed(pattern.inputs))) if pattern.commutative else (pattern.inputs,):
+        leaves = tuple(
+            (slot, p.name, p.optional, isinstance(p, Const)) for slot, p in enumerate(order) if not isinstance(p, OpPattern)
+        )
+        ops = tuple((slot, p) for slot, p in enumerate(order) if isinstance(p, OpPattern))
+        orders.append((leaves, ops))
+    plan = _Plan(
+        domains=(pattern.domain,) if pattern.domain else ("", "ai.onnx"),
+        size=len(pattern.inputs),
+        required=sum(1 for i in pattern.inputs if not i.optional),
+        orders=tuple(orders),
+    )
+    _plans[id(pattern)] = (pattern, plan)  # the pattern is kept alive, so its id stays its own
+    return plan
+
+
 def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings) -> Iterator[Bindings]:
-    info = graph.node(node_id)
-    if info.op_type not in pattern.op_types:
+    proto = graph.node(node_id).proto
+    if proto.op_type not in pattern.op_types:
         return
-    if (info.domain or "") not in ((pattern.domain,) if pattern.domain else ("", "ai.onnx")):
+    plan = _plan(pattern)
+    if proto.domain not in plan.domains:
         return
     bound = bindings.nodes.get(pattern.name)
     if bound is not None:
@@ -43,68 +81,84 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
         return
     if node_id in bindings.nodes.values():
         return
-    for attr, expected in pattern.attrs:
-        actual = info.attr(attr)
-        if actual is None:
-            actual = _default_attribute(graph, info, attr)
-        if callable(expected):
-            if not expected(actual):
+    if pattern.attrs:
+        info = graph.node(node_id)
+        for attr, expected in pattern.attrs:
+            actual = info.attr(attr)
+            if actual is None:
+                actual = _default_attribute(graph, info, attr)
+            if callable(expected):
+                if not expected(actual):
+                    return
+            elif not _same_attribute(actual, expected):
                 return
-        elif not _same_attribute(actual, expected):
-            return
-    actual_inputs = list(info.proto.input)
-    while actual_inputs and not actual_inputs[-1]:
-        actual_inputs.pop()
-    required = sum(1 for i in pattern.inputs if not getattr(i, "optional", False))
-    if len(actual_inputs) > len(pattern.inputs) or len(actual_inputs) < required:
+    actual_inputs = proto.input
+    present = len(actual_inputs)
+    while present and not actual_inputs[present - 1]:
+        present -= 1
+    if present > plan.size or present < plan.required:
         return
-    padded = actual_inputs + [None] * (len(pattern.inputs) - len(actual_inputs))
-    orders = [pattern.inputs]
-    if pattern.commutative:
-        orders.append(tuple(reversed(pattern.inputs)))
-    for order in orders:
+    for leaves, ops in plan.orders:
         start = bindings.copy()
         start.nodes[pattern.name] = node_id
-        yield from _match_inputs(graph, list(order), padded, start)
+        yield from _match_inputs(graph, leaves, ops, actual_inputs, present, start)
 
 
-def _match_inputs(graph: Graph, patterns: list, tensors: list, bindings: Bindings) -> Iterator[Bindings]:
-    if not patterns:
-        yield bindings
-        return
-    for partial in _match_input(graph, patterns[0], tensors[0] or None, bindings):
-        yield from _match_inputs(graph, patterns[1:], tensors[1:], partial)
+_UNBOUND = object()
 
 
-def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) -> Iterator[Bindings]:
-    if isinstance(pattern, OpPattern):
-        if tensor is None:
-            if pattern.optional:
-                yield bindings
+def _match_inputs(graph: Graph, leaves: tuple, ops: tuple, actual, present: int, bindings: Bindings):
+    """Extend `bindings` (owned by this call) with a node's inputs; yields each complete match.
+
+    A var/const input binds or compares in exactly one way, so all of them are settled in place
+    first and only op inputs branch. Whether a const input is constant can mean evaluating a
+    constant subgraph: that is asked last, once the structure around it has matched.
+    """
+    tensors = bindings.tensors
+    constants = []
+    for slot, name, optional, is_const in leaves:
+        tensor = (actual[slot] or None) if slot < present else None
+        bound = tensors.get(name, _UNBOUND)
+        if bound is not _UNBOUND:
+            if bound != tensor:
+                return
+        elif tensor is None and not optional:
             return
-        producer = graph.producer(tensor)
-        if producer is None:
-            return
-        outputs = graph.node(producer).proto.output
-        if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
-            return
-        yield from _match_op(graph, pattern, producer, bindings)
-        return
-    if tensor is None:
-        if pattern.optional and pattern.name not in bindings.tensors:
-            result = bindings.copy()
-            result.tensors[pattern.name] = None
-            yield result
-        return
-    if pattern.name in bindings.tensors:
-        if bindings.tensors[pattern.name] == tensor:
+        else:
+            tensors[name] = tensor
+        if is_const and tensor is not None:
+            constants.append(tensor)
+    if not ops:
+        if all(graph.is_constant(t) for t in constants):
             yield bindings
         return
-    if isinstance(pattern, Const) and not graph.is_constant(tensor):
+    constant = None
+    for complete in _match_op_inputs(graph, ops, 0, actual, present, bindings):
+        if constant is None:
+            constant = all(graph.is_constant(t) for t in constants)
+        if not constant:
+            return
+        yield complete
+
+
+def _match_op_inputs(graph: Graph, ops: tuple, index: int, actual, present: int, bindings: Bindings):
+    if index == len(ops):
+        yield bindings
         return
-    result = bindings.copy()
-    result.tensors[pattern.name] = tensor
-    yield result
+    slot, pattern = ops[index]
+    tensor = actual[slot] if slot < present else None
+    if not tensor:
+        if pattern.optional:
+            yield from _match_op_inputs(graph, ops, index + 1, actual, present, bindings)
+        return
+    producer = graph.producer(tensor)
+    if producer is None:
+        return
+    outputs = graph.node(producer).proto.output
+    if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
+        return
+    for partial in _match_op(graph, pattern, producer, bindings):
+        yield from _match_op_inputs(graph, ops, index + 1, actual, present, partial)
 
 
 def _same_attribute(actual, expected) -> bool:
