@@ -3,8 +3,8 @@
 The engine knows nothing about particular rules. For each graph scope it keeps a
 worklist of nodes ordered by position; a node is tried against the rules whose pattern
 is rooted at its op type, in rule order, and the first match that passes the engine's
-safety checks, the rule's condition and its build is applied. After a rewrite only the
-touched neighbourhood goes back on the worklist.
+safety checks and the rule's own (the `m.require` calls in its function) is applied. After
+a rewrite only the touched neighbourhood goes back on the worklist.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
-from fuser.graph import OP, SUBGRAPH_SLOT, Graph, paused_gc
+from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.rule import Builder, Rule, as_outputs
@@ -129,10 +130,13 @@ class Engine:
         trace: bool = False,
         limit: int | None = None,
         vetoed: set[tuple] = frozenset(),
+        context: Context | None = None,
     ):
         """limit: stop after this many rewrites (a prefix of the full run, for blame);
-        vetoed: keys of rewrites (Rewrite.key) never to apply."""
+        vetoed: keys of rewrites (Rewrite.key) never to apply; context: what the rules may
+        know about the machine (default: this machine's, fuser/context.py)."""
         self.model = model
+        self.context = context if context is not None else resolve_context()
         self.trace = trace
         self.limit = limit
         self.vetoed = set(vetoed)
@@ -249,7 +253,7 @@ class Engine:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
             for pattern, bindings in _guarded_matches(graph, candidate, node_id):
-                match = Match(graph, pattern, bindings, self._types)
+                match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):
                     continue
                 try:
@@ -258,8 +262,6 @@ class Engine:
                         keep, escaping = self._interior_check(graph, candidate, match)
                     else:
                         keep, escaping = set(), {}
-                    if candidate.condition is not None:
-                        candidate.condition(match)
                     if candidate.advisory:
                         _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)
@@ -355,7 +357,7 @@ class Engine:
                     if candidate.shared_interior:
                         keep.add(info.id)
                         break
-                    where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
+                    where = "used outside the match" if graph.has_node(consumer) else "a graph output"
                     escaping.setdefault(output, f"'{output}' (output of {info.name or info.op_type}) is {where}")
         # A kept node still needs the matched nodes it reads from.
         pending = list(keep)
@@ -436,8 +438,8 @@ class Engine:
             graph.redirect(old, new)
         # Consumers now reading another tensor (a folded constant, say) may match rules anew.
         redirected_readers = {c for _, new in redirects for c in graph.op_consumers(new)}
-        for domain, version in candidate.emits.items():
-            self.model.require_opset(domain, version)
+        for domain in {node.domain for node in builder.nodes} & set(candidate.emits):
+            self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
@@ -492,9 +494,7 @@ class Engine:
         for _ in range(self._depth):
             following = set()
             for node_id in frontier:
-                for consumer in graph.op_successors(node_id):
-                    if consumer not in seen:
-                        following.add(consumer)
+                following |= graph.op_successors(node_id) - seen
             seen |= following
             frontier = following
         return sorted(seen, key=graph.sort_key)

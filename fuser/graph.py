@@ -27,6 +27,7 @@ import onnx
 from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
+from fuser.constants import ConstantValues, is_foldable
 from fuser.errors import FuserError
 from fuser.tensors import TensorStore, nbytes, uses_external_data
 
@@ -170,8 +171,7 @@ class Graph:
         self._value_info = list(proto.value_info)
         self._inputs = {value.name: value for value in proto.input}
         self._outputs = list(proto.output)
-        self._constant_cache: dict[str, np.ndarray] = {}
-        self._not_constant: set[str] = set()
+        self._constants = ConstantValues(self)
         self.shared: dict[str, str] = {}  # Builder.once: key -> the tensor rewrites share
         with paused_gc():
             self._build(proto)
@@ -316,12 +316,12 @@ class Graph:
             if data["tensor"] == tensor
         ]
 
-    def op_successors(self, node_id: int) -> list[int]:
-        """The op nodes reading any output of `node_id` (each once)."""
-        return [c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP]
-
     def op_consumers(self, tensor: str) -> list[int]:
         return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
+
+    def op_successors(self, node_id: int) -> set[int]:
+        """The op nodes reading any output of `node_id`, through a subgraph too."""
+        return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
     def is_graph_output(self, tensor: str) -> bool:
         return any(self._attrs[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
@@ -351,98 +351,15 @@ class Graph:
         return self.constant_value(tensor) is not None
 
     def constant_value(self, tensor: str, max_bytes: int = 256 << 20) -> np.ndarray | None:
-        """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand.
+        """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand
+        (see fuser/constants.py). Values above `max_bytes` are not materialized; None means
+        "not a known constant"."""
+        return self._constants.value(tensor, max_bytes)
 
-        Values above `max_bytes` are not materialized; None means "not a known constant".
-        """
-        cached = self._constant_cache.get(tensor)
-        if cached is not None:
-            return cached if cached.nbytes <= max_bytes else None
-        if tensor in self._not_constant:
-            return None
-        order = self._constant_dependencies(tensor)
-        if order is None:
-            return None
-        from fuser.constants import evaluate_node
-
-        for node_id in order:
-            info = self.node(node_id)
-            inputs = []
-            for name in info.proto.input:
-                value = self._leaf_value(name, max_bytes) if name else None
-                if name and value is None:
-                    return None
-                inputs.append(value)
-            outputs = evaluate_node(info.proto, inputs, self.opsets, max_bytes)
-            if outputs is None:
-                return None
-            for name, value in zip(info.proto.output, outputs):
-                if name:
-                    value.flags.writeable = False
-                    self._constant_cache[name] = value
-        return self._leaf_value(tensor, max_bytes)
-
-    def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
-        cached = self._constant_cache.get(tensor)
-        if cached is not None:
-            return cached if cached.nbytes <= max_bytes else None
-        node_id, _ = self._producer[tensor]
-        kind = self._attrs[node_id]["kind"]
-        if kind == OUTER:
-            return self.outer.constant_value(tensor, max_bytes)
-        if kind != INITIALIZER:
-            return None
-        value = self.tensors.value(self._initializers[tensor], max_bytes)
-        if value is not None:
-            value.flags.writeable = False
-            self._constant_cache[tensor] = value
-        return value
-
-    def _constant_dependencies(self, tensor: str) -> list[int] | None:
-        """Op nodes to evaluate, inputs first, for `tensor`; None if it is not constant.
-
-        Iterative depth-first search: the entries still marked "expanded" on the stack are
-        the ancestors of the current tensor, so when a non-constant input turns up, all of
-        them are recorded as non-constant too and later queries stop at once.
-        """
-        from fuser.constants import is_foldable
-
-        stack: list[tuple[str, bool]] = [(tensor, False)]
-        order: list[int] = []
-        done: set[int] = set()
-        while stack:
-            name, expanded = stack.pop()
-            if expanded:
-                node_id = self._producer[name][0]
-                if node_id not in done:
-                    done.add(node_id)
-                    order.append(node_id)
-                continue
-            if name in self._constant_cache:
-                continue
-            entry = self._producer.get(name)
-            constant = entry is not None and name not in self._not_constant
-            if constant:
-                node_id = entry[0]
-                kind = self._attrs[node_id]["kind"]
-                if kind == INITIALIZER:
-                    constant = name in self._initializers  # sparse initializers stay opaque
-                    continue_search = False
-                elif kind == OUTER:
-                    constant = self.outer is not None and self.outer.constant_value(name) is not None
-                    continue_search = False
-                elif kind == OP and is_foldable(self.node(node_id)):
-                    continue_search = node_id not in done
-                else:
-                    constant = False
-            if not constant:
-                self._not_constant.add(name)
-                self._not_constant.update(n for n, e in stack if e)
-                return None
-            if continue_search:
-                stack.append((name, True))
-                stack.extend((i, False) for i in self.node(node_id).proto.input if i)
-        return order
+    def source_kind(self, tensor: str) -> str | None:
+        """What produces `tensor` in this scope: "op", "input", "initializer", "outer" (a capture), or None."""
+        entry = self._producer.get(tensor)
+        return None if entry is None else self._attrs[entry[0]]["kind"]
 
     def opset(self, domain: str = "") -> int | None:
         return self.opsets.get("" if domain in _DEFAULT_DOMAINS else domain)
@@ -464,8 +381,7 @@ class Graph:
         for output in info.proto.output:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
-                self._constant_cache.pop(output, None)
-                self._not_constant.discard(output)
+                self._constants.forget(output)
         del self._by_op[(info.domain, info.op_type)][node_id]
         self.nx.remove_node(node_id)
         self.modified = True
@@ -490,17 +406,8 @@ class Graph:
                 if data["tensor"] == old and data["slot"] == slot:
                     self.nx.remove_edge(producer, consumer, key)
             self._connect(new, consumer, slot)
-            self._forget_not_constant(info.proto.output)
+            self._constants.reconsider(info.proto.output)
         self.modified = True
-
-    def _forget_not_constant(self, tensors: Iterable[str]) -> None:
-        """A node now reads another tensor: what it computes may have become constant."""
-        pending = [t for t in tensors if t in self._not_constant]
-        while pending:
-            tensor = pending.pop()
-            self._not_constant.discard(tensor)
-            for consumer in self.op_consumers(tensor):
-                pending.extend(t for t in self.node(consumer).proto.output if t in self._not_constant)
 
     def replace_nodes(
         self,
@@ -564,14 +471,12 @@ class Graph:
             self._inputs.pop(tensor, None)
             del self._producer[tensor]
             self.nx.remove_node(node_id)
-            self._constant_cache.pop(tensor, None)
+            self._constants.forget(tensor)
             self.modified = True
         elif kind == OP:
             info = self.node(node_id)
             if any(self.consumers(o) for o in info.proto.output if o):
                 return
-            from fuser.constants import is_foldable
-
             if not is_foldable(info):
                 return
             inputs = [i for i in info.proto.input if i]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from fuser.context import Context
 from fuser.graph import Graph, NodeInfo, all_graph_protos
 from fuser.pattern import Const, OpPattern
 
@@ -186,14 +187,16 @@ class Match:
 
     ``m["x"]`` is the tensor bound to ``var("x")``/``const("x")`` (None if an optional
     input is absent); ``m.value("w")`` its numpy value (read-only); ``m.node("conv")``
-    the matched node; ``m.attr("conv", "group", 1)`` an attribute with a default.
+    the matched node; ``m.attr("conv", "group", 1)`` an attribute with a default;
+    ``m.context`` the run's machine choices (fuser/context.py: ``m.context.nchwc_block``).
     """
 
-    def __init__(self, graph: Graph, pattern: OpPattern, bindings: Bindings, types: TypeInfo):
+    def __init__(self, graph: Graph, pattern: OpPattern, bindings: Bindings, types: TypeInfo, context: Context):
         self.graph = graph
         self.pattern = pattern
         self._bindings = bindings
         self._types = types
+        self.context = context
         self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
         self.absorbed: list[int] = []
 
@@ -282,9 +285,6 @@ class Match:
     @property
     def opset(self) -> int:
         return self.graph.opset("") or 1
-
-    def opset_of(self, domain: str) -> int | None:
-        return self.graph.opset(domain)
 
     def consumers(self, name_or_tensor: str) -> int:
         return len(self.graph.consumers(self._tensor(name_or_tensor)))

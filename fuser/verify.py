@@ -817,23 +817,6 @@ def check_names(
         raise UsageError(f"--inputs: the model has no input {', '.join(unknown)} (its inputs: {listed})")
 
 
-def verify(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
-    *,
-    exact: bool,
-    seed: int = 0,
-    runs: int = 1,
-    dims: dict[str, int] | None = None,
-    shapes: dict[str, tuple] | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> Verdict:
-    """Run both models on the same seeded inputs and compare every graph output."""
-    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, rtol=rtol, atol=atol)
-    return checker.check(optimized, exact)
-
-
 def _severity(check: OutputCheck) -> int:
     return {"ok": 0, "stabilized": 1, "mismatch": 2}[check.status]
 

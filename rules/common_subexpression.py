@@ -18,7 +18,6 @@ from fuser.rules._simplify import foldable_op_types
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 3
 
 MAX_INPUTS = 32
 
