@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
-from fuser.match import Decline, Match, TypeInfo, find_matches
+from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.rule import Builder, Rule, as_outputs
 
@@ -280,7 +280,7 @@ class Engine:
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
-                    if self.trace:
+                    if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
                     continue
                 except RuleError:

@@ -17,6 +17,10 @@ class Decline(Exception):
     """A rule refuses a match; the message is the sentence the trace and report show."""
 
 
+class NotACandidate(Decline):
+    """A match the rule never meant to take (Match.only_if): declined without a record."""
+
+
 @dataclass
 class Bindings:
     nodes: dict[str, int] = field(default_factory=dict)
@@ -296,6 +300,16 @@ class Match:
         """Decline the match with `reason` unless `condition` holds."""
         if not condition:
             raise Decline(reason)
+
+    def only_if(self, condition: bool) -> None:
+        """Leave the match alone, without a decline in the trace or report, unless `condition` holds.
+
+        For a check that fails on nearly every node the pattern matches, where a decline per
+        node would be noise (and, on a large model, most of the report): common-subexpression
+        matches every node and looks for a twin that almost none has.
+        """
+        if not condition:
+            raise NotACandidate("not a candidate")
 
     def _tensor(self, name_or_tensor: str) -> str | None:
         if name_or_tensor in self._bindings.tensors or name_or_tensor in self._bindings.nodes:
