@@ -264,7 +264,9 @@ class Graph:
 
     def captured(self) -> list[str]:
         """Names this graph (or a graph nested in it) reads from enclosing scopes."""
-        return [data["tensor"] for node_id, data in self._attrs.items() if data["kind"] == OUTER and self._succ[node_id]]
+        return [
+            data["tensor"] for node_id, data in self._attrs.items() if data["kind"] == OUTER and self._succ[node_id]
+        ]
 
     def node(self, node_id: int) -> NodeInfo:
         return self._attrs[node_id]["info"]

@@ -58,7 +58,9 @@ def _plan(pattern: OpPattern) -> _Plan:
     orders = []
     for order in (pattern.inputs, tuple(reversed(pattern.inputs))) if pattern.commutative else (pattern.inputs,):
         leaves = tuple(
-            (slot, p.name, p.optional, isinstance(p, Const)) for slot, p in enumerate(order) if not isinstance(p, OpPattern)
+            (slot, p.name, p.optional, isinstance(p, Const))
+            for slot, p in enumerate(order)
+            if not isinstance(p, OpPattern)
         )
         ops = tuple((slot, p) for slot, p in enumerate(order) if isinstance(p, OpPattern))
         orders.append((leaves, ops))
@@ -317,32 +319,44 @@ class Match:
         return name_or_tensor
 
 
-def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict[str, onnx.TypeProto]:
+# A tensor's type as TypeInfo keeps it: (ONNX element type, dims or None when the rank is
+# unknown), a dim being an int, a symbolic name, or "?". Plain tuples rather than the
+# TypeProtos of the inferred model, which would keep that whole model (a copy of the graph)
+# alive for every table entry.
+Entry = tuple[int, tuple | None]
+
+
+def _entry_of(type_proto: onnx.TypeProto) -> Entry:
+    tensor = type_proto.tensor_type
+    if not tensor.HasField("shape"):
+        return tensor.elem_type, None
+    dims = []
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append("?")
+    return tensor.elem_type, tuple(dims)
+
+
+def _carried(previous: dict[str, Entry], fresh: dict, run: int) -> dict[str, Entry]:
     """Entries of an earlier inference run that the fresh one lacks, with the dim names shape
     inference made up ('unk__3') made unique to that run: each run numbers them anew, and an
     equal name must keep meaning an equal dim (rules compare them to prove shapes equal)."""
     carried = {}
-    for name, entry in previous.items():
+    for name, (elem_type, dims) in previous.items():
         if name in fresh:
             continue
-        dims = entry.tensor_type.shape.dim if entry.HasField("tensor_type") else ()
-        if any(d.dim_param.startswith("unk__") for d in dims):
-            entry = onnx.TypeProto.FromString(entry.SerializeToString())
-            for dim in entry.tensor_type.shape.dim:
-                if dim.dim_param.startswith("unk__"):
-                    dim.dim_param = f"run{run}.{dim.dim_param}"
-        carried[name] = entry
+        if dims is not None and any(isinstance(d, str) and d.startswith("unk__") for d in dims):
+            dims = tuple(f"run{run}.{d}" if isinstance(d, str) and d.startswith("unk__") else d for d in dims)
+        carried[name] = (elem_type, dims)
     return carried
 
 
-def _known_dims(table: dict[str, onnx.TypeProto]) -> int:
-    return sum(
-        1
-        for entry in table.values()
-        if entry.HasField("tensor_type")
-        for dim in entry.tensor_type.shape.dim
-        if dim.HasField("dim_value")
-    )
+def _known_dims(table: dict[str, Entry]) -> int:
+    return sum(1 for _, dims in table.values() if dims is not None for dim in dims if isinstance(dim, int))
 
 
 class TypeInfo:
@@ -350,8 +364,8 @@ class TypeInfo:
 
     def __init__(self, model_proto_factory):
         self._factory = model_proto_factory
-        self._table: dict[str, onnx.TypeProto] | None = None
-        self._previous: dict[str, onnx.TypeProto] = {}
+        self._table: dict[str, Entry] | None = None
+        self._previous: dict[str, Entry] = {}
         self._stale = False
         self._runs = 0
 
@@ -373,7 +387,7 @@ class TypeInfo:
         self.refresh()
         return _known_dims(self._load()) > known
 
-    def _entry(self, tensor: str | None) -> onnx.TypeProto | None:
+    def _entry(self, tensor: str | None) -> Entry | None:
         if not tensor:
             return None
         entry = self._load().get(tensor)
@@ -385,21 +399,21 @@ class TypeInfo:
             entry = self._load().get(tensor)
         return entry
 
-    def _load(self) -> dict[str, onnx.TypeProto]:
+    def _load(self) -> dict[str, Entry]:
         if self._table is None:
             model = self._factory()
             try:
                 model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
                 pass
-            table: dict[str, onnx.TypeProto] = {}
+            table: dict[str, Entry] = {}
             for graph in all_graph_protos(model.graph):
                 for value in list(graph.value_info) + list(graph.input) + list(graph.output):
                     if value.type.HasField("tensor_type"):
-                        table[value.name] = value.type
+                        table[value.name] = _entry_of(value.type)
                 for tensor in graph.initializer:
-                    proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
-                    table.setdefault(tensor.name, proto)
+                    table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+            del model
             self._runs += 1
             self._table = {**_carried(self._previous, table, self._runs - 1), **table}
             self._previous = {}
@@ -407,23 +421,13 @@ class TypeInfo:
 
     def dtype(self, tensor: str | None) -> np.dtype | None:
         entry = self._entry(tensor)
-        if entry is None or not entry.tensor_type.elem_type:
+        if entry is None or not entry[0]:
             return None
         try:
-            return onnx.helper.tensor_dtype_to_np_dtype(entry.tensor_type.elem_type)
+            return onnx.helper.tensor_dtype_to_np_dtype(entry[0])
         except (KeyError, ValueError, TypeError):
             return None
 
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)
-        if entry is None or not entry.tensor_type.HasField("shape"):
-            return None
-        dims = []
-        for dim in entry.tensor_type.shape.dim:
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
-                dims.append(dim.dim_param)
-            else:
-                dims.append("?")
-        return tuple(dims)
+        return None if entry is None else entry[1]
