@@ -44,8 +44,10 @@ class _Plan:
     size: int  # inputs the pattern lists
     required: int  # of which not optional
     # Per input order (two for a commutative op): the var/const leaves as
-    # (slot, name, optional, is_const), and the op inputs as (slot, pattern).
-    orders: tuple[tuple[tuple, tuple], ...]
+    # (slot, name, optional, is_const) in slot order, the op inputs as (slot, pattern), and per
+    # count of inputs a node has, the leaves it leaves absent as {name: None} (None if one of
+    # them is required): Concat-like patterns list 32 optional inputs, and a node has few.
+    orders: tuple[tuple[tuple, tuple, tuple], ...]
 
 
 _plans: dict[int, tuple[OpPattern, _Plan]] = {}
@@ -63,7 +65,13 @@ def _plan(pattern: OpPattern) -> _Plan:
             if not isinstance(p, OpPattern)
         )
         ops = tuple((slot, p) for slot, p in enumerate(order) if isinstance(p, OpPattern))
-        orders.append((leaves, ops))
+        absent = tuple(
+            {name: None for slot, name, _, _ in leaves if slot >= count}
+            if all(optional for slot, _, optional, _ in leaves if slot >= count)
+            else None
+            for count in range(len(order) + 1)
+        )
+        orders.append((leaves, ops, absent))
     plan = _Plan(
         domains=(pattern.domain,) if pattern.domain else ("", "ai.onnx"),
         size=len(pattern.inputs),
@@ -105,16 +113,16 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
         present -= 1
     if present > plan.size or present < plan.required:
         return
-    for leaves, ops in plan.orders:
+    for leaves, ops, absent in plan.orders:
         start = bindings.copy()
         start.nodes[pattern.name] = node_id
-        yield from _match_inputs(graph, leaves, ops, actual_inputs, present, start)
+        yield from _match_inputs(graph, leaves, ops, absent[present], actual_inputs, present, start)
 
 
 _UNBOUND = object()
 
 
-def _match_inputs(graph: Graph, leaves: tuple, ops: tuple, actual, present: int, bindings: Bindings):
+def _match_inputs(graph: Graph, leaves: tuple, ops: tuple, absent, actual, present: int, bindings: Bindings):
     """Extend `bindings` (owned by this call) with a node's inputs; yields each complete match.
 
     A var/const input binds or compares in exactly one way, so all of them are settled in place
@@ -124,6 +132,9 @@ def _match_inputs(graph: Graph, leaves: tuple, ops: tuple, actual, present: int,
     tensors = bindings.tensors
     constants = []
     for slot, name, optional, is_const in leaves:
+        if slot >= present and absent is not None and tensors.keys().isdisjoint(absent):
+            tensors.update(absent)  # every leaf from here on is an absent optional input
+            break
         tensor = (actual[slot] or None) if slot < present else None
         bound = tensors.get(name, _UNBOUND)
         if bound is not _UNBOUND:
