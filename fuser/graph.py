@@ -505,13 +505,13 @@ class Graph:
 
     def topological_order(self) -> list[int]:
         """Op nodes in a deterministic topological order: ties broken by original position."""
-        graph = self.nx
+        attrs, succ, pred = self._attrs, self._succ, self.nx._pred
         indegree: dict[int, int] = {}
         heap: list[tuple[tuple, int]] = []
-        for node_id, data in graph.nodes(data=True):
+        for node_id, data in attrs.items():
             if data["kind"] != OP:
                 continue
-            degree = sum(1 for p, _ in graph.in_edges(node_id) if graph.nodes[p]["kind"] == OP)
+            degree = sum(len(edges) for p, edges in pred[node_id].items() if attrs[p]["kind"] == OP)
             indegree[node_id] = degree
             if degree == 0:
                 heap.append((data["key"], node_id))
@@ -520,11 +520,11 @@ class Graph:
         while heap:
             _, node_id = heapq.heappop(heap)
             order.append(node_id)
-            for _, consumer in graph.out_edges(node_id):
+            for consumer, edges in succ[node_id].items():
                 if consumer in indegree:
-                    indegree[consumer] -= 1
+                    indegree[consumer] -= len(edges)
                     if indegree[consumer] == 0:
-                        heapq.heappush(heap, (graph.nodes[consumer]["key"], consumer))
+                        heapq.heappush(heap, (attrs[consumer]["key"], consumer))
         if len(order) != len(indegree):
             raise FuserError("the graph has a cycle")
         return order
