@@ -23,6 +23,7 @@ from fuser.nchwc import lower as lower_nchwc
 from fuser.opset import upgrade
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
+from fuser.specialize import fix_shapes as specialize
 from fuser.verify import Checker, Verdict
 
 
@@ -47,6 +48,7 @@ class Report:
     op_types_after: dict[str, int] = field(default_factory=dict)
     latency: Timing | None = None
     context: Context = field(default_factory=Context)
+    fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
 
     @property
     def rewrites(self):
@@ -82,6 +84,7 @@ class Report:
             "dropped": [r.to_dict() for r in self.dropped],
             "timings": self.timings,
             "latency": None if self.latency is None else self.latency.to_dict(),
+            "fixed_shapes": self.fixed_shapes,
         }
 
 
@@ -125,6 +128,7 @@ def optimize(
     measure: str | None = None,
     measure_threads: int = 1,
     nchwc_block: str | int = "auto",
+    fix_shapes: bool = False,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
@@ -140,6 +144,9 @@ def optimize(
     beyond noise is left out, and `report.latency` compares the result with the original.
     nchwc_block: the block of onnxruntime's NCHWc layout to write the model for: "auto" (this
     machine's), 8 or 16 (fuser/context.py); recorded in `report.context`.
+    fix_shapes: write the sizes `dims` and `shapes` give into the model's inputs first
+    (fuser/specialize.py), so shape arithmetic depending on them folds; the result accepts only
+    those sizes, and `report.fixed_shapes` lists them.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
@@ -165,7 +172,12 @@ def optimize(
         say(f"upgrading to opset {opset}")
         model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
-    base = model.to_proto() if check and upgraded else original
+    fixed = None
+    if fix_shapes:
+        say("fixing the input sizes")
+        model, fixed, bound = specialize(model, dims or {}, shapes or {})
+        dims = {**bound, **(dims or {})}  # the check feeds the original the sizes the output is fixed at
+    base = model.to_proto() if check and (upgraded or fixed is not None) else original
     measured = (
         _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say, context)
         if measure
@@ -188,17 +200,26 @@ def optimize(
         timings=timings,
         input_path=str(model.path) if model.path else None,
         context=context,
+        fixed_shapes=fixed,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
     if upgraded:
         report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+    if fixed is not None:
+        report.notes.append(_fixed_shapes_note(fixed))
     if measured is not None:
         report.notes.extend(measure_notes)
-        if result.rewrites:
-            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+
+    def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+        """`written` and its report, timed against the original when --measure asks: the model
+        returned, after any rewrites the check dropped, is the one timed."""
+        if measured is not None and report.rewrites:
+            report.latency = compare_latency(unoptimized, written, feeds, level=measure, threads=measure_threads)
             report.notes.append(f"--measure: {report.latency.summary()}")
-    if not (check and (result.rewrites or upgraded)):
-        return optimized, report
+        return written, report
+
+    if not (check and (result.rewrites or upgraded or fixed)):
+        return finished(optimized)
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
         if inputs is None and runs == 1:
@@ -243,7 +264,7 @@ def optimize(
     report.verdict = checker.check(optimized, exact, stabilizing)
     timings["verify"] = time.perf_counter() - started
     if report.verdict.passed:
-        return optimized, report
+        return finished(optimized)
     started = time.perf_counter()
     say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
     first = Attempt(optimized, result, report.verdict)
@@ -260,7 +281,7 @@ def optimize(
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
         report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
-        return final.model, report
+        return finished(final.model)
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
@@ -292,6 +313,13 @@ def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, 
         unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say, context=context
     )
     return kept, notes, unoptimized, feeds
+
+
+def _fixed_shapes_note(fixed: dict[str, list]) -> str:
+    if not fixed:
+        return "--fix-shapes: the inputs already had these sizes; nothing was fixed"
+    shapes = ", ".join(f"{name}[{','.join(str(d) for d in dims)}]" for name, dims in fixed.items())
+    return f"--fix-shapes: written for inputs {shapes}; the model accepts only these sizes"
 
 
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:

@@ -285,6 +285,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
 )
 @with_check_options
 @click.option(
+    "--fix-shapes",
+    is_flag=True,
+    help="Write the sizes --dim and --input-shape give into the model, so shape arithmetic depending on "
+    "them folds; the output accepts only those sizes.",
+)
+@click.option(
     "--measure",
     type=click.Choice(["off", "basic", "extended", "all"]),
     help="Time original and result in onnxruntime at this optimization level; leave out a phase that slows it.",
@@ -324,6 +330,7 @@ def optimize(
     ranges,
     atol,
     rtol,
+    fix_shapes,
     measure,
     measure_threads,
     report_path,
@@ -363,6 +370,7 @@ def optimize(
             measure=measure,
             measure_threads=measure_threads,
             nchwc_block=nchwc_block,
+            fix_shapes=fix_shapes,
             **settings,
         )
         written = write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
@@ -375,7 +383,7 @@ def optimize(
             size_before=size_before,
             size_after=size_after,
         )
-        verdict = "optimized" if result.rewrites else "unchanged"
+        verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
         _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
         if fmt == "text":
             _print_summary(result, destination, verbose, quiet, (size_before, size_after))

@@ -14,6 +14,7 @@
     dims = { batch = 8 }
     input-shapes = { image = [1, 3, 224, 224] }
     input-ranges = { token_ids = [0, 30000] }
+    fix-shapes = true                     # write the dims and input-shapes above into the model
 
 Flags on the command line override these.
 """
@@ -48,6 +49,7 @@ KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
     "dims": (dict, ("optimize", "compare")),
     "input-shapes": (dict, ("optimize", "compare")),
     "input-ranges": (dict, ("optimize", "compare")),
+    "fix-shapes": (bool, ("optimize",)),
 }
 # config key -> the click parameter it sets
 PARAMETERS = {
@@ -58,6 +60,7 @@ PARAMETERS = {
     "input-shapes": "shapes",
     "input-ranges": "ranges",
     "nchwc-block": "nchwc_block",
+    "fix-shapes": "fix_shapes",
 }
 
 
@@ -90,7 +93,7 @@ def _validate(path: Path, key: str, value) -> None:
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    good = isinstance(value, expected) and not isinstance(value, bool)
+    good = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if good and key in ("enable", "disable", "rules"):
         good = all(isinstance(v, str) for v in value)
     elif good and key == "dims":

@@ -19,7 +19,7 @@ from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
-from fuser.rule import Builder, Rule, as_outputs
+from fuser.rule import Builder, Change, Rule, as_outputs
 
 
 @dataclass
@@ -142,6 +142,7 @@ class Engine:
         self.vetoed = set(vetoed)
         self._advised: set[tuple] = set()
         self._declined_keys: set[tuple] = set()
+        self._swept: dict[tuple, int] = {}  # (scope graph, phase) -> rewrites logged when its sweeps last ran
         self.result = EngineResult()
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
@@ -207,7 +208,9 @@ class Engine:
                 # the dims below it) can let the phase's rules do more: its fixed point includes them.
                 for _ in range(PHASE_ROUNDS):
                     before = len(self.result.rewrites)
+                    touched |= self._run_sweeps(graph, scope, apply, phase)
                     touched |= self._run_phase(graph, scope, apply, seeds)
+                    touched |= self._run_sweeps(graph, scope, apply, phase)
                     if len(self.result.rewrites) == before or self._limit_reached():
                         break
                     inferred_at = len(self.result.rewrites)
@@ -216,6 +219,63 @@ class Engine:
             if not apply or not touched or len(self._phases) == 1 or self._limit_reached():
                 return
             seeds = touched
+
+    def _run_sweeps(self, graph: Graph, scope: str, apply: bool, phase: int) -> set[int]:
+        """Run the phase's sweeps over the scope, unless nothing changed since they last did;
+        returns the nodes their changes touched."""
+        key = (id(graph), phase)
+        if self._swept.get(key) == len(self.result.rewrites):
+            return set()
+        touched: set[int] = set()
+        for candidate in self.rules:
+            if candidate.sweep is None or candidate.phase != phase:
+                continue
+            try:
+                changes = list(candidate.sweep(graph))
+            except RuleError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
+                raise RuleError(candidate, f"{type(error).__name__}: {error}", error) from error
+            for change in changes:
+                if self._limit_reached():
+                    return touched
+                touched |= self._apply_change(graph, scope, candidate, change, apply)
+        self._swept[key] = len(self.result.rewrites)
+        return touched
+
+    def _apply_change(self, graph: Graph, scope: str, candidate: Rule, change: Change, apply: bool) -> set[int]:
+        """Check one change a sweep proposes and, with apply, make it; returns the nodes to revisit."""
+        nodes = [n for n in change.nodes if graph.has_node(n)]
+        matched = (
+            [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
+        )
+        created = [new for _, new in change.redirects]
+        if self.vetoed and (candidate.name, scope, tuple(matched)) in self.vetoed:
+            self._record_decline(candidate, scope, matched, "dropped: it failed the numerics check")
+            return set()
+        problem = _change_problem(graph, change)
+        if problem is not None:
+            if self.trace:
+                self._record_decline(candidate, scope, matched, problem)
+            return set()
+        if not apply:
+            self.result.opportunities.append(Opportunity(candidate.name, scope, matched))
+            return set()
+        touched: set[int] = set()
+        for old, new in change.redirects:
+            touched.update(graph.op_consumers(old))
+            graph.redirect(old, new)
+            graph.remove_if_unused(old)
+        if nodes:
+            # Their producers lose consumers: a rule that wants a sole consumer may match now.
+            producers = {graph.producer(i) for n in nodes for i in graph.node(n).inputs if i}
+            touched.update(producers - set(nodes) - {None})
+            graph.replace_nodes(nodes, [], [], (), candidate.name)
+        for name in change.initializers:
+            graph.remove_if_unused(name)
+        self._types.invalidate()
+        self._log(Rewrite(len(self.result.rewrites), candidate.name, scope, matched, created))
+        return {n for n in touched if graph.has_node(n)}
 
     def _run_phase(self, graph: Graph, scope: str, apply: bool, seeds: set[int] | None = None) -> set[int]:
         """Run the current phase's rules over every node of their root types, or over `seeds` and
@@ -302,13 +362,15 @@ class Engine:
 
     def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
         """Record a decline once: later sweeps and re-queued nodes revisit the same matches."""
-        nodes = [n.label for n in match.nodes]
+        self._record_decline(candidate, scope, [n.label for n in match.nodes], reason, match.root.label)
+
+    def _record_decline(self, candidate: Rule, scope: str, nodes: list[str], reason: str, node: str = "") -> None:
         key = (candidate.name, scope, tuple(nodes), reason)
         if key in self._declined_keys:
             return
         self._declined_keys.add(key)
         source = str(candidate.source) if candidate.source else None
-        self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
+        self.result.declined.append(Declined(candidate.name, scope, node or nodes[0], reason, nodes, source))
 
     def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
         if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:
@@ -454,6 +516,11 @@ class Engine:
             matched=matched_names,
             created=[graph.node(i).label for i in created],
         )
+        self._log(rewrite)
+        touched = set(created) | neighbours | redirected_readers
+        return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
+
+    def _log(self, rewrite: Rewrite) -> None:
         self.result.rewrites.append(rewrite)
         if len(self.result.rewrites) > self._max_rewrites:
             recent = Counter(r.rule for r in self.result.rewrites[-50:])
@@ -462,8 +529,6 @@ class Engine:
                 f"no fixed point after {self._max_rewrites} rewrites; rules {names} keep rewriting "
                 "each other's output (please report this with the model attached)"
             )
-        touched = set(created) | neighbours | redirected_readers
-        return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
 
     def _check_replacement(
         self,
@@ -522,6 +587,37 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
                 break
             except Exception as error:  # noqa: BLE001
                 raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
+
+
+def _change_problem(graph: Graph, change: Change) -> str | None:
+    """Why a sweep's change would be unsafe, or None: what goes must be unused once it has gone."""
+    removed = set(change.nodes)
+    for node_id in change.nodes:
+        if not graph.has_node(node_id):
+            return f"node {node_id} is not in this graph"
+        info = graph.node(node_id)
+        for output in info.outputs:
+            if output and graph.is_graph_output(output):
+                return f"'{output}' (output of {info.label}) is a graph output"
+            for consumer in graph.op_consumers(output) if output else ():
+                if consumer not in removed:
+                    return f"'{output}' (output of {info.label}) is read by {graph.node(consumer).label}, which stays"
+    for old, new in change.redirects:
+        for name in (old, new):
+            if graph.initializer(name) is None or not graph.defines(name):
+                return f"'{name}' is not an initializer of this graph (a graph input may override it)"
+        if old == new:
+            return f"'{old}' would read itself"
+        if graph.is_graph_output(old):
+            return f"'{old}' is a graph output, whose name must survive"
+        if any(slot == SUBGRAPH_SLOT for _, slot in graph.consumers(old)):
+            return f"'{old}' is read inside a subgraph, where it cannot be renamed"
+    for name in change.initializers:
+        if graph.initializer(name) is None or not graph.defines(name):
+            return f"'{name}' is not an initializer of this graph (a graph input may override it)"
+        if graph.consumers(name):
+            return f"'{name}' is still read"
+    return None
 
 
 def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> None:

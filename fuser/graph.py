@@ -427,6 +427,7 @@ class Graph:
         for node_id in removed:
             info = self.node(node_id)
             inputs.extend(i for i in info.proto.input if i)
+            inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
             for output in info.proto.output:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
@@ -459,10 +460,14 @@ class Graph:
     def remove_if_unused(self, tensor: str) -> None:
         """Drop an initializer or a Constant-like producer that a rewrite left without consumers."""
         entry = self._producer.get(tensor)
-        if entry is None or self.consumers(tensor):
+        if entry is None:
             return
         node_id = entry[0]
         kind = self._attrs[node_id]["kind"]
+        # A source node produces one tensor: whether anything reads it is known at once (a
+        # weight shared by thousands of nodes is asked once per removed reader).
+        if self._succ[node_id] if kind != OP else self.consumers(tensor):
+            return
         if kind == OUTER:
             del self._producer[tensor]
             self.nx.remove_node(node_id)

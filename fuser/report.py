@@ -126,6 +126,10 @@ REPORT_SCHEMA = {
             "type": ["object", "null"],
             "required": ["original_ms", "optimized_ms", "ratio", "noise", "slower", "rounds", "threads", "level"],
         },
+        "fixed_shapes": {
+            "type": ["object", "null"],
+            "additionalProperties": {"type": "array", "items": {"type": ["integer", "string"]}},
+        },
     },
     "$defs": {
         "rewrite": {

@@ -10,6 +10,10 @@ The function returns the tensor(s) that take the place of the root node's output
 engine gives them the root's output names, so graph outputs and downstream consumers
 survive. None in place of an output drops it (declined if anything uses it). Rules only
 describe the replacement; the engine alone changes the graph.
+
+What no pattern can find (nodes nothing reads, initializers holding equal bytes) is found by
+a sweep: ``@sweep("dead-code")`` decorates a function that looks at a whole graph scope and
+proposes `Change`s, which the engine checks, applies and logs like any rewrite.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +44,7 @@ class Rule:
 
     name: str
     description: str
-    pattern: OpPattern | tuple[OpPattern, ...]
+    pattern: OpPattern | tuple[OpPattern, ...] | None
     build: Callable
     target: str = "onnx"
     emits: dict[str, int] = field(default_factory=dict)
@@ -53,6 +57,7 @@ class Rule:
     phase: int = 0
     note: str | Callable[[], str] | None = None
     source: SourceLocation | None = None
+    sweep: Callable[[Graph], Iterable[Change]] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -61,6 +66,8 @@ class Rule:
             raise PatternError(f"rule '{self.name}': target must be one of {', '.join(TARGETS)}")
         if not self.description:
             raise PatternError(f"rule '{self.name}' needs a description (or a docstring)")
+        if (self.pattern is None) == (self.sweep is None):
+            raise PatternError(f"rule '{self.name}' needs either a pattern or a sweep, not both")
         if isinstance(self.pattern, (list, tuple)) and not self.pattern:
             raise PatternError(f"rule '{self.name}' has an empty list of patterns")
         for alternative in self.alternatives:
@@ -112,6 +119,8 @@ class Rule:
     @property
     def alternatives(self) -> tuple[OpPattern, ...]:
         """The patterns the rule matches: one, or several spellings of the same computation."""
+        if self.pattern is None:
+            return ()
         return tuple(self.pattern) if isinstance(self.pattern, (list, tuple)) else (self.pattern,)
 
     @property
@@ -122,7 +131,7 @@ class Rule:
 
     @property
     def depth(self) -> int:
-        return max(p.depth for p in self.alternatives)
+        return max((p.depth for p in self.alternatives), default=0)
 
     def note_text(self) -> str | None:
         return self.note() if callable(self.note) else self.note
@@ -200,6 +209,59 @@ def rule(
             phase=phase,
             note=note,
             source=location,
+        )
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class Change:
+    """One rewrite a sweep proposes; the engine checks it, applies it and logs it.
+
+    nodes: op nodes to remove; every use of their outputs must be among them (no graph output).
+    redirects: (initializer, replacement initializer) pairs of one scope: the first one's readers
+        read the second instead, and the first goes; not for a graph output or a subgraph's read.
+    initializers: initializers nothing reads, to remove.
+    """
+
+    nodes: tuple[int, ...] = ()
+    redirects: tuple[tuple[str, str], ...] = ()
+    initializers: tuple[str, ...] = ()
+
+
+def sweep(
+    name: str,
+    *,
+    description: str | None = None,
+    target: str = "onnx",
+    exact: bool = True,
+    enabled: bool = True,
+    phase: int = 0,
+    note: str | Callable[[], str] | None = None,
+) -> Callable[[Callable], Rule]:
+    """Declare a rule that looks at a whole graph scope rather than matching a pattern.
+
+    The decorated function takes a Graph and yields `Change`s. The engine runs it once when its
+    phase starts and again after the phase's pattern rules changed the graph; each Change is one
+    entry of the rewrite log (declined with the engine's reason when it is unsafe), so blame,
+    --on-mismatch drop and check mode treat it like any rewrite.
+    """
+    location = caller_location()
+
+    def decorate(function: Callable) -> Rule:
+        doc = (function.__doc__ or "").strip().splitlines()
+        return Rule(
+            name=name,
+            description=description or (doc[0].strip() if doc else ""),
+            pattern=None,
+            build=function,
+            target=target,
+            exact=exact,
+            enabled_by_default=enabled,
+            phase=phase,
+            note=note,
+            source=location,
+            sweep=function,
         )
 
     return decorate
