@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
-from fuser.match import Decline, Match, TypeInfo, find_matches
+from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.progress import Progress, Ticker
 from fuser.rule import Builder, Change, Rule, as_outputs
@@ -162,8 +162,8 @@ class Engine:
                     self.result.need_newer_opset.append(candidate.name)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
-        self._depth = max((r.depth for r in self.rules), default=1)
-        self._types = TypeInfo(model.to_proto)
+        self._depth = 1  # the deepest pattern of the phase running: how far below a change to look
+        self._types = TypeInfo(lambda: model.to_proto(weights=False))
         self._max_rewrites = max_rewrites
 
     # ------------------------------------------------------------------ driving
@@ -202,6 +202,7 @@ class Engine:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
                     inferred_at = len(self.result.rewrites)
                 self._by_root = {}
+                self._depth = max((r.depth for r in self.rules if r.phase == phase), default=1)
                 for candidate in self.rules:
                     if candidate.phase == phase:
                         for op_type, _ in candidate.roots:
@@ -281,8 +282,9 @@ class Engine:
         return {n for n in touched if graph.has_node(n)}
 
     def _run_phase(self, graph: Graph, scope: str, apply: bool, seeds: set[int] | None = None) -> set[int]:
-        """Run the current phase's rules over every node of their root types, or over `seeds`
-        only; returns the nodes its rewrites created or touched."""
+        """Run the current phase's rules over every node of their root types, or over `seeds` and
+        the nodes below them within the phase's pattern depth; returns the nodes its rewrites
+        created or touched."""
         heap: list[tuple[tuple, int]] = []
         queued: set[int] = set()
         touched_all: set[int] = set()
@@ -293,7 +295,7 @@ class Engine:
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
         if seeds is not None:
-            for node_id in seeds:
+            for node_id in self._downstream(graph, {n for n in seeds if graph.has_node(n)}):
                 push(node_id)
         else:
             for op_type, candidates in self._by_root.items():
@@ -310,7 +312,7 @@ class Engine:
             self._visits.tick(len(heap))
             touched = self._visit(graph, scope, node_id, apply)
             touched_all.update(touched)
-            for other in touched:
+            for other in self._downstream(graph, set(touched)):
                 push(other)
         return touched_all
 
@@ -322,8 +324,11 @@ class Engine:
                 if self._vetoed(candidate, scope, match):
                     continue
                 try:
-                    self._inputs_check(match)
-                    keep, escaping = self._interior_check(graph, candidate, match)
+                    if len(match.bindings.nodes) > 1:  # a lone root has no interior to check
+                        self._inputs_check(match)
+                        keep, escaping = self._interior_check(graph, candidate, match)
+                    else:
+                        keep, escaping = set(), {}
                     if candidate.advisory:
                         _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)
@@ -342,7 +347,7 @@ class Engine:
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
-                    if self.trace:
+                    if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
                     continue
                 except RuleError:
@@ -445,7 +450,7 @@ class Engine:
         keep: set[int],
         commit: bool = True,
     ) -> list[int]:
-        """Check the replacement and, with commit, put it in the graph; returns the nodes to revisit."""
+        """Check the replacement and, with commit, put it in the graph; returns the nodes it created or changed."""
         root = match.root
         root_outputs = [o for o in root.outputs if o]
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
@@ -518,7 +523,7 @@ class Engine:
         )
         self._log(rewrite)
         touched = set(created) | neighbours | redirected_readers
-        return self._downstream(graph, {n for n in touched if graph.has_node(n)})
+        return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
 
     def _log(self, rewrite: Rewrite) -> None:
         self.result.rewrites.append(rewrite)
@@ -555,7 +560,8 @@ class Engine:
             raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
     def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
-        """`start` and the op nodes up to the deepest pattern's depth below it."""
+        """`start` and the op nodes up to the running phase's deepest pattern below it: a rule
+        rooted further down cannot see the change."""
         seen = set(start)
         frontier = set(start)
         for _ in range(self._depth):

@@ -25,11 +25,11 @@ import networkx as nx
 import numpy as np
 import onnx
 from google.protobuf.message import Message
-from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
 from fuser.constants import ConstantValues, is_foldable
 from fuser.errors import FuserError
-from fuser.tensors import TensorStore
+from fuser.tensors import TensorStore, nbytes, uses_external_data
 
 OP = "op"
 GRAPH_INPUT = "input"
@@ -159,6 +159,10 @@ class Graph:
         self.outer = outer
         self.owner: int | None = None  # the node holding this graph, in `outer`
         self.nx = nx.MultiDiGraph()
+        # networkx's own node and successor dicts, read directly: its view objects cost more
+        # than the lookups they wrap, and the engine makes millions of them on a large graph.
+        self._attrs = self.nx._node
+        self._succ = self.nx._succ
         self.modified = False
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
@@ -241,7 +245,7 @@ class Graph:
         return sub
 
     def _connect_inputs(self, node_id: int) -> None:
-        info: NodeInfo = self.nx.nodes[node_id]["info"]
+        info: NodeInfo = self._attrs[node_id]["info"]
         for slot, tensor in enumerate(info.proto.input):
             if tensor:
                 self._connect(tensor, node_id, slot)
@@ -261,19 +265,18 @@ class Graph:
     def captured(self) -> list[str]:
         """Names this graph (or a graph nested in it) reads from enclosing scopes."""
         return [
-            data["tensor"]
-            for _, data in self.nx.nodes(data=True)
-            if data["kind"] == OUTER and self.nx.out_degree(_) > 0
+            data["tensor"] for node_id, data in self._attrs.items() if data["kind"] == OUTER and self._succ[node_id]
         ]
 
     def node(self, node_id: int) -> NodeInfo:
-        return self.nx.nodes[node_id]["info"]
+        return self._attrs[node_id]["info"]
 
     def has_node(self, node_id: int) -> bool:
-        return node_id in self.nx and self.nx.nodes[node_id]["kind"] == OP
+        data = self._attrs.get(node_id)
+        return data is not None and data["kind"] == OP
 
     def nodes(self) -> Iterator[NodeInfo]:
-        for _, data in self.nx.nodes(data=True):
+        for data in self._attrs.values():
             if data["kind"] == OP:
                 yield data["info"]
 
@@ -288,20 +291,20 @@ class Graph:
         return found
 
     def sort_key(self, node_id: int) -> tuple:
-        return self.nx.nodes[node_id]["key"]
+        return self._attrs[node_id]["key"]
 
     def provenance(self, node_id: int) -> str | None:
-        return self.nx.nodes[node_id].get("provenance")
+        return self._attrs[node_id].get("provenance")
 
     def producer(self, tensor: str) -> int | None:
         """The op node producing `tensor` in this scope, or None for inputs, constants, captures."""
         entry = self._producer.get(tensor)
-        if entry is None or self.nx.nodes[entry[0]]["kind"] != OP:
+        if entry is None or self._attrs[entry[0]]["kind"] != OP:
             return None
         return entry[0]
 
     def defines(self, tensor: str) -> bool:
-        return tensor in self._producer and self.nx.nodes[self._producer[tensor][0]]["kind"] != OUTER
+        return tensor in self._producer and self._attrs[self._producer[tensor][0]]["kind"] != OUTER
 
     def consumers(self, tensor: str) -> list[tuple[int, int]]:
         """(node id, input slot) for each use of `tensor`; graph outputs are sink nodes, slot = position."""
@@ -310,28 +313,29 @@ class Graph:
             return []
         return [
             (consumer, data["slot"])
-            for _, consumer, data in self.nx.out_edges(entry[0], data=True)
+            for consumer, edges in self._succ[entry[0]].items()
+            for data in edges.values()
             if data["tensor"] == tensor
         ]
 
     def op_consumers(self, tensor: str) -> list[int]:
-        return [c for c, _ in self.consumers(tensor) if self.nx.nodes[c]["kind"] == OP]
+        return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
 
     def op_successors(self, node_id: int) -> set[int]:
         """The op nodes reading any output of `node_id`, through a subgraph too."""
-        return {c for _, c in self.nx.out_edges(node_id) if self.nx.nodes[c]["kind"] == OP}
+        return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
     def is_graph_output(self, tensor: str) -> bool:
-        return any(self.nx.nodes[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
+        return any(self._attrs[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
 
     def is_graph_input(self, tensor: str) -> bool:
         entry = self._producer.get(tensor)
-        return entry is not None and self.nx.nodes[entry[0]]["kind"] == GRAPH_INPUT
+        return entry is not None and self._attrs[entry[0]]["kind"] == GRAPH_INPUT
 
     def initializer(self, tensor: str) -> TensorProto | None:
         entry = self._producer.get(tensor)
-        if entry is None or self.nx.nodes[entry[0]]["kind"] != INITIALIZER:
-            if entry is not None and self.nx.nodes[entry[0]]["kind"] == OUTER and self.outer:
+        if entry is None or self._attrs[entry[0]]["kind"] != INITIALIZER:
+            if entry is not None and self._attrs[entry[0]]["kind"] == OUTER and self.outer:
                 return self.outer.initializer(tensor)
             return None
         return self._initializers.get(tensor)
@@ -342,6 +346,10 @@ class Graph:
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
+        entry = self._producer.get(tensor)
+        if entry is not None and self._attrs[entry[0]]["kind"] == INITIALIZER:
+            # Known without decoding it: a large model's weights are read only when a rule asks.
+            return tensor in self._initializers
         return self.constant_value(tensor) is not None
 
     def constant_value(self, tensor: str, max_bytes: int = 256 << 20) -> np.ndarray | None:
@@ -353,7 +361,7 @@ class Graph:
     def source_kind(self, tensor: str) -> str | None:
         """What produces `tensor` in this scope: "op", "input", "initializer", "outer" (a capture), or None."""
         entry = self._producer.get(tensor)
-        return None if entry is None else self.nx.nodes[entry[0]]["kind"]
+        return None if entry is None else self._attrs[entry[0]]["kind"]
 
     def opset(self, domain: str = "") -> int | None:
         return self.opsets.get("" if domain in _DEFAULT_DOMAINS else domain)
@@ -383,17 +391,17 @@ class Graph:
     def redirect(self, old: str, new: str) -> None:
         """Make every consumer of tensor `old` (not graph outputs) read `new` instead."""
         for consumer, slot in self.consumers(old):
-            if self.nx.nodes[consumer]["kind"] != OP:
+            if self._attrs[consumer]["kind"] != OP:
                 continue
             info = self.node(consumer)
             if slot == SUBGRAPH_SLOT:
                 raise FuserError(f"tensor '{old}' is read inside a subgraph and cannot be renamed")
-            if not self.nx.nodes[consumer].get("owned"):
+            if not self._attrs[consumer].get("owned"):
                 # The loaded NodeProto belongs to the caller's model, which must stay as it was.
                 copy = NodeProto()
                 copy.CopyFrom(info.proto)
                 info.proto = copy
-                self.nx.nodes[consumer]["owned"] = True
+                self._attrs[consumer]["owned"] = True
             info.proto.input[slot] = new
             producer = self._producer[old][0]
             for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
@@ -455,10 +463,10 @@ class Graph:
         if entry is None:
             return
         node_id = entry[0]
-        kind = self.nx.nodes[node_id]["kind"]
-        # A source node produces one tensor: its out-degree says at once whether anything
-        # reads it (a weight shared by thousands of nodes is asked once per removed reader).
-        if len(self.nx.succ[node_id]) > 0 if kind != OP else self.consumers(tensor):
+        kind = self._attrs[node_id]["kind"]
+        # A source node produces one tensor: whether anything reads it is known at once (a
+        # weight shared by thousands of nodes is asked once per removed reader).
+        if self._succ[node_id] if kind != OP else self.consumers(tensor):
             return
         if kind == OUTER:
             del self._producer[tensor]
@@ -502,13 +510,13 @@ class Graph:
 
     def topological_order(self) -> list[int]:
         """Op nodes in a deterministic topological order: ties broken by original position."""
-        graph = self.nx
+        attrs, succ, pred = self._attrs, self._succ, self.nx._pred
         indegree: dict[int, int] = {}
         heap: list[tuple[tuple, int]] = []
-        for node_id, data in graph.nodes(data=True):
+        for node_id, data in attrs.items():
             if data["kind"] != OP:
                 continue
-            degree = sum(1 for p, _ in graph.in_edges(node_id) if graph.nodes[p]["kind"] == OP)
+            degree = sum(len(edges) for p, edges in pred[node_id].items() if attrs[p]["kind"] == OP)
             indegree[node_id] = degree
             if degree == 0:
                 heap.append((data["key"], node_id))
@@ -517,11 +525,11 @@ class Graph:
         while heap:
             _, node_id = heapq.heappop(heap)
             order.append(node_id)
-            for _, consumer in graph.out_edges(node_id):
+            for consumer, edges in succ[node_id].items():
                 if consumer in indegree:
-                    indegree[consumer] -= 1
+                    indegree[consumer] -= len(edges)
                     if indegree[consumer] == 0:
-                        heapq.heappush(heap, (graph.nodes[consumer]["key"], consumer))
+                        heapq.heappush(heap, (attrs[consumer]["key"], consumer))
         if len(order) != len(indegree):
             raise FuserError("the graph has a cycle")
         return order
@@ -531,21 +539,27 @@ class Graph:
             g.is_modified() for info in self.nodes() for gs in info.subgraphs.values() for g in gs
         )
 
-    def to_proto(self) -> GraphProto:
-        with paused_gc():
-            return self._to_proto()
-
-    def _to_proto(self) -> GraphProto:
+    def to_proto(self, weights: bool = True) -> GraphProto:
+        """The graph as ONNX. weights=False gives its skeleton for shape inference and checks:
+        initializers over SKELETON_BYTES become typed graph inputs instead of copies of their data."""
         graph = GraphProto()
-        graph.CopyFrom(self._shell)
-        graph.input.extend(self._inputs.values())
-        graph.node.extend(self._node_proto(self.node(i)) for i in self.topological_order())
-        graph.initializer.extend(self._initializers.values())
-        live = set(self._producer)
-        graph.value_info.extend(v for v in self._value_info if v.name in live)
+        self.fill_proto(graph, weights)
         return graph
 
-    def _node_proto(self, info: NodeInfo) -> NodeProto:
+    def fill_proto(self, graph: GraphProto, weights: bool = True) -> None:
+        """Write the graph into the empty `graph` (building in place saves a copy of the weights)."""
+        with paused_gc():
+            graph.MergeFrom(self._shell)
+            graph.input.extend(self._inputs.values())
+            graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
+            if weights:
+                graph.initializer.extend(self._initializers.values())
+            else:
+                add_weightless(graph, self._initializers.values(), self._inputs)
+            live = set(self._producer)
+            graph.value_info.extend(v for v in self._value_info if v.name in live)
+
+    def _node_proto(self, info: NodeInfo, weights: bool = True) -> NodeProto:
         if not any(g.is_modified() for gs in info.subgraphs.values() for g in gs):
             return info.proto
         node = NodeProto()
@@ -555,10 +569,10 @@ class Graph:
                 continue
             graphs = info.subgraphs[attribute.name]
             if attribute.type == AttributeProto.GRAPH:
-                attribute.g.CopyFrom(graphs[0].to_proto())
+                attribute.g.CopyFrom(graphs[0].to_proto(weights))
             else:
                 del attribute.graphs[:]
-                attribute.graphs.extend(g.to_proto() for g in graphs)
+                attribute.graphs.extend(g.to_proto(weights) for g in graphs)
         return node
 
     def all_graphs(self) -> Iterable[Graph]:
@@ -580,6 +594,29 @@ def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
             elif attribute.type == AttributeProto.GRAPHS:
                 for sub in attribute.graphs:
                     yield from all_graph_protos(sub)
+
+
+# Initializers up to this size stay in a skeleton: shape inference reads the values of small
+# integer tensors (Reshape targets, Slice bounds); it only needs the type of a weight.
+SKELETON_BYTES = 64 << 10
+
+
+def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], inputs) -> None:
+    """Add `initializers` to `graph`, the large ones as typed inputs (their data stays out)."""
+    for tensor in initializers:
+        if not uses_external_data(tensor) and nbytes(tensor) <= SKELETON_BYTES:
+            graph.initializer.append(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+
+
+def weightless_model(model: ModelProto) -> ModelProto:
+    """A copy of `model` without its large weights (see SKELETON_BYTES), for checks and inference."""
+    skeleton = ModelProto()
+    copy_fields_except(model, skeleton, {"graph"})
+    copy_fields_except(model.graph, skeleton.graph, {"initializer"})
+    add_weightless(skeleton.graph, model.graph.initializer, {value.name for value in model.graph.input})
+    return skeleton
 
 
 def _graph_shell(proto: GraphProto) -> GraphProto:

@@ -129,14 +129,12 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         loaded = Model.load(source)
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
-        original = loaded.to_proto()
-        options = options_for(original, job.options, job.from_config)
+        options = options_for(loaded.to_proto(weights=False), job.options, job.from_config)
         external_data = job.external_data
-        if writes_external_data(original, external_data):  # fail before the long work
+        if writes_external_data(loaded, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             check_destination(source, external_data_path(destination), job.force)
             external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
-        del original
         optimized, result = api.optimize(
             loaded,
             target=job.target,
@@ -156,11 +154,11 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         )
         progress("write", 0, None)
         writing = time.perf_counter()
-        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
+        written = write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
         result.output_path = str(destination)
         body = result.to_dict()
-        sizes = (size_before, size_on_disk(destination))
+        sizes = (size_before, sum(path.stat().st_size for path in written))
         body.update(
             input=entries["input"],
             output=report_module.file_entry(destination),
@@ -314,18 +312,14 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
         raise UsageError(f"{destination} is a directory")
 
 
-def size_on_disk(path: Path, model: Model | None = None) -> int:
+def size_on_disk(path: Path, model: Model) -> int:
     """The model file plus the external data files it references (each counted once)."""
     files = {path.resolve()}
-    if model is None:
-        if external_data_path(path).exists():  # maybe stale from an earlier run: count it only if referenced
-            files |= _referenced_files(path)
-    else:
-        files |= {
-            model.tensors.resolve(external_data_fields(t).get("location", ""))
-            for t in model.initializers()
-            if uses_external_data(t)
-        }
+    files |= {
+        model.tensors.resolve(external_data_fields(t).get("location", ""))
+        for t in model.initializers()
+        if uses_external_data(t)
+    }
     return sum(f.stat().st_size for f in files)
 
 

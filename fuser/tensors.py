@@ -178,11 +178,8 @@ def nbytes(tensor: TensorProto) -> int:
     count = 1
     for dim in tensor.dims:
         count *= dim
-    try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-    except (KeyError, ValueError, TypeError):
-        itemsize = 8
-    return count * itemsize
+    itemsize = _itemsize(tensor.data_type)
+    return count * (8 if itemsize is None else itemsize)
 
 
 def _element_count(tensor: TensorProto, label: str) -> int:
@@ -197,10 +194,22 @@ def _element_count(tensor: TensorProto, label: str) -> int:
 def _byte_size(data_type: int, count: int) -> int | None:
     if data_type in _PACKED_4BIT:
         return (count + 1) // 2
-    try:
-        return count * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
-    except (KeyError, ValueError, TypeError):
-        return None
+    itemsize = _itemsize(data_type)
+    return None if itemsize is None else count * itemsize
+
+
+_ITEMSIZES: dict[int, int | None] = {}
+
+
+def _itemsize(data_type: int) -> int | None:
+    """Bytes per element of an ONNX data type (None if unknown), looked up once per type:
+    onnx's mapping is slow, and a large model asks for every initializer."""
+    if data_type not in _ITEMSIZES:
+        try:
+            _ITEMSIZES[data_type] = onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            _ITEMSIZES[data_type] = None
+    return _ITEMSIZES[data_type]
 
 
 def _type_name(data_type: int) -> str:
