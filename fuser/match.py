@@ -250,21 +250,77 @@ class Match:
 
 
 def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict[str, onnx.TypeProto]:
-    """Entries of an earlier inference run that the fresh one lacks, with the dim names shape
-    inference made up ('unk__3') made unique to that run: each run numbers them anew, and an
-    equal name must keep meaning an equal dim (rules compare them to prove shapes equal)."""
+    """What an earlier inference run knew that the fresh one does not: its entries for tensors
+    the fresh run lacks, and, for tensors both have, the fresh entry completed with the dims (or
+    element type) only the earlier run knew. A tensor's name keeps denoting the same value
+    across rewrites (a replacement takes over the names of what it replaces), so both runs
+    describe one tensor; the fresh run can know less where shape inference stops at an
+    operator it does not know (the com.microsoft ops a rule created) and everything after it
+    is inferred anew without shapes. The dim names shape inference made up ('unk__3') are made
+    unique to the earlier run: each run numbers them anew, and an equal name must keep meaning
+    an equal dim (rules compare them to prove shapes equal)."""
     carried = {}
     for name, entry in previous.items():
         if name in fresh:
-            continue
-        dims = entry.tensor_type.shape.dim if entry.HasField("tensor_type") else ()
-        if any(d.dim_param.startswith("unk__") for d in dims):
-            entry = onnx.TypeProto.FromString(entry.SerializeToString())
-            for dim in entry.tensor_type.shape.dim:
-                if dim.dim_param.startswith("unk__"):
-                    dim.dim_param = f"run{run}.{dim.dim_param}"
-        carried[name] = entry
+            completed = _completed(fresh[name], entry, run)
+            if completed is not None:
+                carried[name] = completed
+        else:
+            carried[name] = _run_unique(entry, run)
     return carried
+
+
+def _run_unique(entry: onnx.TypeProto, run: int) -> onnx.TypeProto:
+    dims = entry.tensor_type.shape.dim if entry.HasField("tensor_type") else ()
+    if not any(d.dim_param.startswith("unk__") for d in dims):
+        return entry
+    entry = onnx.TypeProto.FromString(entry.SerializeToString())
+    for dim in entry.tensor_type.shape.dim:
+        if dim.dim_param.startswith("unk__"):
+            dim.dim_param = f"run{run}.{dim.dim_param}"
+    return entry
+
+
+def _dim_knowledge(dim) -> int:
+    """How much a dim says: a size, a name the model gave, a name inference made up, nothing."""
+    if dim.HasField("dim_value"):
+        return 3
+    if dim.HasField("dim_param"):
+        made_up = dim.dim_param.startswith("unk__") or (dim.dim_param.startswith("run") and ".unk__" in dim.dim_param)
+        return 1 if made_up else 2
+    return 0
+
+
+def _completed(fresh: onnx.TypeProto, earlier: onnx.TypeProto, run: int) -> onnx.TypeProto | None:
+    """`fresh` with what `earlier` (the same tensor, an earlier run) knew beyond it; None when
+    it adds nothing (or the two disagree, which leaves the fresh entry as it is)."""
+    if not fresh.HasField("tensor_type") or not earlier.HasField("tensor_type"):
+        return None
+    new, old = fresh.tensor_type, earlier.tensor_type
+    if new.elem_type and old.elem_type and new.elem_type != old.elem_type:
+        return None
+    takes_type = not new.elem_type and old.elem_type
+    if not old.HasField("shape"):
+        takes = []
+    elif not new.HasField("shape"):
+        takes = None  # the whole shape
+    elif len(new.shape.dim) != len(old.shape.dim):
+        return None
+    else:
+        takes = [
+            i for i, (a, b) in enumerate(zip(new.shape.dim, old.shape.dim)) if _dim_knowledge(b) > _dim_knowledge(a)
+        ]
+    if not takes_type and takes == []:
+        return None
+    earlier = _run_unique(earlier, run)
+    completed = onnx.TypeProto.FromString(fresh.SerializeToString())
+    if takes_type:
+        completed.tensor_type.elem_type = old.elem_type
+    if takes is None:
+        completed.tensor_type.shape.CopyFrom(earlier.tensor_type.shape)
+    for i in takes or ():
+        completed.tensor_type.shape.dim[i].CopyFrom(earlier.tensor_type.shape.dim[i])
+    return completed
 
 
 def _known_dims(table: dict[str, onnx.TypeProto]) -> int:
@@ -333,7 +389,7 @@ class TypeInfo:
                     proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
                     table.setdefault(tensor.name, proto)
             self._runs += 1
-            self._table = {**_carried(self._previous, table, self._runs - 1), **table}
+            self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
             self._previous = {}
         return self._table
 

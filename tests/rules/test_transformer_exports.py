@@ -11,6 +11,8 @@ rtol 1e-2, atol 1e-3). Then, per file:
   - every Erf/Tanh of the original became a GELU op (Gelu, FastGelu or BiasGelu), none is left;
   - no ReduceMean is left: every written-out layer/RMS norm was fused;
   - no Sigmoid feeds a Mul that also reads the Sigmoid's input (SiLU fused);
+  - no Softmax is left: every attention became MultiHeadAttention (legacy Llama included, whose
+    rotary embeddings hide from shape inference what the heads-merging Reshape gives);
   - no norm is followed by a Mul with a constant where the original norm's weight could fold.
 """
 
@@ -134,6 +136,14 @@ def test_gelu_fused(optimized):
 def test_norms_fused(optimized):
     name, original, after, report = optimized
     assert not [n.name for n in after.graph.node if n.op_type == "ReduceMean"]
+
+
+def test_attention_fused(optimized):
+    name, original, after, report = optimized
+    softmaxes = sum(n.op_type == "Softmax" for n in original.graph.node)
+    assert softmaxes > 0
+    assert not [n.name for n in after.graph.node if n.op_type == "Softmax"]
+    assert sum(n.op_type == "MultiHeadAttention" for n in after.graph.node) == softmaxes
 
 
 def test_silu_fused(optimized):
