@@ -13,7 +13,8 @@ rtol 1e-2, atol 1e-3). Then, per file:
   - no Sigmoid feeds a Mul that also reads the Sigmoid's input (SiLU fused);
   - no Softmax is left: every attention became MultiHeadAttention (legacy Llama included, whose
     rotary embeddings hide from shape inference what the heads-merging Reshape gives);
-  - no norm is followed by a Mul with a constant where the original norm's weight could fold.
+  - no norm is followed by a Mul with a constant where the original norm's weight could fold;
+  - no Cast feeds or reads a norm: float16 models' float32 norms took their Casts in.
 """
 
 from __future__ import annotations
@@ -98,6 +99,23 @@ def norms_followed_by_constant_mul(model: onnx.ModelProto) -> list[str]:
     return found
 
 
+def casts_around_norms(model: onnx.ModelProto) -> list[str]:
+    """Cast nodes that feed a normalization or read its result."""
+    produced_by = {o: n for n in model.graph.node for o in n.output}
+    found = []
+    for node in model.graph.node:
+        if node.op_type.endswith("Normalization"):
+            found += [produced_by[i].name for i in node.input if i in produced_by and produced_by[i].op_type == "Cast"]
+            found += [n.name for n in model.graph.node if n.op_type == "Cast" and n.input[0] in node.output]
+    return found
+
+
+def casts_to_float32_before_a_square(model: onnx.ModelProto) -> list[str]:
+    """The float32 RMS norm of a float16 export: Cast, then Pow."""
+    casts = {n.output[0]: n.name for n in model.graph.node if n.op_type == "Cast"}
+    return [casts[n.input[0]] for n in model.graph.node if n.op_type == "Pow" and n.input[0] in casts]
+
+
 def test_the_corpus_has_every_pattern_the_checks_below_look_for():
     """The per-file checks hold trivially for a file without the pattern; the corpus as a whole
     must have each one, or a check would prove nothing."""
@@ -106,6 +124,7 @@ def test_the_corpus_has_every_pattern_the_checks_below_look_for():
     assert any(n.op_type in ("Erf", "Tanh") for m in models for n in m.graph.node)
     assert any(n.op_type == "ReduceMean" for m in models for n in m.graph.node)
     assert any(sigmoid_times_input(m) for m in models)
+    assert any(casts_to_float32_before_a_square(m) for m in models)
 
 
 @pytest.fixture(scope="module", params=[p.name for p in FILES])
@@ -152,7 +171,12 @@ def test_silu_fused(optimized):
 
 
 def test_norm_weights_folded(optimized):
-    """A float32 norm's weight Mul folds into the norm (or its Skip* fusion). Float16 Llama
-    normalizes in float32 and casts back before the weight, so its Mul rightly stays."""
+    """A norm's weight Mul folds into the norm (or its Skip* fusion); float16 Llama's too, once
+    the Casts around its float32 norm are in the norm."""
     name, original, after, report = optimized
     assert norms_followed_by_constant_mul(after) == []
+
+
+def test_norm_casts_folded(optimized):
+    name, original, after, report = optimized
+    assert casts_around_norms(after) == []
