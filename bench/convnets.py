@@ -20,7 +20,7 @@ outputs, of onnxslim's, onnxsim's and onnxruntime's offline optimizer's (ORT_ENA
 run at ORT_ENABLE_ALL, every model timed interleaved in one loop (onnxruntime CPU, same thread
 count): `onnx/all`, `ort/off` (fuser's onnxruntime target with onnxruntime's optimizations
 off) and `ort/all`. Symbolic input dimensions are fixed by SHAPES before anything runs, as a
-user would with `--input-shape`. A peer that fails shows `-`.
+user would with `--input-shape ... --fix-shapes`. A peer that fails shows `-`.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _zoo_resnet50(folder: str) -> None:
 
 
 def fixed_shapes(model: onnx.ModelProto, shapes: dict) -> onnx.ModelProto:
-    """The model with its inputs' symbolic dimensions set, as --input-shape does for a run."""
+    """The model with its inputs' symbolic dimensions set, as --input-shape with --fix-shapes does."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     for value in model.graph.input:
         if value.name in shapes:

@@ -1,57 +1,107 @@
-"""How fuser's time grows with graph size: synthetic Conv-BatchNormalization-Relu chains.
+"""How fuser's time and memory grow with the model: synthetic stacks of many nodes, and large weights.
 
-    python bench/scale.py [--sizes 10000,100000] [--repeats 3]
+    python bench/scale.py [--sizes 1000,10000,100000] [--families resnet,mlp] [--weights-mb 500]
+                          [--real PATH.onnx] [--no-check-only] [--dir /tmp/fuser-scale]
 
-Prints, per size (total node count), the median seconds over repeats of: loading the
-ONNX model into fuser's graph, the round trip back to ONNX, and the rewrite pass with
-the built-in rules (no numerics check: this measures the engine, not onnxruntime).
+Every measurement is its own process, so its peak memory (max RSS, from the kernel's rusage
+of that child) is its own. Per model it runs, interleaved:
+
+* `onnx load+save`: `onnx.save(onnx.load(model))`, the floor for any Python tool;
+* `fuser optimize --no-check`, and `fuser optimize` (with the onnxruntime numerics check).
+
+and prints wall time, peak memory, the stage times from fuser's JSON report, and the ratios of
+fuser's time and memory to onnx load+save. Models:
+
+* `resnet`: blocks Conv-BatchNormalization-Relu-Conv-BatchNormalization-Add-Relu (7 nodes, 4 channels);
+* `mlp`: blocks MatMul-Add-Relu-MatMul-Add-Add (6 nodes, width 16, a residual Add);
+* `weights`: a 12-block MLP whose weights total --weights-mb (GPT-2 small is about 500 MB),
+  stored inside the .onnx file, as a single-file export is;
+* `--real PATH`: any model, e.g. a GPT-2 small export made by
+  `python tests/data/make_transformers.py --size real --out bench/models/`.
+
+Sizes are total node counts; 1M nodes is `--sizes 1000000` (a few minutes and several GB).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
-
-import fuser
-from fuser.engine import Engine
-from fuser.model import Model
-from fuser.registry import builtin_rules, select
+from onnx import TensorProto, helper, numpy_helper
 
 
-def conv_bn_relu_chain(nodes: int, channels: int = 2) -> onnx.ModelProto:
-    blocks = max(1, nodes // 3)
+def resnet_stack(nodes: int, channels: int = 4) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     graph_nodes, inits = [], []
     current = "x"
-    for i in range(blocks):
-        for name, value in (
-            (f"w{i}", rng.standard_normal((channels, channels, 1, 1)).astype(np.float32)),
-            (f"s{i}", np.ones(channels, np.float32)),
-            (f"b{i}", np.zeros(channels, np.float32)),
-            (f"m{i}", np.zeros(channels, np.float32)),
-            (f"v{i}", np.ones(channels, np.float32)),
-        ):
-            inits.append(numpy_helper.from_array(value, name))
+    for i in range(max(1, nodes // 7)):
+        for j in (0, 1):
+            inits.append(_tensor(rng.standard_normal((channels, channels, 3, 3)) * 0.1, f"w{i}_{j}"))
+            inits.append(_tensor(1 + 0.1 * rng.standard_normal(channels), f"scale{i}_{j}"))
+            inits.append(_tensor(0.1 * rng.standard_normal(channels), f"beta{i}_{j}"))
+            inits.append(_tensor(0.1 * rng.standard_normal(channels), f"mean{i}_{j}"))
+            inits.append(_tensor(1 + rng.random(channels), f"var{i}_{j}"))
+        for j, source, target in ((0, current, f"r{i}"), (1, f"r{i}", f"n{i}")):
+            graph_nodes.append(helper.make_node("Conv", [source, f"w{i}_{j}"], [f"c{i}_{j}"], pads=[1, 1, 1, 1]))
+            bn_inputs = [f"c{i}_{j}", f"scale{i}_{j}", f"beta{i}_{j}", f"mean{i}_{j}", f"var{i}_{j}"]
+            graph_nodes.append(helper.make_node("BatchNormalization", bn_inputs, [target if j else f"b{i}"]))
+            if j == 0:
+                graph_nodes.append(helper.make_node("Relu", [f"b{i}"], [target]))
+        graph_nodes.append(helper.make_node("Add", [f"n{i}", current], [f"a{i}"]))
+        graph_nodes.append(helper.make_node("Relu", [f"a{i}"], [f"y{i}"]))
+        current = f"y{i}"
+    shape = ["batch", channels, 8, 8]
+    return _model(graph_nodes, inits, "x", current, shape)
+
+
+def mlp_stack(nodes: int, width: int = 16, blocks: int | None = None, hidden: int | None = None) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    hidden = hidden or width
+    graph_nodes, inits = [], []
+    current = "x"
+    for i in range(blocks or max(1, nodes // 6)):
+        inits.append(_tensor(rng.standard_normal((width, hidden)) / np.sqrt(width), f"w{i}_0"))
+        inits.append(_tensor(0.1 * rng.standard_normal(hidden), f"b{i}_0"))
+        inits.append(_tensor(rng.standard_normal((hidden, width)) / np.sqrt(hidden), f"w{i}_1"))
+        inits.append(_tensor(0.1 * rng.standard_normal(width), f"b{i}_1"))
         graph_nodes += [
-            helper.make_node("Conv", [current, f"w{i}"], [f"c{i}"], name=f"conv{i}"),
-            helper.make_node(
-                "BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"n{i}"], name=f"bn{i}"
-            ),
-            helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}"),
+            helper.make_node("MatMul", [current, f"w{i}_0"], [f"m{i}_0"]),
+            helper.make_node("Add", [f"m{i}_0", f"b{i}_0"], [f"h{i}_0"]),
+            helper.make_node("Relu", [f"h{i}_0"], [f"r{i}"]),
+            helper.make_node("MatMul", [f"r{i}", f"w{i}_1"], [f"m{i}_1"]),
+            helper.make_node("Add", [f"m{i}_1", f"b{i}_1"], [f"h{i}_1"]),
+            helper.make_node("Add", [f"h{i}_1", current], [f"y{i}"]),
         ]
-        current = f"r{i}"
-    info = helper.make_tensor_value_info
+        current = f"y{i}"
+    return _model(graph_nodes, inits, "x", current, ["batch", width])
+
+
+def large_weights(megabytes: int) -> onnx.ModelProto:
+    """12 MLP blocks of width 768 whose hidden size makes the weights total `megabytes`."""
+    width, blocks = 768, 12
+    hidden = max(1, int(megabytes * 1e6 / (4 * blocks * 2 * width)))
+    return mlp_stack(0, width=width, blocks=blocks, hidden=hidden)
+
+
+def _tensor(value, name: str) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value, np.float32), name)
+
+
+def _model(nodes, inits, source: str, result: str, shape) -> onnx.ModelProto:
     graph = helper.make_graph(
-        graph_nodes,
-        "chain",
-        [info("x", onnx.TensorProto.FLOAT, [1, channels, 4, 4])],
-        [info(current, onnx.TensorProto.FLOAT, [1, channels, 4, 4])],
+        nodes,
+        "stack",
+        [helper.make_tensor_value_info(source, TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(result, TensorProto.FLOAT, shape)],
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -59,40 +109,120 @@ def conv_bn_relu_chain(nodes: int, channels: int = 2) -> onnx.ModelProto:
     return model
 
 
-def median_seconds(function, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+# ------------------------------------------------------------------------------------- measuring
+
+ONNX_ROUND_TRIP = "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])"
+
+
+def measure(command: list[str]) -> tuple[float, float, int]:
+    """Wall seconds, peak RSS in GB and exit code of `command`, run as a child of its own."""
+    started = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - started
+    child.returncode = os.waitstatus_to_exitcode(status)
+    error = child.stderr.read().decode(errors="replace").strip()
+    child.stderr.close()
+    if child.returncode not in (0,):
+        print(f"    {' '.join(command[:4])}... exited {child.returncode}: {error.splitlines()[-1:]}", file=sys.stderr)
+    return seconds, usage.ru_maxrss / 1e6, child.returncode  # ru_maxrss is in KiB on Linux
+
+
+def fuser_command(model: Path, output: Path, report: Path, check: bool) -> list[str]:
+    command = [sys.executable, "-m", "fuser", "optimize", str(model), "-o", str(output), "--force", "-q"]
+    command += ["--report", str(report)]
+    return command + ([] if check else ["--no-check"])
+
+
+def stage_times(report: Path) -> dict[str, float]:
+    try:
+        return json.loads(report.read_text()).get("timings") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list[dict]:
+    nodes = sum(1 for _ in onnx.load(str(path), load_external_data=False).graph.node)
+    rows = []
+    reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
+    for check in checks:
+        report = workdir / "report.json"
+        seconds, peak, code = measure(fuser_command(path, workdir / "out.onnx", report, check))
+        rows.append(
+            {
+                "model": label,
+                "nodes": nodes,
+                "mode": "check" if check else "no-check",
+                "onnx_s": reference[0],
+                "onnx_gb": reference[1],
+                "fuser_s": seconds,
+                "fuser_gb": peak,
+                "exit": code,
+                "stages": stage_times(report),
+            }
+        )
+    return rows
+
+
+STAGES = ["load", "rewrite", "write", "verify", "blame"]
+
+
+def header() -> str:
+    text = (
+        f"{'model':<16} {'nodes':>8} {'mode':<8} {'onnx s':>7} {'onnx GB':>8} {'fuser s':>8} {'fuser GB':>9} "
+        f"{'time x':>7} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
+    )
+    return text + "\n" + "-" * len(text)
+
+
+def line(row: dict) -> str:
+    times = " ".join(f"{row['stages'][s]:>7.2f}" if s in row["stages"] else f"{'-':>7}" for s in STAGES)
+    return (
+        f"{row['model']:<16} {row['nodes']:>8} {row['mode']:<8} {row['onnx_s']:>7.2f} {row['onnx_gb']:>8.2f} "
+        f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {row['fuser_s'] / row['onnx_s']:>7.1f} "
+        f"{row['fuser_gb'] / row['onnx_gb']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
+        + ("" if row["exit"] == 0 else f"  exit {row['exit']}")
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", default="1000,10000,100000", help="total node counts, comma-separated")
+    parser.add_argument("--families", default="resnet,mlp")
+    parser.add_argument("--weights-mb", type=int, default=500, help="size of the large-weights model (0: none)")
+    parser.add_argument("--real", action="append", default=[], help="an existing model to measure too")
+    parser.add_argument("--no-check-only", action="store_true", help="skip the runs with the numerics check")
+    parser.add_argument("--check-up-to", type=int, default=100_000, help="largest stack measured with the check")
+    parser.add_argument("--dir", default=None, help="where to write the models (default: a temporary folder)")
     args = parser.parse_args(argv)
-    rules = select(builtin_rules(), "onnx")
-    print(f"fuser {fuser.__version__}, rules: {len(rules)}")
-    print(f"{'nodes':>9} {'load s':>9} {'to_onnx s':>10} {'optimize s':>11} {'rewrites':>9} {'us/node':>8}")
-    for size in (int(s) for s in args.sizes.split(",")):
-        proto = conv_bn_relu_chain(size)
-        load = median_seconds(lambda proto=proto: Model(proto), args.repeats)
-        loaded = Model(proto)
-        to_onnx = median_seconds(loaded.to_proto, args.repeats)
-        counts: list[int] = []
-
-        def rewrite(proto=proto, counts=counts):
-            model = Model(proto)
-            counts.append(len(Engine(model, rules).run().rewrites))
-
-        optimize = median_seconds(rewrite, args.repeats) - load
-        print(
-            f"{len(proto.graph.node):>9} {load:>9.2f} {to_onnx:>10.2f} {optimize:>11.2f} {counts[-1]:>9} "
-            f"{optimize / len(proto.graph.node) * 1e6:>8.1f}"
-        )
-        sys.stdout.flush()
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fuser-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    builders = {"resnet": resnet_stack, "mlp": mlp_stack}
+    print(f"python {sys.version.split()[0]}, onnx {onnx.__version__}, {os.cpu_count()} cores; models in {workdir}")
+    print("time x / mem x: fuser's wall time / peak RSS over onnx load+save of the same file, measured in the same run")
+    print(header(), flush=True)
+    models: list[tuple[str, Path, list[bool]]] = []
+    for size in (int(s) for s in args.sizes.split(",") if s):
+        for family in args.families.split(","):
+            path = workdir / f"{family}_{size}.onnx"
+            checks = [False] if args.no_check_only or size > args.check_up_to else [False, True]
+            models.append((family, path, checks, lambda family=family, size=size: builders[family](size)))
+    if args.weights_mb:
+        path = workdir / f"weights_{args.weights_mb}mb.onnx"
+        checks = [False] if args.no_check_only else [False, True]
+        models.append((f"weights {args.weights_mb}MB", path, checks, lambda: large_weights(args.weights_mb)))
+    for real in args.real:
+        checks = [False] if args.no_check_only else [False, True]
+        models.append((Path(real).stem[:16], Path(real), checks, None))
+    try:
+        for label, path, checks, build in models:
+            if build is not None and not path.exists():
+                onnx.save(build(), str(path))
+            for row in run_model(label, path, workdir, checks):
+                print(line(row), flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

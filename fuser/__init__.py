@@ -4,6 +4,7 @@ Public API for users and rule authors:
 
     fuser.optimize(model_or_path, ...) -> (onnx.ModelProto, Report)
     fuser.rule, fuser.op, fuser.var, fuser.const     to write rules
+    fuser.sweep, fuser.Change                        rules that look at a whole graph
     fuser.Match, fuser.Builder, fuser.Decline        what a rule's function works with
 """
 
@@ -16,7 +17,7 @@ from fuser.api import Report, find_opportunities, optimize
 from fuser.match import Decline, Match
 from fuser.model import Model
 from fuser.pattern import const, op, var
-from fuser.rule import Builder, Rule, rule
+from fuser.rule import Builder, Change, Rule, rule, sweep
 
 
 def _source_checkout_rules() -> None:
@@ -45,6 +46,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "Builder",
+    "Change",
     "Decline",
     "Match",
     "Model",
@@ -55,5 +57,6 @@ __all__ = [
     "op",
     "optimize",
     "rule",
+    "sweep",
     "var",
 ]

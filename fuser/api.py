@@ -11,15 +11,19 @@ from pathlib import Path
 import onnx
 
 from fuser.blame import Attempt, find_guilty
+from fuser.context import Context, machine_nchwc_block, resolve_context
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
 from fuser.measure import Timing
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
+from fuser.nchwc import has_nchwc
+from fuser.nchwc import lower as lower_nchwc
 from fuser.opset import upgrade
 from fuser.registry import all_rules, select
 from fuser.rule import Rule
+from fuser.specialize import fix_shapes as specialize
 from fuser.verify import Checker, Verdict
 
 
@@ -43,6 +47,8 @@ class Report:
     op_types_before: dict[str, int] = field(default_factory=dict)
     op_types_after: dict[str, int] = field(default_factory=dict)
     latency: Timing | None = None
+    context: Context = field(default_factory=Context)
+    fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
 
     @property
     def rewrites(self):
@@ -60,6 +66,7 @@ class Report:
         return {
             "target": self.target,
             "rules": self.rules,
+            **self.context.to_dict(),
             "input": self.input_path,
             "output": self.output_path,
             "nodes_before": self.nodes_before,
@@ -77,6 +84,7 @@ class Report:
             "dropped": [r.to_dict() for r in self.dropped],
             "timings": self.timings,
             "latency": None if self.latency is None else self.latency.to_dict(),
+            "fixed_shapes": self.fixed_shapes,
         }
 
 
@@ -119,6 +127,8 @@ def optimize(
     opset: int | None = None,
     measure: str | None = None,
     measure_threads: int = 1,
+    nchwc_block: str | int = "auto",
+    fix_shapes: bool = False,
 ) -> tuple[onnx.ModelProto, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
@@ -132,9 +142,21 @@ def optimize(
     measure: an onnxruntime optimization level ("off", "basic", "extended", "all") to time the
     models at (fuser/measure.py): a phase of rules whose output is slower than its input
     beyond noise is left out, and `report.latency` compares the result with the original.
+    nchwc_block: the block of onnxruntime's NCHWc layout to write the model for: "auto" (this
+    machine's), 8 or 16 (fuser/context.py); recorded in `report.context`.
+    fix_shapes: write the sizes `dims` and `shapes` give into the model's inputs first
+    (fuser/specialize.py), so shape arithmetic depending on them folds; the result accepts only
+    those sizes, and `report.fixed_shapes` lists them.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
+    context = resolve_context(nchwc_block)
+    foreign_block = context.nchwc_block not in (0, machine_nchwc_block())
+    if foreign_block and measure:
+        raise UsageError(
+            f"--measure times the model on this machine, whose NCHWc block is {machine_nchwc_block() or 'none'}: "
+            f"it cannot time a model written for --nchwc-block {context.nchwc_block}"
+        )
     say = progress or (lambda message: None)
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -150,12 +172,21 @@ def optimize(
         say(f"upgrading to opset {opset}")
         model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
-    base = model.to_proto() if check and upgraded else original
-    measured = _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say) if measure else None
+    fixed = None
+    if fix_shapes:
+        say("fixing the input sizes")
+        model, fixed, bound = specialize(model, dims or {}, shapes or {})
+        dims = {**bound, **(dims or {})}  # the check feeds the original the sizes the output is fixed at
+    base = model.to_proto() if check and (upgraded or fixed is not None) else original
+    measured = (
+        _measure_phases(model, chosen, measure, measure_threads, dims, shapes, inputs, say, context)
+        if measure
+        else None
+    )
     if measured is not None:
         chosen, measure_notes, unoptimized, feeds = measured
     say(f"rewriting with {len(chosen)} rules")
-    result = Engine(model, chosen, trace=trace).run(apply=True)
+    result = Engine(model, chosen, trace=trace, context=context).run(apply=True)
     timings["rewrite"] = result.seconds
     optimized = model.to_proto()
     report = Report(
@@ -168,17 +199,27 @@ def optimize(
         engine=result,
         timings=timings,
         input_path=str(model.path) if model.path else None,
+        context=context,
+        fixed_shapes=fixed,
     )
     report.notes.extend(_rule_notes(chosen, report.counts))
     if upgraded:
         report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+    if fixed is not None:
+        report.notes.append(_fixed_shapes_note(fixed))
     if measured is not None:
         report.notes.extend(measure_notes)
-        if result.rewrites:
-            report.latency = compare_latency(unoptimized, optimized, feeds, level=measure, threads=measure_threads)
+
+    def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+        """`written` and its report, timed against the original when --measure asks: the model
+        returned, after any rewrites the check dropped, is the one timed."""
+        if measured is not None and report.rewrites:
+            report.latency = compare_latency(unoptimized, written, feeds, level=measure, threads=measure_threads)
             report.notes.append(f"--measure: {report.latency.summary()}")
-    if not (check and (result.rewrites or upgraded)):
-        return optimized, report
+        return written, report
+
+    if not (check and (result.rewrites or upgraded or fixed)):
+        return finished(optimized)
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
         if inputs is None and runs == 1:
@@ -202,6 +243,13 @@ def optimize(
         atol=atol,
         base_dir=model.base_dir,
     )
+    if foreign_block:
+        checker = ForeignBlockChecker(checker, context.nchwc_block)
+        if has_nchwc(optimized):
+            report.notes.append(
+                f"the model is written for NCHWc block {context.nchwc_block}, this machine's is "
+                f"{machine_nchwc_block() or 'none'}: the check ran its NCHWc operators as standard ones (fuser/nchwc.py)"
+            )
     if upgraded:
         # Checked on its own first, so a converter error is not blamed on a rewrite.
         converted = checker.check(base, exact=False)
@@ -216,11 +264,11 @@ def optimize(
     report.verdict = checker.check(optimized, exact, stabilizing)
     timings["verify"] = time.perf_counter() - started
     if report.verdict.passed:
-        return optimized, report
+        return finished(optimized)
     started = time.perf_counter()
     say("numerics check failed: bisecting the rewrite log to find the guilty rewrites")
     first = Attempt(optimized, result, report.verdict)
-    blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=say)
+    blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=say, context=context)
     timings["blame"] = time.perf_counter() - started
     report.blamed = blame.guilty
     report.blame_checks = blame.checks
@@ -233,14 +281,26 @@ def optimize(
         report.verdict = final.verdict
         report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
         report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
-        return final.model, report
+        return finished(final.model)
     raise NumericsMismatch(
         _mismatch_message(report.verdict, blame.guilty),
         evidence={"original": original, "optimized": optimized, "report": report},
     )
 
 
-def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, say):
+class ForeignBlockChecker:
+    """Checks models written for another machine's NCHWc block with their NCHWc operators
+    lowered to standard ones, which onnxruntime runs at any block size."""
+
+    def __init__(self, checker: Checker, block: int):
+        self.checker = checker
+        self.block = block
+
+    def check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None) -> Verdict:
+        return self.checker.check(lower_nchwc(candidate, self.block), exact, stabilizing, base_dir)
+
+
+def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, say, context):
     """The rules of the phases that do not slow the model down, their notes, the unoptimized
     model and the inputs it is timed on."""
     from fuser.measure import paying_rules, session
@@ -250,9 +310,16 @@ def _measure_phases(model: Model, chosen, level, threads, dims, shapes, inputs, 
     feeds = inputs if inputs is not None else synthesize_inputs(session(unoptimized, "off"), dims=dims, shapes=shapes)
     say(f"timing each phase of rules in onnxruntime (optimizations {level})")
     kept, notes = paying_rules(
-        unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say
+        unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say, context=context
     )
     return kept, notes, unoptimized, feeds
+
+
+def _fixed_shapes_note(fixed: dict[str, list]) -> str:
+    if not fixed:
+        return "--fix-shapes: the inputs already had these sizes; nothing was fixed"
+    shapes = ", ".join(f"{name}[{','.join(str(d) for d in dims)}]" for name, dims in fixed.items())
+    return f"--fix-shapes: written for inputs {shapes}; the model accepts only these sizes"
 
 
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:
@@ -268,10 +335,12 @@ def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:
     return f"{verdict.summary()}; caused by {len(guilty)} rewrite(s): {named}{more}"
 
 
-def find_opportunities(model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=(), opset=None):
+def find_opportunities(
+    model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=(), opset=None, nchwc_block="auto"
+):
     """The rewrites the selected rules would make (after the upgrade to `opset`), without changing anything."""
     model = load(model_or_path)
     if opset is not None:
         model = upgrade(model, opset)
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
-    return Engine(model, chosen).run(apply=False)
+    return Engine(model, chosen, context=resolve_context(nchwc_block)).run(apply=False)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from fuser.context import Context
 from fuser.engine import Engine, EngineResult, Rewrite
 from fuser.model import Model
 from fuser.rule import Rule
@@ -42,9 +43,10 @@ def rewrite_and_check(
     checker: Checker,
     limit: int | None,
     vetoed: set[tuple],
+    context: Context | None = None,
 ) -> Attempt:
     model = Model(original, base_dir=base_dir)
-    result = Engine(model, rules, limit=limit, vetoed=vetoed).run()
+    result = Engine(model, rules, limit=limit, vetoed=vetoed, context=context).run()
     candidate = model.to_proto()
     applied = set(result.counts())
     exact = all(r.exact for r in rules if r.name in applied)
@@ -59,6 +61,7 @@ def find_guilty(
     checker: Checker,
     failing: Attempt,
     progress: Callable[[str], None] | None = None,
+    context: Context | None = None,
 ) -> Blame:
     """Veto guilty rewrites one at a time until the remaining ones pass the check."""
     blame = Blame()
@@ -71,7 +74,7 @@ def find_guilty(
             break  # nothing left to blame: the mismatch is not caused by a rewrite
         while high - low > 1:
             middle = (low + high) // 2
-            probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed)
+            probe = rewrite_and_check(original, base_dir, rules, checker, middle, vetoed, context)
             blame.checks += 1
             if probe.verdict.passed:
                 low = middle
@@ -83,7 +86,7 @@ def find_guilty(
         blame.guilty.append(culprit)
         vetoed.add(culprit.key)
         known_good = high - 1
-        attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed)
+        attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed, context)
         blame.checks += 1
     blame.final = attempt
     return blame

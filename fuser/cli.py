@@ -36,6 +36,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.config import default_map
+from fuser.context import NCHWC_CHOICES, resolve_nchwc_block
 from fuser.graph import all_graph_protos
 from fuser.registry import all_rules, select
 from fuser.tensors import external_data_fields, uses_external_data
@@ -159,6 +160,13 @@ rule_options = [
     click.option(
         "--disable", multiple=True, metavar="RULE", help="Turn off a rule; a pattern ('nchwc-*') turns off several."
     ),
+    click.option(
+        "--nchwc-block",
+        type=click.Choice(NCHWC_CHOICES),
+        default="auto",
+        show_default=True,
+        help="Block size of onnxruntime's NCHWc layout (--target onnxruntime) to write for: auto is this machine's.",
+    ),
 ]
 
 
@@ -277,6 +285,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
 )
 @with_check_options
 @click.option(
+    "--fix-shapes",
+    is_flag=True,
+    help="Write the sizes --dim and --input-shape give into the model, so shape arithmetic depending on "
+    "them folds; the output accepts only those sizes.",
+)
+@click.option(
     "--measure",
     type=click.Choice(["off", "basic", "extended", "all"]),
     help="Time original and result in onnxruntime at this optimization level; leave out a phase that slows it.",
@@ -305,6 +319,7 @@ def optimize(
     rule_files,
     enable,
     disable,
+    nchwc_block,
     no_check,
     on_mismatch,
     seed,
@@ -315,6 +330,7 @@ def optimize(
     ranges,
     atol,
     rtol,
+    fix_shapes,
     measure,
     measure_threads,
     report_path,
@@ -333,9 +349,8 @@ def optimize(
         data["input"] = report_module.file_entry(source)
         settings = _check_settings(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         size_before = _size_on_disk(source, loaded)
-        original_proto = loaded.to_proto()
-        _check_names(original_proto, settings)
-        if writes_external_data(original_proto, external_data):  # fail before the long work
+        _check_names(loaded.to_proto(weights=False), settings)
+        if writes_external_data(loaded, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
             _check_destination(source, external_data_path(destination), force)
             external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
@@ -354,19 +369,21 @@ def optimize(
             progress=_progress(quiet),
             measure=measure,
             measure_threads=measure_threads,
+            nchwc_block=nchwc_block,
+            fix_shapes=fix_shapes,
             **settings,
         )
-        write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
+        written = write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
         result.output_path = str(destination)
         body = result.to_dict()
-        size_after = _size_on_disk(destination)
+        size_after = sum(path.stat().st_size for path in written)
         body.update(
             input=data["input"],
             output=report_module.file_entry(destination),
             size_before=size_before,
             size_after=size_after,
         )
-        verdict = "optimized" if result.rewrites else "unchanged"
+        verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
         _emit_report(report_module.envelope("optimize", verdict, EXIT_OK, **body), report_path, fmt)
         if fmt == "text":
             _print_summary(result, destination, verbose, quiet, (size_before, size_after))
@@ -563,6 +580,8 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")
+    if result.target == "onnxruntime":
+        lines.append(f"NCHWc block: {result.context.nchwc_block or 'none (onnxruntime here has no NCHWc kernels)'}")
     lines += [f"  note: {note}" for note in result.notes]
     for rewrite in result.dropped:
         lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
@@ -586,7 +605,9 @@ def _print_summary(result: api.Report, destination: Path, verbose: bool, quiet: 
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True)
 @click.pass_obj
-def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_zero, report_path, fmt, quiet):
+def check(
+    ctx: Context, model, target, opset, rule_files, enable, disable, nchwc_block, exit_zero, report_path, fmt, quiet
+):
     """List the fusions the enabled rules would make in MODEL; write nothing.
 
     Exits 1 when there is at least one (a gate for "the exported model is fully fused").
@@ -594,8 +615,9 @@ def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_
     try:
         _check_report_path(report_path, Path(model))
         disable = _disable_list(enable, disable)
+        block = resolve_nchwc_block(nchwc_block)
         result = api.find_opportunities(
-            model, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset
+            model, target=target, enable=enable, disable=disable, rule_files=rule_files, opset=opset, nchwc_block=block
         )
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
@@ -606,6 +628,7 @@ def check(ctx: Context, model, target, opset, rule_files, enable, disable, exit_
                 code,
                 input=report_module.file_entry(model),
                 target=target,
+                nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],
                 skipped_rules=result.skipped_rules,
             ),
@@ -783,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_obj
-def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disable, only, fmt):
+def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disable, nchwc_block, only, fmt):
     """Say why each rule did or did not fire in MODEL: what it matched, applied and declined,
     grouped by reason, with the rule's file:line. Writes nothing; the numerics check is not run."""
     import fnmatch
@@ -793,7 +816,13 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
         enable = tuple(enable) + tuple(only)
         chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
         _, result = api.optimize(
-            Model.load(Path(model)), rules=chosen, target=target, check=False, trace=True, opset=opset
+            Model.load(Path(model)),
+            rules=chosen,
+            target=target,
+            check=False,
+            trace=True,
+            opset=opset,
+            nchwc_block=nchwc_block,
         )
         explained = explain.explain(result.engine, chosen)
         if only:

@@ -2,6 +2,7 @@
 
     [tool.fuser]
     target = "onnxruntime"
+    nchwc-block = 16                      # or "auto" (this machine's), 8
     disable = ["log-sum-exp"]
     rules = ["tools/our_rules.py"]        # relative to the pyproject.toml
     atol = 1e-4
@@ -13,6 +14,7 @@
     dims = { batch = 8 }
     input-shapes = { image = [1, 3, 224, 224] }
     input-ranges = { token_ids = [0, 30000] }
+    fix-shapes = true                     # write the dims and input-shapes above into the model
 
 Flags on the command line override these.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fuser.context import NCHWC_CHOICES
 from fuser.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -33,6 +36,7 @@ else:  # pragma: no cover - Python 3.10
 KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
     "target": (str, ("optimize", "check")),
     "opset": (int, ("optimize", "check")),
+    "nchwc-block": ((str, int), ("optimize", "check")),
     "enable": (list, ("optimize", "check")),
     "disable": (list, ("optimize", "check")),
     "rules": (list, ("optimize", "check", "rules")),
@@ -45,6 +49,7 @@ KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
     "dims": (dict, ("optimize", "compare")),
     "input-shapes": (dict, ("optimize", "compare")),
     "input-ranges": (dict, ("optimize", "compare")),
+    "fix-shapes": (bool, ("optimize",)),
 }
 # config key -> the click parameter it sets
 PARAMETERS = {
@@ -54,6 +59,8 @@ PARAMETERS = {
     "external-data": "external_data",
     "input-shapes": "shapes",
     "input-ranges": "ranges",
+    "nchwc-block": "nchwc_block",
+    "fix-shapes": "fix_shapes",
 }
 
 
@@ -86,7 +93,7 @@ def _validate(path: Path, key: str, value) -> None:
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    good = isinstance(value, expected) and not isinstance(value, bool)
+    good = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if good and key in ("enable", "disable", "rules"):
         good = all(isinstance(v, str) for v in value)
     elif good and key == "dims":
@@ -98,6 +105,8 @@ def _validate(path: Path, key: str, value) -> None:
         )
     elif good and key == "input-ranges":
         good = all(isinstance(v, list) and len(v) == 2 and all(number(d) for d in v) for v in value.values())
+    elif good and key == "nchwc-block":
+        good = str(value) in NCHWC_CHOICES
     if not good:
         raise UsageError(f"{path}: [tool.fuser] {key} has the wrong type or shape: {value!r}")
 
@@ -116,6 +125,8 @@ def default_map(start: Path) -> dict[str, dict]:
             value = [f"{name}:{','.join(str(d) for d in dims)}" for name, dims in value.items()]
         elif key == "input-ranges":
             value = [f"{name}:{low},{high}" for name, (low, high) in value.items()]
+        elif key == "nchwc-block":
+            value = str(value)
         for command in KEYS[key][1]:
             defaults[command][parameter] = value
     return defaults

@@ -1,17 +1,24 @@
-"""Evaluating nodes whose inputs are all constants (constant folding), bounded in size.
+"""Constant evaluation: the value of a tensor fixed by the model, bounded in size.
 
 Exported models often compute weights in the graph (ConstantOfShape, Reshape of an
-initializer, Cast, ...). Rules see through such subgraphs because the graph asks this
-module for their values; results larger than a bound are never materialized.
+initializer, Cast, ...). Rules see through such subgraphs because `Graph.constant_value`
+asks this module, which evaluates them on demand (one node at a time, with onnx's
+reference evaluator) and caches the results per graph scope; results larger than a
+bound are never materialized.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import AttributeProto, NodeProto, numpy_helper
+
+if TYPE_CHECKING:
+    from fuser.graph import Graph
 
 _NONDETERMINISTIC = {
     "RandomNormal",
@@ -103,3 +110,118 @@ def evaluate_node(
             return None
         arrays.append(value)
     return arrays
+
+
+class ConstantValues:
+    """The known constant tensors of one graph scope, evaluated on demand and cached.
+
+    The graph tells it about changes: `forget` when a tensor stops being produced, and
+    `reconsider` when a node starts reading another tensor (what it computes may have
+    become constant). Tensors found not to be constant are remembered too, so repeated
+    queries on activations stop at once.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self._graph = graph
+        self._cache: dict[str, np.ndarray] = {}
+        self._not_constant: set[str] = set()
+
+    def value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
+        cached = self._cache.get(tensor)
+        if cached is not None:
+            return cached if cached.nbytes <= max_bytes else None
+        if tensor in self._not_constant:
+            return None
+        order = self._dependencies(tensor)
+        if order is None:
+            return None
+        graph = self._graph
+        for node_id in order:
+            proto = graph.node(node_id).proto
+            inputs = []
+            for name in proto.input:
+                value = self._leaf_value(name, max_bytes) if name else None
+                if name and value is None:
+                    return None
+                inputs.append(value)
+            outputs = evaluate_node(proto, inputs, graph.opsets, max_bytes)
+            if outputs is None:
+                return None
+            for name, value in zip(proto.output, outputs):
+                if name:
+                    value.flags.writeable = False
+                    self._cache[name] = value
+        return self._leaf_value(tensor, max_bytes)
+
+    def forget(self, tensor: str) -> None:
+        """`tensor` is no longer produced in this scope (its node or initializer was removed)."""
+        self._cache.pop(tensor, None)
+        self._not_constant.discard(tensor)
+
+    def reconsider(self, tensors: Iterable[str]) -> None:
+        """A node producing `tensors` now reads another input: they, and what is computed
+        from them, may have become constant."""
+        pending = [t for t in tensors if t in self._not_constant]
+        while pending:
+            tensor = pending.pop()
+            self._not_constant.discard(tensor)
+            for consumer in self._graph.op_consumers(tensor):
+                pending.extend(t for t in self._graph.node(consumer).proto.output if t in self._not_constant)
+
+    def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
+        """An initializer's, a capture's or an already evaluated tensor's value."""
+        cached = self._cache.get(tensor)
+        if cached is not None:
+            return cached if cached.nbytes <= max_bytes else None
+        graph = self._graph
+        kind = graph.source_kind(tensor)
+        if kind == "outer":
+            return graph.outer.constant_value(tensor, max_bytes)
+        if kind != "initializer":
+            return None
+        value = graph.tensors.value(graph.initializer(tensor), max_bytes)
+        if value is not None:
+            value.flags.writeable = False
+            self._cache[tensor] = value
+        return value
+
+    def _dependencies(self, tensor: str) -> list[int] | None:
+        """Op nodes to evaluate, inputs first, for `tensor`; None if it is not constant.
+
+        Iterative depth-first search: the entries still marked "expanded" on the stack are
+        the ancestors of the current tensor, so when a non-constant input turns up, all of
+        them are recorded as non-constant too and later queries stop at once.
+        """
+        graph = self._graph
+        stack: list[tuple[str, bool]] = [(tensor, False)]
+        order: list[int] = []
+        done: set[int] = set()
+        while stack:
+            name, expanded = stack.pop()
+            if expanded:
+                node_id = graph.producer(name)
+                if node_id not in done:
+                    done.add(node_id)
+                    order.append(node_id)
+                continue
+            if name in self._cache:
+                continue
+            kind = graph.source_kind(name) if name not in self._not_constant else None
+            node_id = None
+            if kind == "initializer":
+                constant = graph.initializer(name) is not None  # sparse initializers stay opaque
+            elif kind == "outer":
+                constant = graph.outer is not None and graph.outer.constant_value(name) is not None
+            elif kind == "op":
+                node_id = graph.producer(name)
+                constant = is_foldable(graph.node(node_id))
+            else:
+                constant = False
+            if not constant:
+                self._not_constant.add(name)
+                self._not_constant.update(n for n, e in stack if e)
+                return None
+            if node_id is not None and node_id not in done:
+                stack.append((name, True))
+                stack.extend((i, False) for i in graph.node(node_id).proto.input if i)
+        return order

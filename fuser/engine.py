@@ -3,8 +3,8 @@
 The engine knows nothing about particular rules. For each graph scope it keeps a
 worklist of nodes ordered by position; a node is tried against the rules whose pattern
 is rooted at its op type, in rule order, and the first match that passes the engine's
-safety checks, the rule's condition and its build is applied. After a rewrite only the
-touched neighbourhood goes back on the worklist.
+safety checks and the rule's own (the `m.require` calls in its function) is applied. After
+a rewrite only the touched neighbourhood goes back on the worklist.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
-from fuser.graph import OP, SUBGRAPH_SLOT, Graph, paused_gc
-from fuser.match import Decline, Match, TypeInfo, find_matches
+from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
+from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
-from fuser.rule import Builder, Rule, as_outputs
+from fuser.rule import Builder, Change, Rule, as_outputs
 
 
 @dataclass
@@ -129,15 +130,19 @@ class Engine:
         trace: bool = False,
         limit: int | None = None,
         vetoed: set[tuple] = frozenset(),
+        context: Context | None = None,
     ):
         """limit: stop after this many rewrites (a prefix of the full run, for blame);
-        vetoed: keys of rewrites (Rewrite.key) never to apply."""
+        vetoed: keys of rewrites (Rewrite.key) never to apply; context: what the rules may
+        know about the machine (default: this machine's, fuser/context.py)."""
         self.model = model
+        self.context = context if context is not None else resolve_context()
         self.trace = trace
         self.limit = limit
         self.vetoed = set(vetoed)
         self._advised: set[tuple] = set()
         self._declined_keys: set[tuple] = set()
+        self._swept: dict[tuple, int] = {}  # (scope graph, phase) -> rewrites logged when its sweeps last ran
         self.result = EngineResult()
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
@@ -154,8 +159,8 @@ class Engine:
                     self.result.need_newer_opset.append(candidate.name)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
-        self._depth = max((r.depth for r in self.rules), default=1)
-        self._types = TypeInfo(model.to_proto)
+        self._depth = 1  # the deepest pattern of the phase running: how far below a change to look
+        self._types = TypeInfo(lambda: model.to_proto(weights=False))
         self._max_rewrites = max_rewrites
 
     # ------------------------------------------------------------------ driving
@@ -193,6 +198,7 @@ class Engine:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
                     inferred_at = len(self.result.rewrites)
                 self._by_root = {}
+                self._depth = max((r.depth for r in self.rules if r.phase == phase), default=1)
                 for candidate in self.rules:
                     if candidate.phase == phase:
                         for op_type, _ in candidate.roots:
@@ -202,7 +208,9 @@ class Engine:
                 # the dims below it) can let the phase's rules do more: its fixed point includes them.
                 for _ in range(PHASE_ROUNDS):
                     before = len(self.result.rewrites)
+                    touched |= self._run_sweeps(graph, scope, apply, phase)
                     touched |= self._run_phase(graph, scope, apply, seeds)
+                    touched |= self._run_sweeps(graph, scope, apply, phase)
                     if len(self.result.rewrites) == before or self._limit_reached():
                         break
                     inferred_at = len(self.result.rewrites)
@@ -212,9 +220,67 @@ class Engine:
                 return
             seeds = touched
 
+    def _run_sweeps(self, graph: Graph, scope: str, apply: bool, phase: int) -> set[int]:
+        """Run the phase's sweeps over the scope, unless nothing changed since they last did;
+        returns the nodes their changes touched."""
+        key = (id(graph), phase)
+        if self._swept.get(key) == len(self.result.rewrites):
+            return set()
+        touched: set[int] = set()
+        for candidate in self.rules:
+            if candidate.sweep is None or candidate.phase != phase:
+                continue
+            try:
+                changes = list(candidate.sweep(graph))
+            except RuleError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
+                raise RuleError(candidate, f"{type(error).__name__}: {error}", error) from error
+            for change in changes:
+                if self._limit_reached():
+                    return touched
+                touched |= self._apply_change(graph, scope, candidate, change, apply)
+        self._swept[key] = len(self.result.rewrites)
+        return touched
+
+    def _apply_change(self, graph: Graph, scope: str, candidate: Rule, change: Change, apply: bool) -> set[int]:
+        """Check one change a sweep proposes and, with apply, make it; returns the nodes to revisit."""
+        nodes = [n for n in change.nodes if graph.has_node(n)]
+        matched = (
+            [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
+        )
+        created = [new for _, new in change.redirects]
+        if self.vetoed and (candidate.name, scope, tuple(matched)) in self.vetoed:
+            self._record_decline(candidate, scope, matched, "dropped: it failed the numerics check")
+            return set()
+        problem = _change_problem(graph, change)
+        if problem is not None:
+            if self.trace:
+                self._record_decline(candidate, scope, matched, problem)
+            return set()
+        if not apply:
+            self.result.opportunities.append(Opportunity(candidate.name, scope, matched))
+            return set()
+        touched: set[int] = set()
+        for old, new in change.redirects:
+            touched.update(graph.op_consumers(old))
+            graph.redirect(old, new)
+            graph.remove_if_unused(old)
+        if nodes:
+            # Their producers lose consumers: a rule that wants a sole consumer may match now.
+            producers = {graph.producer(i) for n in nodes for i in graph.node(n).inputs if i}
+            touched.update(producers - set(nodes) - {None})
+            graph.replace_nodes(nodes, [], [], (), candidate.name)
+        for name in change.initializers:
+            graph.remove_if_unused(name)
+        self._types.invalidate()
+        self._log(Rewrite(len(self.result.rewrites), candidate.name, scope, matched, created))
+        return {n for n in touched if graph.has_node(n)}
+
     def _run_phase(self, graph: Graph, scope: str, apply: bool, seeds: set[int] | None = None) -> set[int]:
-        """Run the current phase's rules over every node of their root types, or over `seeds`
-        only; returns the nodes its rewrites created or touched."""
+        """Run the current phase's rules over every node of their root types, or over `seeds` and
+        the nodes below them within the phase's pattern depth; returns the nodes its rewrites
+        created or touched."""
         heap: list[tuple[tuple, int]] = []
         queued: set[int] = set()
         touched_all: set[int] = set()
@@ -225,7 +291,7 @@ class Engine:
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
         if seeds is not None:
-            for node_id in seeds:
+            for node_id in self._downstream(graph, {n for n in seeds if graph.has_node(n)}):
                 push(node_id)
         else:
             for op_type, candidates in self._by_root.items():
@@ -241,7 +307,7 @@ class Engine:
                 continue
             touched = self._visit(graph, scope, node_id, apply)
             touched_all.update(touched)
-            for other in touched:
+            for other in self._downstream(graph, set(touched)):
                 push(other)
         return touched_all
 
@@ -249,14 +315,15 @@ class Engine:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
             for pattern, bindings in _guarded_matches(graph, candidate, node_id):
-                match = Match(graph, pattern, bindings, self._types)
+                match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):
                     continue
                 try:
-                    self._inputs_check(match)
-                    keep, escaping = self._interior_check(graph, candidate, match)
-                    if candidate.condition is not None:
-                        candidate.condition(match)
+                    if len(match.bindings.nodes) > 1:  # a lone root has no interior to check
+                        self._inputs_check(match)
+                        keep, escaping = self._interior_check(graph, candidate, match)
+                    else:
+                        keep, escaping = set(), {}
                     if candidate.advisory:
                         _require_no_escape(escaping, {})
                         self._advise(candidate, scope, match)
@@ -275,7 +342,7 @@ class Engine:
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
                 except Decline as decline:
-                    if self.trace:
+                    if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
                     continue
                 except RuleError:
@@ -295,13 +362,15 @@ class Engine:
 
     def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
         """Record a decline once: later sweeps and re-queued nodes revisit the same matches."""
-        nodes = [n.label for n in match.nodes]
+        self._record_decline(candidate, scope, [n.label for n in match.nodes], reason, match.root.label)
+
+    def _record_decline(self, candidate: Rule, scope: str, nodes: list[str], reason: str, node: str = "") -> None:
         key = (candidate.name, scope, tuple(nodes), reason)
         if key in self._declined_keys:
             return
         self._declined_keys.add(key)
         source = str(candidate.source) if candidate.source else None
-        self.result.declined.append(Declined(candidate.name, scope, match.root.label, reason, nodes, source))
+        self.result.declined.append(Declined(candidate.name, scope, node or nodes[0], reason, nodes, source))
 
     def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
         if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:
@@ -352,7 +421,7 @@ class Engine:
                     if candidate.shared_interior:
                         keep.add(info.id)
                         break
-                    where = "a graph output" if graph.nx.nodes[consumer]["kind"] != OP else "used outside the match"
+                    where = "used outside the match" if graph.has_node(consumer) else "a graph output"
                     escaping.setdefault(output, f"'{output}' (output of {info.name or info.op_type}) is {where}")
         # A kept node still needs the matched nodes it reads from.
         pending = list(keep)
@@ -376,7 +445,7 @@ class Engine:
         keep: set[int],
         commit: bool = True,
     ) -> list[int]:
-        """Check the replacement and, with commit, put it in the graph; returns the nodes to revisit."""
+        """Check the replacement and, with commit, put it in the graph; returns the nodes it created or changed."""
         root = match.root
         root_outputs = [o for o in root.outputs if o]
         removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
@@ -433,8 +502,8 @@ class Engine:
             graph.redirect(old, new)
         # Consumers now reading another tensor (a folded constant, say) may match rules anew.
         redirected_readers = {c for _, new in redirects for c in graph.op_consumers(new)}
-        for domain, version in candidate.emits.items():
-            self.model.require_opset(domain, version)
+        for domain in {node.domain for node in builder.nodes} & set(candidate.emits):
+            self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
@@ -447,6 +516,11 @@ class Engine:
             matched=matched_names,
             created=[graph.node(i).label for i in created],
         )
+        self._log(rewrite)
+        touched = set(created) | neighbours | redirected_readers
+        return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
+
+    def _log(self, rewrite: Rewrite) -> None:
         self.result.rewrites.append(rewrite)
         if len(self.result.rewrites) > self._max_rewrites:
             recent = Counter(r.rule for r in self.result.rewrites[-50:])
@@ -455,8 +529,6 @@ class Engine:
                 f"no fixed point after {self._max_rewrites} rewrites; rules {names} keep rewriting "
                 "each other's output (please report this with the model attached)"
             )
-        touched = set(created) | neighbours | redirected_readers
-        return self._downstream(graph, {n for n in touched if graph.has_node(n)})
 
     def _check_replacement(
         self,
@@ -483,15 +555,14 @@ class Engine:
             raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
     def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
-        """`start` and the op nodes up to the deepest pattern's depth below it."""
+        """`start` and the op nodes up to the running phase's deepest pattern below it: a rule
+        rooted further down cannot see the change."""
         seen = set(start)
         frontier = set(start)
         for _ in range(self._depth):
             following = set()
             for node_id in frontier:
-                for _, consumer in graph.nx.out_edges(node_id):
-                    if consumer not in seen and graph.has_node(consumer):
-                        following.add(consumer)
+                following |= graph.op_successors(node_id) - seen
             seen |= following
             frontier = following
         return sorted(seen, key=graph.sort_key)
@@ -516,6 +587,37 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
                 break
             except Exception as error:  # noqa: BLE001
                 raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
+
+
+def _change_problem(graph: Graph, change: Change) -> str | None:
+    """Why a sweep's change would be unsafe, or None: what goes must be unused once it has gone."""
+    removed = set(change.nodes)
+    for node_id in change.nodes:
+        if not graph.has_node(node_id):
+            return f"node {node_id} is not in this graph"
+        info = graph.node(node_id)
+        for output in info.outputs:
+            if output and graph.is_graph_output(output):
+                return f"'{output}' (output of {info.label}) is a graph output"
+            for consumer in graph.op_consumers(output) if output else ():
+                if consumer not in removed:
+                    return f"'{output}' (output of {info.label}) is read by {graph.node(consumer).label}, which stays"
+    for old, new in change.redirects:
+        for name in (old, new):
+            if graph.initializer(name) is None or not graph.defines(name):
+                return f"'{name}' is not an initializer of this graph (a graph input may override it)"
+        if old == new:
+            return f"'{old}' would read itself"
+        if graph.is_graph_output(old):
+            return f"'{old}' is a graph output, whose name must survive"
+        if any(slot == SUBGRAPH_SLOT for _, slot in graph.consumers(old)):
+            return f"'{old}' is read inside a subgraph, where it cannot be renamed"
+    for name in change.initializers:
+        if graph.initializer(name) is None or not graph.defines(name):
+            return f"'{name}' is not an initializer of this graph (a graph input may override it)"
+        if graph.consumers(name):
+            return f"'{name}' is still read"
+    return None
 
 
 def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> None:

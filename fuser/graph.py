@@ -25,10 +25,11 @@ import networkx as nx
 import numpy as np
 import onnx
 from google.protobuf.message import Message
-from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
+from fuser.constants import ConstantValues, is_foldable
 from fuser.errors import FuserError
-from fuser.tensors import TensorStore
+from fuser.tensors import TensorStore, nbytes, uses_external_data
 
 OP = "op"
 GRAPH_INPUT = "input"
@@ -158,6 +159,10 @@ class Graph:
         self.outer = outer
         self.owner: int | None = None  # the node holding this graph, in `outer`
         self.nx = nx.MultiDiGraph()
+        # networkx's own node and successor dicts, read directly: its view objects cost more
+        # than the lookups they wrap, and the engine makes millions of them on a large graph.
+        self._attrs = self.nx._node
+        self._succ = self.nx._succ
         self.modified = False
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
@@ -166,8 +171,7 @@ class Graph:
         self._value_info = list(proto.value_info)
         self._inputs = {value.name: value for value in proto.input}
         self._outputs = list(proto.output)
-        self._constant_cache: dict[str, np.ndarray] = {}
-        self._not_constant: set[str] = set()
+        self._constants = ConstantValues(self)
         self.shared: dict[str, str] = {}  # Builder.once: key -> the tensor rewrites share
         with paused_gc():
             self._build(proto)
@@ -241,7 +245,7 @@ class Graph:
         return sub
 
     def _connect_inputs(self, node_id: int) -> None:
-        info: NodeInfo = self.nx.nodes[node_id]["info"]
+        info: NodeInfo = self._attrs[node_id]["info"]
         for slot, tensor in enumerate(info.proto.input):
             if tensor:
                 self._connect(tensor, node_id, slot)
@@ -261,19 +265,18 @@ class Graph:
     def captured(self) -> list[str]:
         """Names this graph (or a graph nested in it) reads from enclosing scopes."""
         return [
-            data["tensor"]
-            for _, data in self.nx.nodes(data=True)
-            if data["kind"] == OUTER and self.nx.out_degree(_) > 0
+            data["tensor"] for node_id, data in self._attrs.items() if data["kind"] == OUTER and self._succ[node_id]
         ]
 
     def node(self, node_id: int) -> NodeInfo:
-        return self.nx.nodes[node_id]["info"]
+        return self._attrs[node_id]["info"]
 
     def has_node(self, node_id: int) -> bool:
-        return node_id in self.nx and self.nx.nodes[node_id]["kind"] == OP
+        data = self._attrs.get(node_id)
+        return data is not None and data["kind"] == OP
 
     def nodes(self) -> Iterator[NodeInfo]:
-        for _, data in self.nx.nodes(data=True):
+        for data in self._attrs.values():
             if data["kind"] == OP:
                 yield data["info"]
 
@@ -288,20 +291,20 @@ class Graph:
         return found
 
     def sort_key(self, node_id: int) -> tuple:
-        return self.nx.nodes[node_id]["key"]
+        return self._attrs[node_id]["key"]
 
     def provenance(self, node_id: int) -> str | None:
-        return self.nx.nodes[node_id].get("provenance")
+        return self._attrs[node_id].get("provenance")
 
     def producer(self, tensor: str) -> int | None:
         """The op node producing `tensor` in this scope, or None for inputs, constants, captures."""
         entry = self._producer.get(tensor)
-        if entry is None or self.nx.nodes[entry[0]]["kind"] != OP:
+        if entry is None or self._attrs[entry[0]]["kind"] != OP:
             return None
         return entry[0]
 
     def defines(self, tensor: str) -> bool:
-        return tensor in self._producer and self.nx.nodes[self._producer[tensor][0]]["kind"] != OUTER
+        return tensor in self._producer and self._attrs[self._producer[tensor][0]]["kind"] != OUTER
 
     def consumers(self, tensor: str) -> list[tuple[int, int]]:
         """(node id, input slot) for each use of `tensor`; graph outputs are sink nodes, slot = position."""
@@ -310,24 +313,29 @@ class Graph:
             return []
         return [
             (consumer, data["slot"])
-            for _, consumer, data in self.nx.out_edges(entry[0], data=True)
+            for consumer, edges in self._succ[entry[0]].items()
+            for data in edges.values()
             if data["tensor"] == tensor
         ]
 
     def op_consumers(self, tensor: str) -> list[int]:
-        return [c for c, _ in self.consumers(tensor) if self.nx.nodes[c]["kind"] == OP]
+        return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
+
+    def op_successors(self, node_id: int) -> set[int]:
+        """The op nodes reading any output of `node_id`, through a subgraph too."""
+        return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
     def is_graph_output(self, tensor: str) -> bool:
-        return any(self.nx.nodes[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
+        return any(self._attrs[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
 
     def is_graph_input(self, tensor: str) -> bool:
         entry = self._producer.get(tensor)
-        return entry is not None and self.nx.nodes[entry[0]]["kind"] == GRAPH_INPUT
+        return entry is not None and self._attrs[entry[0]]["kind"] == GRAPH_INPUT
 
     def initializer(self, tensor: str) -> TensorProto | None:
         entry = self._producer.get(tensor)
-        if entry is None or self.nx.nodes[entry[0]]["kind"] != INITIALIZER:
-            if entry is not None and self.nx.nodes[entry[0]]["kind"] == OUTER and self.outer:
+        if entry is None or self._attrs[entry[0]]["kind"] != INITIALIZER:
+            if entry is not None and self._attrs[entry[0]]["kind"] == OUTER and self.outer:
                 return self.outer.initializer(tensor)
             return None
         return self._initializers.get(tensor)
@@ -338,101 +346,22 @@ class Graph:
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
+        entry = self._producer.get(tensor)
+        if entry is not None and self._attrs[entry[0]]["kind"] == INITIALIZER:
+            # Known without decoding it: a large model's weights are read only when a rule asks.
+            return tensor in self._initializers
         return self.constant_value(tensor) is not None
 
     def constant_value(self, tensor: str, max_bytes: int = 256 << 20) -> np.ndarray | None:
-        """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand.
+        """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand
+        (see fuser/constants.py). Values above `max_bytes` are not materialized; None means
+        "not a known constant"."""
+        return self._constants.value(tensor, max_bytes)
 
-        Values above `max_bytes` are not materialized; None means "not a known constant".
-        """
-        cached = self._constant_cache.get(tensor)
-        if cached is not None:
-            return cached if cached.nbytes <= max_bytes else None
-        if tensor in self._not_constant:
-            return None
-        order = self._constant_dependencies(tensor)
-        if order is None:
-            return None
-        from fuser.constants import evaluate_node
-
-        for node_id in order:
-            info = self.node(node_id)
-            inputs = []
-            for name in info.proto.input:
-                value = self._leaf_value(name, max_bytes) if name else None
-                if name and value is None:
-                    return None
-                inputs.append(value)
-            outputs = evaluate_node(info.proto, inputs, self.opsets, max_bytes)
-            if outputs is None:
-                return None
-            for name, value in zip(info.proto.output, outputs):
-                if name:
-                    value.flags.writeable = False
-                    self._constant_cache[name] = value
-        return self._leaf_value(tensor, max_bytes)
-
-    def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
-        cached = self._constant_cache.get(tensor)
-        if cached is not None:
-            return cached if cached.nbytes <= max_bytes else None
-        node_id, _ = self._producer[tensor]
-        kind = self.nx.nodes[node_id]["kind"]
-        if kind == OUTER:
-            return self.outer.constant_value(tensor, max_bytes)
-        if kind != INITIALIZER:
-            return None
-        value = self.tensors.value(self._initializers[tensor], max_bytes)
-        if value is not None:
-            value.flags.writeable = False
-            self._constant_cache[tensor] = value
-        return value
-
-    def _constant_dependencies(self, tensor: str) -> list[int] | None:
-        """Op nodes to evaluate, inputs first, for `tensor`; None if it is not constant.
-
-        Iterative depth-first search: the entries still marked "expanded" on the stack are
-        the ancestors of the current tensor, so when a non-constant input turns up, all of
-        them are recorded as non-constant too and later queries stop at once.
-        """
-        from fuser.constants import is_foldable
-
-        stack: list[tuple[str, bool]] = [(tensor, False)]
-        order: list[int] = []
-        done: set[int] = set()
-        while stack:
-            name, expanded = stack.pop()
-            if expanded:
-                node_id = self._producer[name][0]
-                if node_id not in done:
-                    done.add(node_id)
-                    order.append(node_id)
-                continue
-            if name in self._constant_cache:
-                continue
-            entry = self._producer.get(name)
-            constant = entry is not None and name not in self._not_constant
-            if constant:
-                node_id = entry[0]
-                kind = self.nx.nodes[node_id]["kind"]
-                if kind == INITIALIZER:
-                    constant = name in self._initializers  # sparse initializers stay opaque
-                    continue_search = False
-                elif kind == OUTER:
-                    constant = self.outer is not None and self.outer.constant_value(name) is not None
-                    continue_search = False
-                elif kind == OP and is_foldable(self.node(node_id)):
-                    continue_search = node_id not in done
-                else:
-                    constant = False
-            if not constant:
-                self._not_constant.add(name)
-                self._not_constant.update(n for n, e in stack if e)
-                return None
-            if continue_search:
-                stack.append((name, True))
-                stack.extend((i, False) for i in self.node(node_id).proto.input if i)
-        return order
+    def source_kind(self, tensor: str) -> str | None:
+        """What produces `tensor` in this scope: "op", "input", "initializer", "outer" (a capture), or None."""
+        entry = self._producer.get(tensor)
+        return None if entry is None else self._attrs[entry[0]]["kind"]
 
     def opset(self, domain: str = "") -> int | None:
         return self.opsets.get("" if domain in _DEFAULT_DOMAINS else domain)
@@ -454,8 +383,7 @@ class Graph:
         for output in info.proto.output:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
-                self._constant_cache.pop(output, None)
-                self._not_constant.discard(output)
+                self._constants.forget(output)
         del self._by_op[(info.domain, info.op_type)][node_id]
         self.nx.remove_node(node_id)
         self.modified = True
@@ -463,34 +391,25 @@ class Graph:
     def redirect(self, old: str, new: str) -> None:
         """Make every consumer of tensor `old` (not graph outputs) read `new` instead."""
         for consumer, slot in self.consumers(old):
-            if self.nx.nodes[consumer]["kind"] != OP:
+            if self._attrs[consumer]["kind"] != OP:
                 continue
             info = self.node(consumer)
             if slot == SUBGRAPH_SLOT:
                 raise FuserError(f"tensor '{old}' is read inside a subgraph and cannot be renamed")
-            if not self.nx.nodes[consumer].get("owned"):
+            if not self._attrs[consumer].get("owned"):
                 # The loaded NodeProto belongs to the caller's model, which must stay as it was.
                 copy = NodeProto()
                 copy.CopyFrom(info.proto)
                 info.proto = copy
-                self.nx.nodes[consumer]["owned"] = True
+                self._attrs[consumer]["owned"] = True
             info.proto.input[slot] = new
             producer = self._producer[old][0]
             for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
                 if data["tensor"] == old and data["slot"] == slot:
                     self.nx.remove_edge(producer, consumer, key)
             self._connect(new, consumer, slot)
-            self._forget_not_constant(info.proto.output)
+            self._constants.reconsider(info.proto.output)
         self.modified = True
-
-    def _forget_not_constant(self, tensors: Iterable[str]) -> None:
-        """A node now reads another tensor: what it computes may have become constant."""
-        pending = [t for t in tensors if t in self._not_constant]
-        while pending:
-            tensor = pending.pop()
-            self._not_constant.discard(tensor)
-            for consumer in self.op_consumers(tensor):
-                pending.extend(t for t in self.node(consumer).proto.output if t in self._not_constant)
 
     def replace_nodes(
         self,
@@ -508,6 +427,7 @@ class Graph:
         for node_id in removed:
             info = self.node(node_id)
             inputs.extend(i for i in info.proto.input if i)
+            inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
             for output in info.proto.output:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
@@ -540,10 +460,14 @@ class Graph:
     def remove_if_unused(self, tensor: str) -> None:
         """Drop an initializer or a Constant-like producer that a rewrite left without consumers."""
         entry = self._producer.get(tensor)
-        if entry is None or self.consumers(tensor):
+        if entry is None:
             return
         node_id = entry[0]
-        kind = self.nx.nodes[node_id]["kind"]
+        kind = self._attrs[node_id]["kind"]
+        # A source node produces one tensor: whether anything reads it is known at once (a
+        # weight shared by thousands of nodes is asked once per removed reader).
+        if self._succ[node_id] if kind != OP else self.consumers(tensor):
+            return
         if kind == OUTER:
             del self._producer[tensor]
             self.nx.remove_node(node_id)
@@ -554,14 +478,12 @@ class Graph:
             self._inputs.pop(tensor, None)
             del self._producer[tensor]
             self.nx.remove_node(node_id)
-            self._constant_cache.pop(tensor, None)
+            self._constants.forget(tensor)
             self.modified = True
         elif kind == OP:
             info = self.node(node_id)
             if any(self.consumers(o) for o in info.proto.output if o):
                 return
-            from fuser.constants import is_foldable
-
             if not is_foldable(info):
                 return
             inputs = [i for i in info.proto.input if i]
@@ -588,13 +510,13 @@ class Graph:
 
     def topological_order(self) -> list[int]:
         """Op nodes in a deterministic topological order: ties broken by original position."""
-        graph = self.nx
+        attrs, succ, pred = self._attrs, self._succ, self.nx._pred
         indegree: dict[int, int] = {}
         heap: list[tuple[tuple, int]] = []
-        for node_id, data in graph.nodes(data=True):
+        for node_id, data in attrs.items():
             if data["kind"] != OP:
                 continue
-            degree = sum(1 for p, _ in graph.in_edges(node_id) if graph.nodes[p]["kind"] == OP)
+            degree = sum(len(edges) for p, edges in pred[node_id].items() if attrs[p]["kind"] == OP)
             indegree[node_id] = degree
             if degree == 0:
                 heap.append((data["key"], node_id))
@@ -603,11 +525,11 @@ class Graph:
         while heap:
             _, node_id = heapq.heappop(heap)
             order.append(node_id)
-            for _, consumer in graph.out_edges(node_id):
+            for consumer, edges in succ[node_id].items():
                 if consumer in indegree:
-                    indegree[consumer] -= 1
+                    indegree[consumer] -= len(edges)
                     if indegree[consumer] == 0:
-                        heapq.heappush(heap, (graph.nodes[consumer]["key"], consumer))
+                        heapq.heappush(heap, (attrs[consumer]["key"], consumer))
         if len(order) != len(indegree):
             raise FuserError("the graph has a cycle")
         return order
@@ -617,21 +539,27 @@ class Graph:
             g.is_modified() for info in self.nodes() for gs in info.subgraphs.values() for g in gs
         )
 
-    def to_proto(self) -> GraphProto:
-        with paused_gc():
-            return self._to_proto()
-
-    def _to_proto(self) -> GraphProto:
+    def to_proto(self, weights: bool = True) -> GraphProto:
+        """The graph as ONNX. weights=False gives its skeleton for shape inference and checks:
+        initializers over SKELETON_BYTES become typed graph inputs instead of copies of their data."""
         graph = GraphProto()
-        graph.CopyFrom(self._shell)
-        graph.input.extend(self._inputs.values())
-        graph.node.extend(self._node_proto(self.node(i)) for i in self.topological_order())
-        graph.initializer.extend(self._initializers.values())
-        live = set(self._producer)
-        graph.value_info.extend(v for v in self._value_info if v.name in live)
+        self.fill_proto(graph, weights)
         return graph
 
-    def _node_proto(self, info: NodeInfo) -> NodeProto:
+    def fill_proto(self, graph: GraphProto, weights: bool = True) -> None:
+        """Write the graph into the empty `graph` (building in place saves a copy of the weights)."""
+        with paused_gc():
+            graph.MergeFrom(self._shell)
+            graph.input.extend(self._inputs.values())
+            graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
+            if weights:
+                graph.initializer.extend(self._initializers.values())
+            else:
+                add_weightless(graph, self._initializers.values(), self._inputs)
+            live = set(self._producer)
+            graph.value_info.extend(v for v in self._value_info if v.name in live)
+
+    def _node_proto(self, info: NodeInfo, weights: bool = True) -> NodeProto:
         if not any(g.is_modified() for gs in info.subgraphs.values() for g in gs):
             return info.proto
         node = NodeProto()
@@ -641,10 +569,10 @@ class Graph:
                 continue
             graphs = info.subgraphs[attribute.name]
             if attribute.type == AttributeProto.GRAPH:
-                attribute.g.CopyFrom(graphs[0].to_proto())
+                attribute.g.CopyFrom(graphs[0].to_proto(weights))
             else:
                 del attribute.graphs[:]
-                attribute.graphs.extend(g.to_proto() for g in graphs)
+                attribute.graphs.extend(g.to_proto(weights) for g in graphs)
         return node
 
     def all_graphs(self) -> Iterable[Graph]:
@@ -666,6 +594,29 @@ def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
             elif attribute.type == AttributeProto.GRAPHS:
                 for sub in attribute.graphs:
                     yield from all_graph_protos(sub)
+
+
+# Initializers up to this size stay in a skeleton: shape inference reads the values of small
+# integer tensors (Reshape targets, Slice bounds); it only needs the type of a weight.
+SKELETON_BYTES = 64 << 10
+
+
+def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], inputs) -> None:
+    """Add `initializers` to `graph`, the large ones as typed inputs (their data stays out)."""
+    for tensor in initializers:
+        if not uses_external_data(tensor) and nbytes(tensor) <= SKELETON_BYTES:
+            graph.initializer.append(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+
+
+def weightless_model(model: ModelProto) -> ModelProto:
+    """A copy of `model` without its large weights (see SKELETON_BYTES), for checks and inference."""
+    skeleton = ModelProto()
+    copy_fields_except(model, skeleton, {"graph"})
+    copy_fields_except(model.graph, skeleton.graph, {"initializer"})
+    add_weightless(skeleton.graph, model.graph.initializer, {value.name for value in model.graph.input})
+    return skeleton
 
 
 def _graph_shell(proto: GraphProto) -> GraphProto:

@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from fuser.context import Context
 from fuser.graph import Graph, NodeInfo, all_graph_protos
 from fuser.pattern import Const, OpPattern
 
 
 class Decline(Exception):
     """A rule refuses a match; the message is the sentence the trace and report show."""
+
+
+class NotACandidate(Decline):
+    """A match the rule never meant to take (Match.only_if): declined without a record."""
 
 
 @dataclass
@@ -30,11 +35,59 @@ def find_matches(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindin
     yield from _match_op(graph, pattern, root, Bindings())
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How to match one OpPattern, worked out once: the matcher visits every node of a large
+    graph, and re-deriving this per visit dominated its time."""
+
+    domains: tuple[str, ...]
+    size: int  # inputs the pattern lists
+    required: int  # of which not optional
+    # Per input order (two for a commutative op): the var/const leaves as
+    # (slot, name, optional, is_const) in slot order, the op inputs as (slot, pattern), and per
+    # count of inputs a node has, the leaves it leaves absent as {name: None} (None if one of
+    # them is required): Concat-like patterns list 32 optional inputs, and a node has few.
+    orders: tuple[tuple[tuple, tuple, tuple], ...]
+
+
+_plans: dict[int, tuple[OpPattern, _Plan]] = {}
+
+
+def _plan(pattern: OpPattern) -> _Plan:
+    cached = _plans.get(id(pattern))
+    if cached is not None and cached[0] is pattern:
+        return cached[1]
+    orders = []
+    for order in (pattern.inputs, tuple(reversed(pattern.inputs))) if pattern.commutative else (pattern.inputs,):
+        leaves = tuple(
+            (slot, p.name, p.optional, isinstance(p, Const))
+            for slot, p in enumerate(order)
+            if not isinstance(p, OpPattern)
+        )
+        ops = tuple((slot, p) for slot, p in enumerate(order) if isinstance(p, OpPattern))
+        absent = tuple(
+            {name: None for slot, name, _, _ in leaves if slot >= count}
+            if all(optional for slot, _, optional, _ in leaves if slot >= count)
+            else None
+            for count in range(len(order) + 1)
+        )
+        orders.append((leaves, ops, absent))
+    plan = _Plan(
+        domains=(pattern.domain,) if pattern.domain else ("", "ai.onnx"),
+        size=len(pattern.inputs),
+        required=sum(1 for i in pattern.inputs if not i.optional),
+        orders=tuple(orders),
+    )
+    _plans[id(pattern)] = (pattern, plan)  # the pattern is kept alive, so its id stays its own
+    return plan
+
+
 def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings) -> Iterator[Bindings]:
-    info = graph.node(node_id)
-    if info.op_type not in pattern.op_types:
+    proto = graph.node(node_id).proto
+    if proto.op_type not in pattern.op_types:
         return
-    if (info.domain or "") not in ((pattern.domain,) if pattern.domain else ("", "ai.onnx")):
+    plan = _plan(pattern)
+    if proto.domain not in plan.domains:
         return
     bound = bindings.nodes.get(pattern.name)
     if bound is not None:
@@ -43,68 +96,87 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
         return
     if node_id in bindings.nodes.values():
         return
-    for attr, expected in pattern.attrs:
-        actual = info.attr(attr)
-        if actual is None:
-            actual = _default_attribute(graph, info, attr)
-        if callable(expected):
-            if not expected(actual):
+    if pattern.attrs:
+        info = graph.node(node_id)
+        for attr, expected in pattern.attrs:
+            actual = info.attr(attr)
+            if actual is None:
+                actual = _default_attribute(graph, info, attr)
+            if callable(expected):
+                if not expected(actual):
+                    return
+            elif not _same_attribute(actual, expected):
                 return
-        elif not _same_attribute(actual, expected):
-            return
-    actual_inputs = list(info.proto.input)
-    while actual_inputs and not actual_inputs[-1]:
-        actual_inputs.pop()
-    required = sum(1 for i in pattern.inputs if not getattr(i, "optional", False))
-    if len(actual_inputs) > len(pattern.inputs) or len(actual_inputs) < required:
+    actual_inputs = proto.input
+    present = len(actual_inputs)
+    while present and not actual_inputs[present - 1]:
+        present -= 1
+    if present > plan.size or present < plan.required:
         return
-    padded = actual_inputs + [None] * (len(pattern.inputs) - len(actual_inputs))
-    orders = [pattern.inputs]
-    if pattern.commutative:
-        orders.append(tuple(reversed(pattern.inputs)))
-    for order in orders:
+    for leaves, ops, absent in plan.orders:
         start = bindings.copy()
         start.nodes[pattern.name] = node_id
-        yield from _match_inputs(graph, list(order), padded, start)
+        yield from _match_inputs(graph, leaves, ops, absent[present], actual_inputs, present, start)
 
 
-def _match_inputs(graph: Graph, patterns: list, tensors: list, bindings: Bindings) -> Iterator[Bindings]:
-    if not patterns:
-        yield bindings
-        return
-    for partial in _match_input(graph, patterns[0], tensors[0] or None, bindings):
-        yield from _match_inputs(graph, patterns[1:], tensors[1:], partial)
+_UNBOUND = object()
 
 
-def _match_input(graph: Graph, pattern, tensor: str | None, bindings: Bindings) -> Iterator[Bindings]:
-    if isinstance(pattern, OpPattern):
-        if tensor is None:
-            if pattern.optional:
-                yield bindings
+def _match_inputs(graph: Graph, leaves: tuple, ops: tuple, absent, actual, present: int, bindings: Bindings):
+    """Extend `bindings` (owned by this call) with a node's inputs; yields each complete match.
+
+    A var/const input binds or compares in exactly one way, so all of them are settled in place
+    first and only op inputs branch. Whether a const input is constant can mean evaluating a
+    constant subgraph: that is asked last, once the structure around it has matched.
+    """
+    tensors = bindings.tensors
+    constants = []
+    for slot, name, optional, is_const in leaves:
+        if slot >= present and absent is not None and tensors.keys().isdisjoint(absent):
+            tensors.update(absent)  # every leaf from here on is an absent optional input
+            break
+        tensor = (actual[slot] or None) if slot < present else None
+        bound = tensors.get(name, _UNBOUND)
+        if bound is not _UNBOUND:
+            if bound != tensor:
+                return
+        elif tensor is None and not optional:
             return
-        producer = graph.producer(tensor)
-        if producer is None:
-            return
-        outputs = graph.node(producer).proto.output
-        if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
-            return
-        yield from _match_op(graph, pattern, producer, bindings)
-        return
-    if tensor is None:
-        if pattern.optional and pattern.name not in bindings.tensors:
-            result = bindings.copy()
-            result.tensors[pattern.name] = None
-            yield result
-        return
-    if pattern.name in bindings.tensors:
-        if bindings.tensors[pattern.name] == tensor:
+        else:
+            tensors[name] = tensor
+        if is_const and tensor is not None:
+            constants.append(tensor)
+    if not ops:
+        if all(graph.is_constant(t) for t in constants):
             yield bindings
         return
-    if isinstance(pattern, Const) and not graph.is_constant(tensor):
+    constant = None
+    for complete in _match_op_inputs(graph, ops, 0, actual, present, bindings):
+        if constant is None:
+            constant = all(graph.is_constant(t) for t in constants)
+        if not constant:
+            return
+        yield complete
+
+
+def _match_op_inputs(graph: Graph, ops: tuple, index: int, actual, present: int, bindings: Bindings):
+    if index == len(ops):
+        yield bindings
         return
-    result = bindings.copy()
-    result.tensors[pattern.name] = tensor
-    yield result
+    slot, pattern = ops[index]
+    tensor = actual[slot] if slot < present else None
+    if not tensor:
+        if pattern.optional:
+            yield from _match_op_inputs(graph, ops, index + 1, actual, present, bindings)
+        return
+    producer = graph.producer(tensor)
+    if producer is None:
+        return
+    outputs = graph.node(producer).proto.output
+    if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
+        return
+    for partial in _match_op(graph, pattern, producer, bindings):
+        yield from _match_op_inputs(graph, ops, index + 1, actual, present, partial)
 
 
 def _same_attribute(actual, expected) -> bool:
@@ -132,14 +204,16 @@ class Match:
 
     ``m["x"]`` is the tensor bound to ``var("x")``/``const("x")`` (None if an optional
     input is absent); ``m.value("w")`` its numpy value (read-only); ``m.node("conv")``
-    the matched node; ``m.attr("conv", "group", 1)`` an attribute with a default.
+    the matched node; ``m.attr("conv", "group", 1)`` an attribute with a default;
+    ``m.context`` the run's machine choices (fuser/context.py: ``m.context.nchwc_block``).
     """
 
-    def __init__(self, graph: Graph, pattern: OpPattern, bindings: Bindings, types: TypeInfo):
+    def __init__(self, graph: Graph, pattern: OpPattern, bindings: Bindings, types: TypeInfo, context: Context):
         self.graph = graph
         self.pattern = pattern
         self._bindings = bindings
         self._types = types
+        self.context = context
         self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
         self.absorbed: list[int] = []
 
@@ -229,9 +303,6 @@ class Match:
     def opset(self) -> int:
         return self.graph.opset("") or 1
 
-    def opset_of(self, domain: str) -> int | None:
-        return self.graph.opset(domain)
-
     def consumers(self, name_or_tensor: str) -> int:
         return len(self.graph.consumers(self._tensor(name_or_tensor)))
 
@@ -243,13 +314,45 @@ class Match:
         if not condition:
             raise Decline(reason)
 
+    def only_if(self, condition: bool) -> None:
+        """Leave the match alone, without a decline in the trace or report, unless `condition` holds.
+
+        For a check that fails on nearly every node the pattern matches, where a decline per
+        node would be noise (and, on a large model, most of the report): common-subexpression
+        matches every node and looks for a twin that almost none has.
+        """
+        if not condition:
+            raise NotACandidate("not a candidate")
+
     def _tensor(self, name_or_tensor: str) -> str | None:
         if name_or_tensor in self._bindings.tensors or name_or_tensor in self._bindings.nodes:
             return self[name_or_tensor]
         return name_or_tensor
 
 
-def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict[str, onnx.TypeProto]:
+# A tensor's type as TypeInfo keeps it: (ONNX element type, dims or None when the rank is
+# unknown), a dim being an int, a symbolic name, or "?". Plain tuples rather than the
+# TypeProtos of the inferred model, which would keep that whole model (a copy of the graph)
+# alive for every table entry.
+Entry = tuple[int, tuple | None]
+
+
+def _entry_of(type_proto: onnx.TypeProto) -> Entry:
+    tensor = type_proto.tensor_type
+    if not tensor.HasField("shape"):
+        return tensor.elem_type, None
+    dims = []
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append("?")
+    return tensor.elem_type, tuple(dims)
+
+
+def _carried(previous: dict[str, Entry], fresh: dict, run: int) -> dict[str, Entry]:
     """What an earlier inference run knew that the fresh one does not: its entries for tensors
     the fresh run lacks, and, for tensors both have, the fresh entry completed with the dims (or
     element type) only the earlier run knew. A tensor's name keeps denoting the same value
@@ -270,67 +373,44 @@ def _carried(previous: dict[str, onnx.TypeProto], fresh: dict, run: int) -> dict
     return carried
 
 
-def _run_unique(entry: onnx.TypeProto, run: int) -> onnx.TypeProto:
-    dims = entry.tensor_type.shape.dim if entry.HasField("tensor_type") else ()
-    if not any(d.dim_param.startswith("unk__") for d in dims):
+def _run_unique(entry: Entry, run: int) -> Entry:
+    elem_type, dims = entry
+    if dims is None or not any(isinstance(d, str) and d.startswith("unk__") for d in dims):
         return entry
-    entry = onnx.TypeProto.FromString(entry.SerializeToString())
-    for dim in entry.tensor_type.shape.dim:
-        if dim.dim_param.startswith("unk__"):
-            dim.dim_param = f"run{run}.{dim.dim_param}"
-    return entry
+    return elem_type, tuple(f"run{run}.{d}" if isinstance(d, str) and d.startswith("unk__") else d for d in dims)
 
 
 def _dim_knowledge(dim) -> int:
     """How much a dim says: a size, a name the model gave, a name inference made up, nothing."""
-    if dim.HasField("dim_value"):
+    if isinstance(dim, int):
         return 3
-    if dim.HasField("dim_param"):
-        made_up = dim.dim_param.startswith("unk__") or (dim.dim_param.startswith("run") and ".unk__" in dim.dim_param)
-        return 1 if made_up else 2
-    return 0
+    if dim == "?":
+        return 0
+    made_up = dim.startswith("unk__") or (dim.startswith("run") and ".unk__" in dim)
+    return 1 if made_up else 2
 
 
-def _completed(fresh: onnx.TypeProto, earlier: onnx.TypeProto, run: int) -> onnx.TypeProto | None:
+def _completed(fresh: Entry, earlier: Entry, run: int) -> Entry | None:
     """`fresh` with what `earlier` (the same tensor, an earlier run) knew beyond it; None when
     it adds nothing (or the two disagree, which leaves the fresh entry as it is)."""
-    if not fresh.HasField("tensor_type") or not earlier.HasField("tensor_type"):
+    (new_type, new_dims), (old_type, old_dims) = fresh, _run_unique(earlier, run)
+    if new_type and old_type and new_type != old_type:
         return None
-    new, old = fresh.tensor_type, earlier.tensor_type
-    if new.elem_type and old.elem_type and new.elem_type != old.elem_type:
-        return None
-    takes_type = not new.elem_type and old.elem_type
-    if not old.HasField("shape"):
-        takes = []
-    elif not new.HasField("shape"):
-        takes = None  # the whole shape
-    elif len(new.shape.dim) != len(old.shape.dim):
+    elem_type = new_type or old_type
+    if old_dims is None:
+        dims = new_dims
+    elif new_dims is None:
+        dims = old_dims
+    elif len(new_dims) != len(old_dims):
         return None
     else:
-        takes = [
-            i for i, (a, b) in enumerate(zip(new.shape.dim, old.shape.dim)) if _dim_knowledge(b) > _dim_knowledge(a)
-        ]
-    if not takes_type and takes == []:
-        return None
-    earlier = _run_unique(earlier, run)
-    completed = onnx.TypeProto.FromString(fresh.SerializeToString())
-    if takes_type:
-        completed.tensor_type.elem_type = old.elem_type
-    if takes is None:
-        completed.tensor_type.shape.CopyFrom(earlier.tensor_type.shape)
-    for i in takes or ():
-        completed.tensor_type.shape.dim[i].CopyFrom(earlier.tensor_type.shape.dim[i])
-    return completed
+        dims = tuple(b if _dim_knowledge(b) > _dim_knowledge(a) else a for a, b in zip(new_dims, old_dims))
+    completed = (elem_type, dims)
+    return None if completed == fresh else completed
 
 
-def _known_dims(table: dict[str, onnx.TypeProto]) -> int:
-    return sum(
-        1
-        for entry in table.values()
-        if entry.HasField("tensor_type")
-        for dim in entry.tensor_type.shape.dim
-        if dim.HasField("dim_value")
-    )
+def _known_dims(table: dict[str, Entry]) -> int:
+    return sum(1 for _, dims in table.values() if dims is not None for dim in dims if isinstance(dim, int))
 
 
 class TypeInfo:
@@ -338,8 +418,8 @@ class TypeInfo:
 
     def __init__(self, model_proto_factory):
         self._factory = model_proto_factory
-        self._table: dict[str, onnx.TypeProto] | None = None
-        self._previous: dict[str, onnx.TypeProto] = {}
+        self._table: dict[str, Entry] | None = None
+        self._previous: dict[str, Entry] = {}
         self._stale = False
         self._runs = 0
 
@@ -361,7 +441,7 @@ class TypeInfo:
         self.refresh()
         return _known_dims(self._load()) > known
 
-    def _entry(self, tensor: str | None) -> onnx.TypeProto | None:
+    def _entry(self, tensor: str | None) -> Entry | None:
         if not tensor:
             return None
         entry = self._load().get(tensor)
@@ -373,21 +453,21 @@ class TypeInfo:
             entry = self._load().get(tensor)
         return entry
 
-    def _load(self) -> dict[str, onnx.TypeProto]:
+    def _load(self) -> dict[str, Entry]:
         if self._table is None:
             model = self._factory()
             try:
                 model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
                 pass
-            table: dict[str, onnx.TypeProto] = {}
+            table: dict[str, Entry] = {}
             for graph in all_graph_protos(model.graph):
                 for value in list(graph.value_info) + list(graph.input) + list(graph.output):
                     if value.type.HasField("tensor_type"):
-                        table[value.name] = value.type
+                        table[value.name] = _entry_of(value.type)
                 for tensor in graph.initializer:
-                    proto = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
-                    table.setdefault(tensor.name, proto)
+                    table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+            del model
             self._runs += 1
             self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
             self._previous = {}
@@ -395,23 +475,13 @@ class TypeInfo:
 
     def dtype(self, tensor: str | None) -> np.dtype | None:
         entry = self._entry(tensor)
-        if entry is None or not entry.tensor_type.elem_type:
+        if entry is None or not entry[0]:
             return None
         try:
-            return onnx.helper.tensor_dtype_to_np_dtype(entry.tensor_type.elem_type)
+            return onnx.helper.tensor_dtype_to_np_dtype(entry[0])
         except (KeyError, ValueError, TypeError):
             return None
 
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)
-        if entry is None or not entry.tensor_type.HasField("shape"):
-            return None
-        dims = []
-        for dim in entry.tensor_type.shape.dim:
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
-                dims.append(dim.dim_param)
-            else:
-                dims.append("?")
-        return tuple(dims)
+        return None if entry is None else entry[1]

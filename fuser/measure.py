@@ -140,6 +140,7 @@ def paying_rules(
     threads: int = 1,
     seconds: float = 2.0,
     progress: Callable[[str], None] | None = None,
+    context=None,
 ) -> tuple[list, list[str]]:
     """The rules of every phase whose output is not slower than its input beyond noise, and a
     note for each phase left out.
@@ -156,7 +157,7 @@ def paying_rules(
     for phase in sorted({r.phase for r in rules}):
         trial = [r for r in rules if r.phase in kept or r.phase == phase]
         model = Model(onnx.ModelProto.FromString(original.SerializeToString()), base_dir=base_dir)
-        result = Engine(model, trial).run()
+        result = Engine(model, trial, context=context).run()
         applied = sorted({r.rule for r in result.rewrites} & {r.name for r in rules if r.phase == phase})
         if not applied:
             kept.append(phase)

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
 from fuser.errors import InputError, OutputPathError, UsageError
-from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except
+from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except, weightless_model
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
 
@@ -66,10 +66,11 @@ class Model:
                         if attribute.name == "value" and attribute.HasField("t"):
                             self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
 
-    def to_proto(self) -> ModelProto:
+    def to_proto(self, weights: bool = True) -> ModelProto:
+        """The model as ONNX; weights=False gives its skeleton (Graph.to_proto)."""
         model = ModelProto()
         model.CopyFrom(self._shell)
-        model.graph.CopyFrom(self.graph.to_proto())
+        self.graph.fill_proto(model.graph, weights)
         return model
 
     def require_opset(self, domain: str, version: int) -> None:
@@ -120,6 +121,7 @@ def read_model(path: Path) -> ModelProto:
         model.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as error:
         raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
+    del data  # the parsed model holds the weights now; the file's bytes would be a second copy
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or IR version in the file)")
     store = TensorStore(path.parent)
@@ -127,10 +129,11 @@ def read_model(path: Path) -> ModelProto:
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
     try:
-        # The path form resolves external data against the model's folder and handles >2 GB;
-        # the full check adds type and shape inference, which catches attributes of the wrong
-        # type (float `axes`) before a rule reads them.
-        onnx.checker.check_model(str(path), full_check=True)
+        # The weights were checked above (store.check); the checker sees the model without
+        # them, which keeps a multi-GB model from being copied again. The full check adds type
+        # and shape inference, which catches attributes of the wrong type (float `axes`)
+        # before a rule reads them.
+        onnx.checker.check_model(weightless_model(model), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError) as error:
         if not _valid_for_onnxruntime(model, error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -191,14 +194,17 @@ def external_data_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.data")
 
 
-def writes_external_data(model: ModelProto, mode: str) -> bool:
+def writes_external_data(model: ModelProto | Model, mode: str) -> bool:
     """Whether `mode` ("auto", "always", "never") writes `model`'s weights to a file beside it.
 
     auto: when the input kept its weights outside, or when the model is too large for protobuf.
     """
     if mode not in EXTERNAL_DATA_MODES:
         raise UsageError(f"external data mode must be one of {', '.join(EXTERNAL_DATA_MODES)}, not '{mode}'")
-    tensors = [t for g in all_graph_protos(model.graph) for t in g.initializer]
+    if isinstance(model, Model):
+        tensors = list(model.initializers())
+    else:
+        tensors = [t for g in all_graph_protos(model.graph) for t in g.initializer]
     if mode == "always":
         return True
     too_large = sum(nbytes(t) for t in tensors) > PROTOBUF_LIMIT
@@ -209,26 +215,75 @@ def writes_external_data(model: ModelProto, mode: str) -> bool:
     return too_large or any(uses_external_data(t) for t in tensors)
 
 
-def write_model(model: ModelProto, path: Path, source_dir: Path | None, external_data: str = "auto") -> None:
+def write_model(model: ModelProto, path: Path, source_dir: Path | None, external_data: str = "auto") -> list[Path]:
     """Serialize deterministically to temporary files beside `path`, then rename them into place.
 
     External data of the input (resolved against `source_dir`) is copied into the output's own
     file, `external_data_path(path)`, referenced relatively; the output never points into the
-    input's files, so it can be written to any folder.
+    input's files, so it can be written to any folder. The main graph's initializers are
+    written one at a time (see _write_streaming): the model is never held twice in memory.
+    Returns the files written: the model, and its data file if it has one.
     """
     path = Path(path)
     external = writes_external_data(model, external_data)
     store = TensorStore(source_dir)
+    _make_parent(path)
+    nested = [t for g in list(all_graph_protos(model.graph))[1:] for t in g.initializer]
+    if any(uses_external_data(t) for t in nested) or (external and nested):
+        return _write_copy(model, path, store, external)  # weights inside If/Loop/Scan bodies: rare and small
+    main = model.graph.initializer
+    if not external:
+        emitted = [_inlined(t, store) if uses_external_data(t) else t for t in main] if any(
+            uses_external_data(t) for t in main
+        ) else main
+        _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream))
+        return [path]
+    data_path = external_data_path(path)
+    refuse_input_data_file(data_path, list(main), store)
+    outside = [
+        index
+        for index, tensor in enumerate(main)
+        if tensor.data_type != TensorProto.STRING and (uses_external_data(tensor) or nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
+    ]
+    pointers: dict[int, TensorProto] = {}
+
+    def write_data(stream) -> None:
+        offset = 0
+        for index in outside:
+            raw = store.raw_bytes(main[index])
+            stream.write(raw)
+            pointers[index] = _pointer(main[index], data_path.name, offset, len(raw))
+            offset += len(raw)
+
+    if outside:
+        _write_atomically(data_path, write_data)
+    emitted = _LazyList(main, pointers)
+    _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream))
+    return [path, data_path] if outside else [path]
+
+
+class _LazyList:
+    """The main graph's initializers with some replaced by their external-data pointers."""
+
+    def __init__(self, tensors, replaced: dict[int, TensorProto]):
+        self._tensors = tensors
+        self._replaced = replaced
+
+    def __iter__(self):
+        for index, tensor in enumerate(self._tensors):
+            yield self._replaced.get(index, tensor)
+
+
+def _write_copy(model: ModelProto, path: Path, store: TensorStore, external: bool) -> list[Path]:
     model_copy = ModelProto()
     model_copy.CopyFrom(model)
     tensors = [t for g in all_graph_protos(model_copy.graph) for t in g.initializer]
-    _make_parent(path)
     if not external:
         for tensor in tensors:
             if uses_external_data(tensor):
                 _inline(tensor, store.raw_bytes(tensor))
         _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
-        return
+        return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, tensors, store)
     outside = [
@@ -248,6 +303,84 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None, external
     if outside:
         _write_atomically(data_path, write_data)
     _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
+    return [path, data_path] if outside else [path]
+
+
+# Field numbers in onnx.proto: ModelProto.graph, GraphProto.initializer.
+_MODEL_GRAPH_FIELD = 7
+_GRAPH_INITIALIZER_FIELD = 5
+
+
+def _write_streaming(model: ModelProto, initializers, stream) -> None:
+    """Write `model` with `initializers` as its main graph's initializers, one tensor at a time.
+
+    The bytes equal model.SerializeToString(deterministic=True) of that model: protobuf writes
+    fields in field-number order, so the parts before and after the initializers are serialized
+    on their own and the initializers, each a length-delimited field, go between them.
+    """
+    graph = model.graph
+    model_head, model_tail = _split_fields(model, _MODEL_GRAPH_FIELD, skip={_MODEL_GRAPH_FIELD})
+    graph_head, graph_tail = _split_fields(graph, _GRAPH_INITIALIZER_FIELD, skip={_GRAPH_INITIALIZER_FIELD})
+    sizes = []
+    for tensor in initializers:
+        sizes.append(tensor.ByteSize())
+    graph_size = graph_head.ByteSize() + graph_tail.ByteSize()
+    graph_size += sum(1 + _varint_size(size) + size for size in sizes)
+    stream.write(model_head.SerializeToString(deterministic=True))
+    stream.write(_key(_MODEL_GRAPH_FIELD) + _varint(graph_size))
+    stream.write(graph_head.SerializeToString(deterministic=True))
+    for tensor, size in zip(initializers, sizes):
+        stream.write(_key(_GRAPH_INITIALIZER_FIELD) + _varint(size))
+        stream.write(tensor.SerializeToString(deterministic=True))
+    stream.write(graph_tail.SerializeToString(deterministic=True))
+    stream.write(model_tail.SerializeToString(deterministic=True))
+
+
+def _split_fields(message, boundary: int, skip: set[int]):
+    """Two copies of `message`: its fields numbered below `boundary`, and those above (minus `skip`)."""
+    numbers = {descriptor.name: descriptor.number for descriptor, _ in message.ListFields()}
+    head, tail = type(message)(), type(message)()
+    copy_fields_except(message, head, {name for name, number in numbers.items() if number >= boundary})
+    copy_fields_except(message, tail, {name for name, n in numbers.items() if n < boundary or n in skip})
+    return head, tail
+
+
+def _key(field: int) -> bytes:
+    return _varint(field << 3 | 2)  # wire type 2: length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _varint_size(value: int) -> int:
+    return len(_varint(value))
+
+
+def _inlined(tensor: TensorProto, store: TensorStore) -> TensorProto:
+    inline = TensorProto()
+    inline.CopyFrom(tensor)
+    _inline(inline, store.raw_bytes(tensor))
+    return inline
+
+
+def _pointer(tensor: TensorProto, location: str, offset: int, length: int) -> TensorProto:
+    """A copy of `tensor`'s metadata that points at its data in `location` (the data is not copied)."""
+    pointer = TensorProto()
+    copy_fields_except(tensor, pointer, {*_DATA_FIELDS, "external_data", "data_location"})
+    _point_to(pointer, location, offset, length)
+    return pointer
+
+
+_DATA_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "raw_data", "string_data")
 
 
 def refuse_input_data_file(data_path: Path, tensors, store: TensorStore) -> None:

@@ -69,9 +69,6 @@ class OpPattern:
             else:
                 yield child
 
-    def attr_constraints(self) -> dict:
-        return dict(self.attrs)
-
 
 def var(name: str, optional: bool = False) -> Var:
     return Var(name, optional)

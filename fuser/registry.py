@@ -34,15 +34,13 @@ def rules_in(namespace) -> list[Rule]:
 
 
 def builtin_rules() -> list[Rule]:
-    """The rules shipped in `fuser.rules`, in the order their modules declare (PRIORITY)."""
+    """The rules shipped in `fuser.rules`, in the package's ORDER (rules/__init__.py); a module
+    missing from it comes last, in name order."""
     package = importlib.import_module("fuser.rules")
-    modules = [
-        importlib.import_module(f"fuser.rules.{info.name}")
-        for info in pkgutil.iter_modules(package.__path__)
-        if not info.name.startswith("_")
-    ]
-    modules.sort(key=lambda m: (getattr(m, "PRIORITY", 100), m.__name__))
-    return [r for module in modules for r in rules_in(module)]
+    names = [info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_")]
+    position = {name: index for index, name in enumerate(package.ORDER)}
+    names.sort(key=lambda name: (position.get(name, len(position)), name))
+    return [r for name in names for r in rules_in(importlib.import_module(f"fuser.rules.{name}"))]
 
 
 def load_rule_file(path: str | Path) -> list[Rule]:

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: declines
+SCHEMA_VERSION = 3  # 2: declines; 3: nchwc_block
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -63,6 +63,11 @@ REPORT_SCHEMA = {
         "output": {"$ref": "#/$defs/file"},
         "target": {"type": "string"},
         "rules": {"type": "array", "items": {"type": "string"}},
+        "nchwc_block": {
+            "enum": [0, 8, 16],
+            "description": "the block of onnxruntime's NCHWc layout the run wrote the model for (--nchwc-block); "
+            "0: none (onnxruntime on the machine that ran 'auto' has no NCHWc kernels)",
+        },
         "nodes_before": {"type": "integer"},
         "nodes_after": {"type": "integer"},
         "op_types_before": {"type": "object", "additionalProperties": {"type": "integer"}},
@@ -120,6 +125,10 @@ REPORT_SCHEMA = {
         "latency": {
             "type": ["object", "null"],
             "required": ["original_ms", "optimized_ms", "ratio", "noise", "slower", "rounds", "threads", "level"],
+        },
+        "fixed_shapes": {
+            "type": ["object", "null"],
+            "additionalProperties": {"type": "array", "items": {"type": ["integer", "string"]}},
         },
     },
     "$defs": {
@@ -219,6 +228,8 @@ def markdown(report: dict) -> str:
         lines += [" → ".join(files), ""]
     if "nodes_before" in report:
         lines += [f"Nodes: {report['nodes_before']} → {report['nodes_after']}", ""]
+    if report.get("target") == "onnxruntime" and "nchwc_block" in report:
+        lines += [f"NCHWc block: {report['nchwc_block'] or 'none'}", ""]
     counts = report.get("rule_counts") or {}
     if counts:
         lines += ["| rule | rewrites |", "| --- | ---: |"]

@@ -1,4 +1,4 @@
-"""Rules: a pattern, a condition, and a function that builds the replacement.
+"""Rules: a pattern, and a function that checks the match's conditions and builds the replacement.
 
     @rule("conv-bn-fold", pattern=op.BatchNormalization(op.Conv(var("x"), const("w")), ...))
     def conv_bn_fold(m: Match, b: Builder):
@@ -10,13 +10,18 @@ The function returns the tensor(s) that take the place of the root node's output
 engine gives them the root's output names, so graph outputs and downstream consumers
 survive. None in place of an output drops it (declined if anything uses it). Rules only
 describe the replacement; the engine alone changes the graph.
+
+What no pattern can find (nodes nothing reads, initializers holding equal bytes) is found by
+a sweep: ``@sweep("dead-code")`` decorates a function that looks at a whole graph scope and
+proposes `Change`s, which the engine checks, applies and logs like any rewrite.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +31,7 @@ from onnx import NodeProto, TensorProto, numpy_helper
 
 from fuser.errors import RuleError
 from fuser.graph import Graph
-from fuser.match import Match
-from fuser.operators import is_known_domain, unknown_op
+from fuser.operators import DEFAULT_DOMAINS, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
 
 TARGETS = ("onnx", "onnxruntime")
@@ -40,9 +44,8 @@ class Rule:
 
     name: str
     description: str
-    pattern: OpPattern | tuple[OpPattern, ...]
+    pattern: OpPattern | tuple[OpPattern, ...] | None
     build: Callable
-    condition: Callable[[Match], None] | None = None
     target: str = "onnx"
     emits: dict[str, int] = field(default_factory=dict)
     opsets: tuple[int, int | None] | None = None
@@ -54,6 +57,7 @@ class Rule:
     phase: int = 0
     note: str | Callable[[], str] | None = None
     source: SourceLocation | None = None
+    sweep: Callable[[Graph], Iterable[Change]] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -62,11 +66,27 @@ class Rule:
             raise PatternError(f"rule '{self.name}': target must be one of {', '.join(TARGETS)}")
         if not self.description:
             raise PatternError(f"rule '{self.name}' needs a description (or a docstring)")
+        if (self.pattern is None) == (self.sweep is None):
+            raise PatternError(f"rule '{self.name}' needs either a pattern or a sweep, not both")
         if isinstance(self.pattern, (list, tuple)) and not self.pattern:
             raise PatternError(f"rule '{self.name}' has an empty list of patterns")
         for alternative in self.alternatives:
             validate(alternative)
+        self._check_emits()
         self._check_pattern_ops()
+
+    def _check_emits(self) -> None:
+        where = f" ({self.source})" if self.source else ""
+        for domain, version in self.emits.items():
+            if domain in DEFAULT_DOMAINS:
+                raise PatternError(
+                    f"rule '{self.name}'{where}: emits= names the default domain, whose opset is the model's; "
+                    "declare the opsets the rule needs with opsets=(low, high) instead"
+                )
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise PatternError(
+                    f"rule '{self.name}'{where}: emits={{{domain!r}: {version!r}}} needs an opset version >= 1"
+                )
 
     def _check_pattern_ops(self) -> None:
         """A pattern naming an operator that does not exist would silently never match."""
@@ -89,13 +109,18 @@ class Rule:
         folders = [Path(f).resolve() for f in getattr(package, "__path__", ())]
         return any(Path(self.source.path).resolve().is_relative_to(f) for f in folders)
 
-    def declared_domains(self) -> set[str]:
-        """The opset domains a replacement may use: the rule's `emits` and its pattern's."""
-        return set(self.emits) | {i.domain for p in self.alternatives for i in p.walk() if isinstance(i, OpPattern)}
+    @functools.cached_property
+    def declared_domains(self) -> frozenset[str]:
+        """The opset domains a replacement may use besides the default one: the rule's `emits`,
+        and those of the operators its pattern matches (rebuilding a matched node's kind)."""
+        matched = {i.domain for p in self.alternatives for i in p.walk() if isinstance(i, OpPattern)}
+        return frozenset(set(self.emits) | matched) - set(DEFAULT_DOMAINS)
 
     @property
     def alternatives(self) -> tuple[OpPattern, ...]:
         """The patterns the rule matches: one, or several spellings of the same computation."""
+        if self.pattern is None:
+            return ()
         return tuple(self.pattern) if isinstance(self.pattern, (list, tuple)) else (self.pattern,)
 
     @property
@@ -106,7 +131,7 @@ class Rule:
 
     @property
     def depth(self) -> int:
-        return max(p.depth for p in self.alternatives)
+        return max((p.depth for p in self.alternatives), default=0)
 
     def note_text(self) -> str | None:
         return self.note() if callable(self.note) else self.note
@@ -126,7 +151,6 @@ def rule(
     *,
     pattern: OpPattern | tuple[OpPattern, ...],
     description: str | None = None,
-    condition: Callable[[Match], None] | None = None,
     target: str = "onnx",
     emits: dict[str, int] | None = None,
     opsets: tuple[int, int | None] | None = None,
@@ -146,7 +170,10 @@ def rule(
     exact: True for pure rewiring that must give bit-identical outputs; False for
         folding, which is equal up to rounding (verified with dtype tolerances).
     target: "onnx" (standard operators only) or "onnxruntime" (may emit com.microsoft ops).
-    emits: opset imports the replacement needs, e.g. {"com.microsoft": 1}.
+    emits: the domains besides the default one that the replacement may build operators in,
+        with the opset version to import when the model lacks it, e.g. {"com.microsoft": 1};
+        building in an undeclared domain is the rule's error. (A rule may also rebuild
+        operators of the domains its pattern matches.)
     opsets: the default-domain opset range (low, high) the rule understands, high None for
         "and later"; outside it the rule is skipped.
     shared_interior: allow interior nodes whose outputs have other consumers; they are
@@ -171,7 +198,6 @@ def rule(
             description=description or (doc[0].strip() if doc else ""),
             pattern=pattern,
             build=function,
-            condition=condition,
             target=target,
             emits=dict(emits or {}),
             opsets=opsets,
@@ -183,6 +209,59 @@ def rule(
             phase=phase,
             note=note,
             source=location,
+        )
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class Change:
+    """One rewrite a sweep proposes; the engine checks it, applies it and logs it.
+
+    nodes: op nodes to remove; every use of their outputs must be among them (no graph output).
+    redirects: (initializer, replacement initializer) pairs of one scope: the first one's readers
+        read the second instead, and the first goes; not for a graph output or a subgraph's read.
+    initializers: initializers nothing reads, to remove.
+    """
+
+    nodes: tuple[int, ...] = ()
+    redirects: tuple[tuple[str, str], ...] = ()
+    initializers: tuple[str, ...] = ()
+
+
+def sweep(
+    name: str,
+    *,
+    description: str | None = None,
+    target: str = "onnx",
+    exact: bool = True,
+    enabled: bool = True,
+    phase: int = 0,
+    note: str | Callable[[], str] | None = None,
+) -> Callable[[Callable], Rule]:
+    """Declare a rule that looks at a whole graph scope rather than matching a pattern.
+
+    The decorated function takes a Graph and yields `Change`s. The engine runs it once when its
+    phase starts and again after the phase's pattern rules changed the graph; each Change is one
+    entry of the rewrite log (declined with the engine's reason when it is unsafe), so blame,
+    --on-mismatch drop and check mode treat it like any rewrite.
+    """
+    location = caller_location()
+
+    def decorate(function: Callable) -> Rule:
+        doc = (function.__doc__ or "").strip().splitlines()
+        return Rule(
+            name=name,
+            description=description or (doc[0].strip() if doc else ""),
+            pattern=None,
+            build=function,
+            target=target,
+            exact=exact,
+            enabled_by_default=enabled,
+            phase=phase,
+            note=note,
+            source=location,
+            sweep=function,
         )
 
     return decorate
@@ -245,11 +324,18 @@ class Builder:
 
     def _check_op(self, op_type: str, domain: str) -> None:
         """An operator the model cannot run is the rule's error, found when it is built rather
-        than as a model onnxruntime refuses."""
+        than as a model onnxruntime refuses. Every domain besides the default one must be
+        declared (in emits=, or by the pattern matching that domain's operators), so that a
+        rule working on models that happen to import the domain does not break on others."""
         rule = self._rule
-        default = domain in ("", "ai.onnx")
-        if not default and not is_known_domain(domain) and domain not in rule.declared_domains():
+        default = domain in DEFAULT_DOMAINS
+        if not default and domain not in rule.declared_domains:
             why = f"it builds '{op_type}' in domain '{domain}', which the rule does not declare in emits="
+        elif not default and domain not in rule.emits and self._graph.opset(domain) is None:
+            why = (
+                f"it builds '{op_type}' in domain '{domain}', which this model does not import; "
+                "declare the domain's version in emits="
+            )
         else:
             key = "" if default else domain
             versions = [v for v in (self._graph.opset(key), rule.emits.get(key)) if v is not None]

@@ -99,6 +99,9 @@ def selftest_rule(rule: Rule, *, seed: int = 0, instances: int = 4, save_dir: Pa
     import fuser
 
     result = RuleSelfTest(rule.name, str(rule.source) if rule.source else None)
+    if rule.sweep is not None:
+        result.unsynthesizable["a sweep has no pattern to draw instances of"] += 1
+        return result
     rng = np.random.default_rng([seed, zlib.crc32(rule.name.encode())])
     attempts = 0
     while result.tried < instances and attempts < 8 * instances:

@@ -6,6 +6,7 @@ and a length) until a rule asks for a value; only then are bytes read and decode
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -30,6 +31,11 @@ _TYPED_FIELDS = {
 _PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
 
 
+# Comparing tensors: the bytes read first, and the size of the chunks external data is read in.
+FINGERPRINT_HEAD = 64
+_CHUNK = 1 << 20
+
+
 def external_data_fields(tensor: TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
@@ -43,6 +49,7 @@ class TensorStore:
 
     def __init__(self, base_dir: Path | None):
         self.base_dir = base_dir.resolve() if base_dir is not None else None
+        self._fingerprints: dict[tuple[int, bool], tuple[TensorProto, bytes]] = {}
 
     def resolve(self, location: str) -> Path:
         """The file an external-data location names, refused if it escapes the model folder."""
@@ -121,6 +128,36 @@ class TensorStore:
             return tensor.raw_data
         return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
 
+    def fingerprint(self, tensor: TensorProto, whole: bool = True) -> bytes:
+        """Bytes that differ when two tensors' data differ: the first FINGERPRINT_HEAD bytes, or
+        (whole) a BLAKE2b digest of all of them. Computed once per tensor; external data is read
+        in chunks, so comparing weights never holds a second copy of them."""
+        key = (id(tensor), whole)
+        cached = self._fingerprints.get(key)
+        if cached is not None and cached[0] is tensor:
+            return cached[1]
+        if uses_external_data(tensor):
+            fields = external_data_fields(tensor)
+            with open(self.resolve(fields.get("location", "")), "rb") as handle:
+                handle.seek(int(fields.get("offset", 0)))
+                remaining = int(fields["length"]) if "length" in fields else -1
+                if not whole:
+                    result = handle.read(FINGERPRINT_HEAD if remaining < 0 else min(remaining, FINGERPRINT_HEAD))
+                else:
+                    digest = hashlib.blake2b()
+                    while remaining != 0:
+                        chunk = handle.read(_CHUNK if remaining < 0 else min(remaining, _CHUNK))
+                        if not chunk:
+                            break
+                        digest.update(chunk)
+                        remaining = remaining - len(chunk) if remaining > 0 else remaining
+                    result = digest.digest()
+        else:
+            raw = self.raw_bytes(tensor)
+            result = hashlib.blake2b(raw).digest() if whole else raw[:FINGERPRINT_HEAD]
+        self._fingerprints[key] = (tensor, result)  # the tensor is kept so its id is never reused
+        return result
+
     def value(self, tensor: TensorProto, max_bytes: int | None = None) -> np.ndarray | None:
         """Decode `tensor`; None when it is larger than `max_bytes`."""
         if max_bytes is not None and nbytes(tensor) > max_bytes:
@@ -141,11 +178,8 @@ def nbytes(tensor: TensorProto) -> int:
     count = 1
     for dim in tensor.dims:
         count *= dim
-    try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-    except (KeyError, ValueError, TypeError):
-        itemsize = 8
-    return count * itemsize
+    itemsize = _itemsize(tensor.data_type)
+    return count * (8 if itemsize is None else itemsize)
 
 
 def _element_count(tensor: TensorProto, label: str) -> int:
@@ -160,10 +194,22 @@ def _element_count(tensor: TensorProto, label: str) -> int:
 def _byte_size(data_type: int, count: int) -> int | None:
     if data_type in _PACKED_4BIT:
         return (count + 1) // 2
-    try:
-        return count * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
-    except (KeyError, ValueError, TypeError):
-        return None
+    itemsize = _itemsize(data_type)
+    return None if itemsize is None else count * itemsize
+
+
+_ITEMSIZES: dict[int, int | None] = {}
+
+
+def _itemsize(data_type: int) -> int | None:
+    """Bytes per element of an ONNX data type (None if unknown), looked up once per type:
+    onnx's mapping is slow, and a large model asks for every initializer."""
+    if data_type not in _ITEMSIZES:
+        try:
+            _ITEMSIZES[data_type] = onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            _ITEMSIZES[data_type] = None
+    return _ITEMSIZES[data_type]
 
 
 def _type_name(data_type: int) -> str:

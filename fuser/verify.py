@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 
 from fuser.errors import InputError, UsageError
-from fuser.tensors import TensorStore, uses_external_data
+from fuser.graph import all_graph_protos, copy_fields_except
+from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
 # (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -116,19 +117,26 @@ QUIET = 4
 LOG_SEVERITY = QUIET
 
 
-def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
+def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, weights: WeightFeeds | None = None):
     """A CPU session with onnxruntime's graph optimizations off.
 
     External data is resolved against `base_dir` (the model's folder), whatever the
     current directory is: onnxruntime otherwise resolves it against the working directory
-    for a model given as bytes.
+    for a model given as bytes. With `weights`, large weights are fed as inputs (WeightFeeds).
     """
+    if weights is not None:
+        skeleton, feeds = weights.split(model, base_dir)
+        if feeds:
+            return FedSession(session(skeleton, base_dir), feeds)
     import onnxruntime as ort
 
     ort.set_default_logger_severity(LOG_SEVERITY)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
+    # Prepacking keeps a second, kernel-specific copy of every MatMul/Conv weight per session;
+    # a check holds two sessions at once, and a single run gains nothing from it.
+    options.add_session_config_entry("session.disable_prepacking", "1")
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())
@@ -144,6 +152,117 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
         raise InputError(f"onnxruntime cannot load the model: {_first_line(error)}") from error
+
+
+# Element types whose numpy arrays onnxruntime takes as inputs as they are.
+_FEEDABLE = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.UINT64,
+    onnx.TensorProto.BOOL,
+}
+FEED_BYTES = 64 << 10  # smaller initializers stay in the model: shape tensors must be constants
+
+
+class WeightFeeds:
+    """The large weights of the models one check compares, each held once and shared.
+
+    Every session would otherwise hold its own copy of every weight (and the serialized model
+    a third): a check compares two models, so a large model needed several times its size.
+    Instead, a weight read only by standard operators becomes a graph input, fed from a numpy
+    array onnxruntime reads in place; a weight the two models have in common (same type,
+    dims and bytes) is one array. External data is memory-mapped, not read. Weights of
+    com.microsoft operators stay initializers: some of their kernels need constant weights.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple, tuple[object, np.ndarray]] = {}
+
+    def split(self, model: onnx.ModelProto, base_dir) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The model with its feedable weights turned into inputs, and their values."""
+        graph = model.graph
+        readers: dict[str, set[str]] = {}
+        for scope in all_graph_protos(graph):
+            for node in scope.node:
+                for name in node.input:
+                    readers.setdefault(name, set()).add(node.domain or "")
+        listed = {value.name for value in graph.input}
+        store = TensorStore(Path(base_dir)) if base_dir is not None else None
+        feeds: dict[str, np.ndarray] = {}
+        kept = []
+        for tensor in graph.initializer:
+            array = None
+            if (
+                tensor.data_type in _FEEDABLE
+                and nbytes(tensor) >= FEED_BYTES
+                and readers.get(tensor.name, set()) <= {"", "ai.onnx"}
+            ):
+                array = self._array(tensor, store)
+            if array is None:
+                kept.append(tensor)
+            else:
+                feeds[tensor.name] = array
+        if not feeds:
+            return model, {}
+        skeleton = onnx.ModelProto()
+        copy_fields_except(model, skeleton, {"graph"})
+        copy_fields_except(graph, skeleton.graph, {"initializer"})
+        skeleton.graph.initializer.extend(kept)
+        skeleton.graph.input.extend(
+            onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for name, a in feeds.items()
+            if name not in listed
+        )
+        return skeleton, feeds
+
+    def _array(self, tensor: onnx.TensorProto, store: TensorStore | None) -> np.ndarray | None:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        shape = tuple(tensor.dims)
+        if uses_external_data(tensor):
+            if store is None:
+                return None
+            fields = external_data_fields(tensor)
+            path = store.resolve(fields.get("location", ""))
+            offset = int(fields.get("offset", 0))
+            key = ("file", str(path), offset, dtype.str, shape)
+            if key not in self._arrays:
+                self._arrays[key] = (None, np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+            return self._arrays[key][1]
+        if not tensor.HasField("raw_data"):
+            return None  # typed fields: small in practice, and decoding them is a copy anyway
+        raw = tensor.raw_data
+        key = ("raw", dtype.str, shape, hash(raw))
+        cached = self._arrays.get(key)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        array = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        self._arrays[key] = (raw, array)
+        return array
+
+
+class FedSession:
+    """An onnxruntime session whose weight inputs are fed for every run and hidden from callers."""
+
+    def __init__(self, inner, weights: dict[str, np.ndarray]):
+        self._inner = inner
+        self._weights = weights
+
+    def get_inputs(self):
+        return [spec for spec in self._inner.get_inputs() if spec.name not in self._weights]
+
+    def run(self, names, feeds, *args, **kwargs):
+        return self._inner.run(names, {**feeds, **self._weights}, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def with_inline_weights(model: onnx.ModelProto, base_dir: str | os.PathLike) -> onnx.ModelProto:
@@ -540,7 +659,8 @@ class Checker:
         self.rtol, self.atol = rtol, atol
         self.base_dir = base_dir
         check_names(original, dims=dims, shapes=shapes, ranges=ranges, inputs=inputs)
-        self.session = session(original, base_dir)
+        self.weights = WeightFeeds()
+        self.session = session(original, base_dir, self.weights)
         if inputs is not None:
             self.feeds = [self._named(inputs)]
             self.expected = [self._run_original(self.feeds[0])]
@@ -620,7 +740,7 @@ class Checker:
 
     def _check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool, base_dir) -> Verdict:
         try:
-            after = session(candidate, base_dir)
+            after = session(candidate, base_dir, self.weights)
         except InputError as error:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
         verdict = Verdict()
@@ -695,23 +815,6 @@ def check_names(
     unknown = sorted(set(inputs or {}) - set(names) - positional)
     if unknown:
         raise UsageError(f"--inputs: the model has no input {', '.join(unknown)} (its inputs: {listed})")
-
-
-def verify(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
-    *,
-    exact: bool,
-    seed: int = 0,
-    runs: int = 1,
-    dims: dict[str, int] | None = None,
-    shapes: dict[str, tuple] | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> Verdict:
-    """Run both models on the same seeded inputs and compare every graph output."""
-    checker = Checker(original, seed=seed, runs=runs, dims=dims, shapes=shapes, rtol=rtol, atol=atol)
-    return checker.check(optimized, exact)
 
 
 def _severity(check: OutputCheck) -> int:

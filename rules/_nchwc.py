@@ -4,9 +4,10 @@ A tensor in NCHWc form keeps the shape [N, Cp, H, W] but stores [N, Cp/B, H, W, 
 channels are padded with zeros to Cp, a multiple of the block size B, and every run
 of B channels is interleaved so that one SIMD register holds one pixel of B channels.
 B is chosen by onnxruntime's MLAS library for the CPU it runs on (16 with AVX-512, 8
-with AVX2), so a model holding NCHWc weights is only correct where B is the same: the
-rewrite measures B here and plants a guard that makes the model fail to run, loudly,
-on a machine whose B differs.
+with AVX2), so a model holding NCHWc weights is only correct where B is the same. The
+rules take B from the run (`m.context.nchwc_block`: `--nchwc-block`, by default this
+machine's) and plant a guard that makes the model fail to run, loudly, on a machine
+whose B differs.
 
 The padding channels of a NCHWc tensor hold finite junk (an activation of zero, say);
 every NCHWc consumer ignores them and ReorderOutput drops them.
@@ -14,14 +15,9 @@ every NCHWc consumer ignores them and ReorderOutput drops them.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import tempfile
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from fuser import Builder, Match, op
 
@@ -31,51 +27,17 @@ EMITS = {NCHWC: 1}
 GUARD_KEY = "nchwc-block-size-guard"
 
 
-@functools.lru_cache(maxsize=None)
-def block_size() -> int:
-    """The block size onnxruntime's NCHWc transformer uses on this machine; 0 if it has none.
-
-    Read off the transformer itself: it pads a one-channel convolution's filter to B
-    output channels.
-    """
-    import onnxruntime as ort
-
-    weight = numpy_helper.from_array(np.ones((1, 3, 1, 1), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"])],
-        "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [weight],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    with tempfile.TemporaryDirectory() as folder:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.optimized_model_filepath = os.path.join(folder, "probe.onnx")
-        options.log_severity_level = 3
-        try:
-            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            optimized = onnx.load(options.optimized_model_filepath)
-        except Exception:  # noqa: BLE001 - no NCHWc support is an answer, not an error
-            return 0
-    sizes = {t.name: t.dims[0] for t in optimized.graph.initializer if len(t.dims) == 4}
-    for node in optimized.graph.node:
-        if node.domain == NCHWC and node.op_type == "Conv":
-            return int(sizes.get(node.input[1], 0))
-    return 0
-
-
 def machine_note() -> str:
     return (
-        f"the model uses onnxruntime's NCHWc layout for block size {block_size()} (this machine's CPU); "
-        "on a machine with another block size onnxruntime refuses to run it: "
+        "the model uses onnxruntime's NCHWc layout for one block size (nchwc_block in the report, "
+        "--nchwc-block): onnxruntime refuses to run it on a machine with another block size; "
         "use --disable 'nchwc-*' for a model meant for other machines or GPU providers"
     )
 
 
 def require_block_size(m: Match) -> int:
-    size = block_size()
+    """The block size the model is written for (the run's --nchwc-block); declines without one."""
+    size = m.context.nchwc_block
     m.require(size > 1, "onnxruntime on this machine has no NCHWc kernels")
     return size
 
@@ -210,7 +172,7 @@ def region_cost(m: Match, start: int) -> tuple[int, int] | None:
     if weight is None or weight.ndim < 2:
         return None
     # As nchwc-conv decides it, from the filter: few input channels are read straight from NCHW.
-    unblocked_input = int(info.attr("group", 1) or 1) == 1 and weight.shape[1] < block_size()
+    unblocked_input = int(info.attr("group", 1) or 1) == 1 and weight.shape[1] < m.context.nchwc_block
     crossings = 0
     for slot, name in enumerate(info.inputs):
         if not name or (slot == 0 and unblocked_input):

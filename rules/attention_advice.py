@@ -12,8 +12,6 @@ from fuser.rules._attention import FUSABLE_DTYPES, merge_after_softmax, trace_at
 
 from fuser import Decline, Match, op, rule, var
 
-PRIORITY = 90
-
 
 @rule("attention-advice", pattern=op.Softmax(var("scores"), name="softmax"), advisory=True, phase=2)
 def attention_advice(m: Match, _):

@@ -27,8 +27,6 @@ from fuser.rules._attention import (
 
 from fuser import Builder, Match, rule
 
-PRIORITY = 30
-
 
 @rule(
     "attention-multihead",

@@ -24,8 +24,6 @@ from fuser.rules._attention import (
 
 from fuser import Builder, Match, rule
 
-PRIORITY = 30
-
 
 @rule("attention-standard", pattern=MERGE_HEADS, opsets=(23, None), stabilizes=True)
 def attention_standard(m: Match, b: Builder):

@@ -11,7 +11,6 @@ from fuser.rules._common import require_float
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 27
 MS = op.domain("com.microsoft")
 
 

@@ -14,7 +14,6 @@ from onnx import helper
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 4
 
 # Types whose every value the key type holds exactly: a cast through the key type is lossless.
 _HOLDS = {

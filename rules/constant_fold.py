@@ -18,7 +18,6 @@ from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types,
 
 from fuser import Builder, Match, const, op, rule
 
-PRIORITY = 1
 
 MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they are
 

@@ -13,8 +13,6 @@ from fuser.rules._folding import cast_finite, per_channel
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 20
-
 
 @rule(
     "conv-add-bias",

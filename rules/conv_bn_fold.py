@@ -15,8 +15,6 @@ from fuser.rules._folding import cast_finite
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 10
-
 
 def fold_conv_bn(weight, bias, scale, beta, mean, var_, epsilon, *, transpose=False, group=1):
     """Weights and bias of the convolution that equals conv followed by inference BN."""

@@ -12,8 +12,6 @@ from fuser.rules._folding import cast_finite, per_channel
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 15
-
 
 @rule(
     "conv-mul-scale",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 5
-
 
 @rule(
     "dropout-elimination",

@@ -10,8 +10,6 @@ from fuser.rules._activations import activation, activation_params, fusable_dtyp
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 60
-
 
 @rule(
     "fused-conv",

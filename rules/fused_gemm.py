@@ -11,8 +11,6 @@ from fuser.rules._activations import activation_params, fusable_dtype
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 70
-
 
 @rule(
     "fused-gemm",

@@ -16,7 +16,6 @@ from fuser.rules._common import require_float, require_scalar
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 26
 TANH_SCALE = math.sqrt(2 / math.pi)
 CUBIC = 0.044715
 

@@ -13,8 +13,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, rule
 
-PRIORITY = 4
-
 
 @rule("hardsigmoid-decomposed", pattern=HARD_SIGMOID_FORM, phase=SIMPLIFY_PHASE, opsets=(6, None))
 def hardsigmoid_decomposed(m: Match, b: Builder):

@@ -13,8 +13,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, const, op, rule
 
-PRIORITY = 4
-
 
 @rule(
     "hardswish-decomposed",

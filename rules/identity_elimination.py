@@ -11,8 +11,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 1
-
 
 @rule("identity-elimination", pattern=op.Identity(var("x")), phase=SIMPLIFY_PHASE, exact=True)
 def identity_elimination(m: Match, b: Builder):

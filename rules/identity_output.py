@@ -14,7 +14,6 @@ import operator
 from fuser import Builder, Match, op, rule, var
 from fuser.rules._simplify import SIMPLIFY_PHASE, foldable_op_types
 
-PRIORITY = 2
 
 MAX_INPUTS = 32
 

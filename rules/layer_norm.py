@@ -15,8 +15,6 @@ from fuser.rules._common import written_out_norm
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 20
-
 
 def _patterns():
     x = var("x")

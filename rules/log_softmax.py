@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 40
-
 
 @rule("log-softmax", pattern=op.Log(op.Softmax(var("x"), name="softmax"), name="log"), stabilizes=True)
 def log_softmax(m: Match, b: Builder):

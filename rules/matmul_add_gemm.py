@@ -16,7 +16,6 @@ import numpy as np
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 30
 GEMM_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 

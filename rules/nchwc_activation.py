@@ -11,9 +11,6 @@ from fuser.rules._activations import activation, activation_params
 from fuser.rules._nchwc import EMITS, NCHWC, channels_of, nchwc, reorder_output
 
 
-PRIORITY = 92
-
-
 @rule(
     "nchwc-activation",
     pattern=activation(

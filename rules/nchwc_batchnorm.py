@@ -24,9 +24,6 @@ from fuser.rules._nchwc import (
 )
 
 
-PRIORITY = 95
-
-
 @rule(
     "nchwc-batchnorm",
     pattern=op.BatchNormalization(

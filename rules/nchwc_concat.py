@@ -11,7 +11,6 @@ from fuser import Builder, Match, op, rule, var
 from fuser.rules._nchwc import EMITS, channels_of, guarded, machine_note, nchwc, reorder_output, require_block_size
 
 
-PRIORITY = 94
 MAX_PARTS = 8
 
 

@@ -30,9 +30,6 @@ from fuser.rules._nchwc import (
 )
 
 
-PRIORITY = 90
-
-
 def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
     block = require_block_size(m)
     is_float32(m, m["x"])

@@ -13,8 +13,6 @@ from __future__ import annotations
 from fuser import Builder, Match, op, rule, var
 from fuser.rules._nchwc import EMITS, NCHWC, channels_of, is_float32, nchwc, reorder_output
 
-PRIORITY = 92
-
 
 @rule(
     "nchwc-conv-add",

@@ -22,9 +22,6 @@ from fuser.rules._nchwc import (
 )
 
 
-PRIORITY = 93
-
-
 def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     pool = m.node("pool")
     m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")

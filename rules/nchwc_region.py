@@ -11,8 +11,6 @@ from __future__ import annotations
 from fuser import Match, op, rule, var
 from fuser.rules._nchwc import MACS_PER_REORDER, region_cost, region_message, require_block_size
 
-PRIORITY = 99
-
 
 def _advice(m: Match) -> str:
     require_block_size(m)

@@ -11,9 +11,6 @@ from fuser import Builder, Match, rule, var
 from fuser.rules._nchwc import channels_of, nchwc
 
 
-PRIORITY = 91
-
-
 @rule(
     "nchwc-reorder-cancel",
     pattern=nchwc.ReorderInput(nchwc.ReorderOutput(var("x"), name="to_plain"), name="to_blocked"),

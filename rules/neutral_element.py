@@ -14,7 +14,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 4
 
 NEUTRAL = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}
 

@@ -13,8 +13,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE, same_shape
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 4
-
 
 @rule("concat-single", pattern=op.Concat(var("x"), name="concat"), phase=SIMPLIFY_PHASE, exact=True)
 def concat_single(m: Match, b: Builder):

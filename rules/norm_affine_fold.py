@@ -17,7 +17,6 @@ from fuser.rules._folding import cast_finite
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 21
 NORMS = op.LayerNormalization | op.RMSNormalization | op.SimplifiedLayerNormalization
 MS = op.domain("com.microsoft")
 

@@ -15,7 +15,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 3
 
 PAD = op.Pad(var("x"), const("pads", optional=True), const("value", optional=True), name="pad")
 

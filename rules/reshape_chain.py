@@ -11,8 +11,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE, same_shape
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 4
-
 
 @rule(
     "reshape-chain",

@@ -18,7 +18,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 5
 PARTS = 8
 
 

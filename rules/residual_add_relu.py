@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from fuser import Match, op, rule, var
 
-PRIORITY = 90
-
 
 @rule(
     "residual-add-relu",

@@ -15,8 +15,6 @@ from fuser.rules._common import require_float, written_out_norm
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 22
-
 
 def _patterns():
     x = var("x")

@@ -15,7 +15,6 @@ import numpy as np
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 25
 
 x = var("x")
 

@@ -13,8 +13,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 2
-
 
 def _read_dims(m: Match) -> list:
     """The dimensions Shape reports, honouring its start/end attributes (opset 15)."""

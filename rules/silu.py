@@ -12,7 +12,6 @@ from fuser.rules._common import require_float
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 28
 PATTERN = op.Mul(var("x"), op.Sigmoid(var("x"), name="sigmoid"), name="mul")
 
 

@@ -21,7 +21,6 @@ from fuser.rules._common import require_float, same_shape
 
 from fuser import Builder, Decline, Match, const, op, rule, var
 
-PRIORITY = 24
 SKIP_DTYPES = ("float16", "float32")
 
 

@@ -12,8 +12,6 @@ from fuser.rules._common import is_float, reduced_axes
 
 from fuser import Builder, Match, const, op, rule, var
 
-PRIORITY = 35
-
 
 @rule(
     "softmax-decomposed",

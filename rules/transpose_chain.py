@@ -10,8 +10,6 @@ from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, op, rule, var
 
-PRIORITY = 4
-
 
 def _perm(m: Match, node: str, rank: int | None) -> list[int]:
     perm = m.attr(node, "perm", None)

@@ -64,7 +64,7 @@ def test_the_report_lists_every_decline_with_the_rules_line(cli, model_path, tmp
     assert result.returncode == 0, result.stderr
     report = json.loads(report_path.read_text())
     jsonschema.validate(report, REPORT_SCHEMA)
-    assert report["schema_version"] == 2
+    assert report["schema_version"] >= 2  # declines are in the report since version 2
     declines = [d for d in report["declines"] if d["rule"] == "softmax-decomposed"]
     assert len(declines) == 2
     assert all(REASON in d["reason"] and d["source"].split(":")[0].endswith("softmax_decomposed.py") for d in declines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import onnx
 import pytest
 
@@ -84,6 +85,74 @@ def test_custom_builder_domains_must_be_declared():
     )
     after, report = fuser.optimize(model_from_text(SIGMOID_MODEL), rules=[declared], check=False)
     assert report.counts == {"declared": 1} and after.graph.node[0].domain == "my.company"
+
+
+def test_an_onnxruntime_domain_must_be_declared_too():
+    """com.microsoft is known to fuser, but a rule that builds in it without emits= would only
+    work on models that already import the domain."""
+
+    def build(m: Match, b: Builder):
+        """Sigmoid => QuickGelu."""
+        return b.op("QuickGelu", m["x"], domain="com.microsoft", alpha=1.0)  # the line the error names
+
+    error = _build_error(build)
+    assert "builds 'QuickGelu' in domain 'com.microsoft', which the rule does not declare in emits=" in str(error)
+    assert f"{__file__}:{build.__code__.co_firstlineno + 2}" in str(error)
+    assert "please report" not in str(error) and error.exit_code == 4
+    after, report = fuser.optimize(
+        model_from_text(SIGMOID_MODEL), rules=[_named_rule("declared", build, emits={"com.microsoft": 1})], check=False
+    )
+    assert report.counts == {"declared": 1}
+    assert {o.domain: o.version for o in after.opset_import}["com.microsoft"] == 1
+
+
+def _named_rule(name, build, pattern=None, **options):
+    return rule(name, pattern=pattern or op.Sigmoid(var("x")), description="test", **options)(build)
+
+
+MICROSOFT_GELU_MODEL = """
+<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+g (float[2, 3] x) => (float[2, 3] y) { y = com.microsoft.Gelu (x) }
+"""
+
+
+def test_a_rule_may_rebuild_operators_of_the_domain_its_pattern_matches():
+    def build(m: Match, b: Builder):
+        """Gelu(x) => BiasGelu(x, 0)."""
+        return b.op("BiasGelu", m["x"], np.zeros(3, np.float32), domain="com.microsoft")
+
+    rebuild = _named_rule("rebuild", build, pattern=op.domain("com.microsoft").Gelu(var("x")))
+    after, report = fuser.optimize(onnx.parser.parse_model(MICROSOFT_GELU_MODEL), rules=[rebuild])
+    assert report.counts == {"rebuild": 1} and [n.op_type for n in after.graph.node] == ["BiasGelu"]
+
+
+def test_a_pattern_domain_the_model_does_not_import_needs_emits():
+    """A pattern with several spellings may match in the default domain and still build in
+    the other spelling's domain, which the model then lacks."""
+    pattern = (op.Sigmoid(var("x")), op.domain("com.microsoft").QuickGelu(var("x")))
+    build = _named_rule("mixed", lambda m, b: b.op("QuickGelu", m["x"], domain="com.microsoft"), pattern=pattern)
+    with pytest.raises(RuleError, match="domain 'com.microsoft', which this model does not import; declare"):
+        fuser.optimize(model_from_text(SIGMOID_MODEL), rules=[build], check=False)
+
+
+def test_emits_is_checked_when_the_rule_is_defined():
+    with pytest.raises(PatternError, match="emits= names the default domain") as caught:
+        _named_rule("default", lambda m, b: m["x"], emits={"": 20})
+    assert f"{__file__}:" in str(caught.value)
+    with pytest.raises(PatternError, match="needs an opset version >= 1"):
+        _named_rule("versionless", lambda m, b: m["x"], emits={"com.microsoft": "1"})
+
+
+def test_a_declared_domain_is_imported_only_when_a_replacement_uses_it():
+    """emits= allows a domain; a rewrite that builds only standard operators adds no import."""
+    def build(m: Match, b: Builder):
+        """Sigmoid(x) => 1 / (1 + exp(-x))."""
+        return b.Reciprocal(b.Add(b.Exp(b.Neg(m["x"])), np.ones(1, np.float32)))
+
+    plain = _named_rule("plain", build, emits={"com.microsoft": 1})
+    after, report = fuser.optimize(model_from_text(SIGMOID_MODEL), rules=[plain])
+    assert report.counts == {"plain": 1}
+    assert [o.domain for o in after.opset_import] == [""]
 
 
 def test_a_crash_in_a_users_rule_names_its_line_and_asks_no_bug_report():

@@ -4,14 +4,13 @@ equal symbolic name keeps meaning an equal dim (rules compare names to prove sha
 
 from __future__ import annotations
 
-import onnx
 from onnx import TensorProto, helper
 
-from fuser.match import TypeInfo, _carried
+from fuser.match import TypeInfo, _carried, _entry_of
 
 
-def typed(name: str, dims: list) -> onnx.TypeProto:
-    return helper.make_tensor_type_proto(TensorProto.FLOAT, dims)
+def typed(name: str, dims: list):
+    return _entry_of(helper.make_tensor_type_proto(TensorProto.FLOAT, dims))
 
 
 def test_carried_entries_get_run_unique_names_and_fresh_ones_win():
@@ -19,9 +18,8 @@ def test_carried_entries_get_run_unique_names_and_fresh_ones_win():
     fresh = {"both": typed("both", ["unk__7"])}
     carried = _carried(previous, fresh, run=3)
     assert list(carried) == ["old"]
-    dims = [d.dim_param or d.dim_value for d in carried["old"].tensor_type.shape.dim]
-    assert dims == ["run3.unk__1", "batch", 8]  # the model's own names and sizes are kept
-    assert previous["old"].tensor_type.shape.dim[0].dim_param == "unk__1"  # not changed in place
+    assert carried["old"] == (TensorProto.FLOAT, ("run3.unk__1", "batch", 8))  # the model's own names and sizes kept
+    assert previous["old"][1][0] == "unk__1"  # not changed in place
 
 
 def test_a_fresh_runs_made_up_name_never_equals_a_carried_one():
@@ -40,10 +38,6 @@ def test_a_fresh_runs_made_up_name_never_equals_a_carried_one():
     assert types.shape("y") == first or types.shape("y")[0] != types.shape("gone")[0]
 
 
-def dims_of(entry: onnx.TypeProto) -> list:
-    return [d.dim_param or d.dim_value or None for d in entry.tensor_type.shape.dim]
-
-
 def test_a_fresh_entry_that_knows_less_is_completed_by_the_earlier_one():
     """Shape inference stops at an operator it does not know (a com.microsoft op a rule made):
     a later run then infers the tensors after it with made-up dims or none. The earlier run's
@@ -53,22 +47,20 @@ def test_a_fresh_entry_that_knows_less_is_completed_by_the_earlier_one():
         "context": typed("context", ["unk__4", 4, "unk__5", 16]),
         "same": typed("same", ["unk__1", 8]),
     }
-    shapeless = onnx.TypeProto()
-    shapeless.tensor_type.elem_type = TensorProto.FLOAT
     fresh = {
         "merged": typed("merged", ["unk__17", "unk__18", "unk__19"]),
-        "context": shapeless,
+        "context": (TensorProto.FLOAT, None),
         "same": typed("same", ["unk__9", 8]),
     }
     carried = _carried(previous, fresh, run=2)
-    assert dims_of(carried["merged"]) == ["batch", "sequence", 64]
-    assert dims_of(carried["context"]) == ["run2.unk__4", 4, "run2.unk__5", 16]
+    assert carried["merged"] == (TensorProto.FLOAT, ("batch", "sequence", 64))
+    assert carried["context"] == (TensorProto.FLOAT, ("run2.unk__4", 4, "run2.unk__5", 16))
     assert "same" not in carried  # nothing to add: the fresh entry stands
 
 
 def test_entries_that_disagree_leave_the_fresh_one():
     previous = {"t": typed("t", [2, 3]), "u": typed("u", [2, 3])}
-    other_type = helper.make_tensor_type_proto(TensorProto.INT64, [None, None])
+    other_type = _entry_of(helper.make_tensor_type_proto(TensorProto.INT64, [None, None]))
     fresh = {"t": typed("t", [None, None, None]), "u": other_type}
     assert _carried(previous, fresh, run=1) == {}
 

@@ -11,9 +11,11 @@ compares every output within TOL. Negative tests check, with trace=True, that th
 declined for the stated reason (or that its pattern never matched) and that no NCHWc op was
 emitted.
 
-The block size B is read from `fuser.rules._nchwc.block_size()` (16 with AVX-512, 8 with
-AVX2); channel counts are written in terms of B, so that "not a multiple of the block" holds
-on every machine. Without NCHWc kernels (B == 0) the whole file is skipped.
+The block size B is this machine's (`fuser.context.machine_nchwc_block()`, what
+`--nchwc-block auto` resolves to: 16 with AVX-512, 8 with AVX2); channel counts are written
+in terms of B, so that "not a multiple of the block" holds on every machine. Without NCHWc
+kernels (B == 0) the whole file is skipped; tests/rules/test_nchwc_blocks.py covers both
+block sizes on any machine.
 
 Runtime facts this file relies on (onnxruntime 1.32, CPUExecutionProvider):
 * com.microsoft.nchwc ops (ReorderInput, ReorderOutput, Conv, MaxPool, AveragePool,
@@ -37,7 +39,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 import fuser
-from fuser.rules._nchwc import block_size, padded
+from fuser.context import machine_nchwc_block
+from fuser.rules._nchwc import padded
 from tests.helpers import (
     LIGHT_MODELS,
     assert_same_outputs,
@@ -51,7 +54,7 @@ from tests.helpers import (
     run,
 )
 
-B = block_size()
+B = machine_nchwc_block()
 if B == 0:
     pytest.skip("onnxruntime on this machine has no NCHWc kernels", allow_module_level=True)
 
@@ -840,9 +843,9 @@ def test_concat_of_pools_alone_is_guarded():
 def test_without_nchwc_kernels_every_rule_declines(monkeypatch):
     """Where onnxruntime has no NCHWc kernels (block size 0, as on ARM builds), every NCHWc
     rule declines with that reason; nothing crashes and the fusions still happen."""
-    import fuser.rules._nchwc as nchwc_helpers
+    import fuser.context
 
-    monkeypatch.setattr(nchwc_helpers, "block_size", lambda: 0)
+    monkeypatch.setattr(fuser.context, "machine_nchwc_block", lambda: 0)
     net = Net(41)
     r = net.add("Relu", net.conv("x", 2 * B, 2 * B))
     pooled = net.add("MaxPool", r, kernel_shape=[2, 2])

@@ -1,0 +1,87 @@
+"""Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed.
+
+Exporters and hand edits leave computations behind that nothing uses: a branch of a model
+that was cut off, a Shape kept for a debugging output that is gone, weights of a removed
+head. They cost time in every session (onnxruntime runs them unless its own optimizer is
+on) and space in the file, and their extra consumers keep fusions from firing on the tensors
+they read.
+
+A node is live when one of its outputs is a graph output, when a live node reads one of its
+outputs (a subgraph's read from this scope counts as a read by the node holding it), or when
+it cannot be proven free of side effects. Standard ONNX operators (the default and ai.onnx.ml
+domains) are pure functions of their inputs; an operator of any other domain is whatever its
+runtime registers, which may write a file or keep state, and removing it could not be caught
+by the numerics check, so such nodes, and the nodes they read, always stay. A node holding
+subgraphs is pure when every node inside them is.
+
+Each connected group of dead nodes is one rewrite; the initializers and captured tensors only
+they read go with them. Initializers nothing reads at all go in one rewrite per graph scope.
+An initializer that a graph input can override (listed as an input, IR >= 4) is an input and
+stays.
+"""
+
+from __future__ import annotations
+
+from fuser.rules._simplify import SIMPLIFY_PHASE
+
+from fuser import Change, sweep
+
+PURE_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def _pure(info) -> bool:
+    if info.domain not in PURE_DOMAINS:
+        return False
+    return all(_pure(inner) for graphs in info.subgraphs.values() for g in graphs for inner in g.nodes())
+
+
+def _reads(info) -> set[str]:
+    """Tensors the node reads: its inputs, and what its subgraphs read from this scope."""
+    names = {i for i in info.inputs if i}
+    names.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+    return names
+
+
+@sweep("dead-code", phase=SIMPLIFY_PHASE)
+def dead_code(graph):
+    """Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed."""
+    nodes = {info.id: info for info in graph.nodes()}
+    live = [
+        node_id
+        for node_id, info in nodes.items()
+        if not _pure(info) or any(o and graph.is_graph_output(o) for o in info.outputs)
+    ]
+    seen = set(live)
+    while live:
+        for name in _reads(nodes[live.pop()]):
+            producer = graph.producer(name)
+            if producer is not None and producer not in seen:
+                seen.add(producer)
+                live.append(producer)
+    dead = sorted((node_id for node_id in nodes if node_id not in seen), key=graph.sort_key)
+    # Dead nodes connected through the tensors they share form one rewrite.
+    group = {node_id: node_id for node_id in dead}
+
+    def root(node_id: int) -> int:
+        while group[node_id] != node_id:
+            group[node_id] = group[group[node_id]]
+            node_id = group[node_id]
+        return node_id
+
+    for node_id in dead:
+        for name in _reads(nodes[node_id]):
+            producer = graph.producer(name)
+            if producer in group:
+                group[root(producer)] = root(node_id)
+    members: dict[int, list[int]] = {}
+    for node_id in dead:
+        members.setdefault(root(node_id), []).append(node_id)
+    for ids in sorted(members.values(), key=lambda ids: graph.sort_key(ids[0])):
+        yield Change(nodes=tuple(ids))
+    unused = [
+        t.name
+        for t in graph.initializers()
+        if graph.initializer(t.name) is t and graph.defines(t.name) and not graph.consumers(t.name)
+    ]
+    if unused:
+        yield Change(initializers=tuple(unused))

@@ -1,0 +1,50 @@
+"""Initializers of equal dtype, shape and bytes  =>  one initializer that all their readers read.
+
+Exporters store a weight once per use (a tied embedding and output projection, the same
+constant folded in two places, the scale of every LayerNorm of an untrained model), and
+constant folding writes the same small shape tensor many times. One copy makes the file
+smaller and lets common-subexpression see that two nodes read the same value.
+
+Comparing is cheap first: by dtype and dims (no bytes read), then by the first bytes, and only
+tensors still alike are hashed whole (BLAKE2b; external data read in chunks, each tensor once).
+The first initializer in file order is kept. An initializer that a graph input can override
+(listed as an input, IR >= 4) is an input, not a constant, and is never merged; neither is a
+graph output (its name must survive) or a tensor a subgraph reads (the engine declines those).
+String tensors are left alone.
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from fuser.rules._simplify import SIMPLIFY_PHASE
+
+from fuser import Change, sweep
+
+
+def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorProto]]:
+    """`tensors` split into groups of two or more with equal fingerprints, in file order."""
+    groups: dict[bytes, list[TensorProto]] = {}
+    for tensor in tensors:
+        groups.setdefault(graph.tensors.fingerprint(tensor, whole=whole), []).append(tensor)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+@sweep("shared-initializer", phase=SIMPLIFY_PHASE)
+def shared_initializer(graph):
+    """Initializers of equal dtype, shape and bytes  =>  one, read by all their readers."""
+    by_type: dict[tuple, list[TensorProto]] = {}
+    for tensor in graph.initializers():
+        if tensor.data_type == TensorProto.STRING or graph.initializer(tensor.name) is not tensor:
+            continue
+        if not graph.defines(tensor.name) or not graph.consumers(tensor.name):
+            continue
+        by_type.setdefault((tensor.data_type, tuple(tensor.dims)), []).append(tensor)
+    for candidates in by_type.values():
+        if len(candidates) < 2:
+            continue
+        for similar in _alike(graph, candidates, whole=False):
+            for equal in _alike(graph, similar, whole=True):
+                kept = equal[0].name
+                for duplicate in equal[1:]:
+                    yield Change(redirects=((duplicate.name, kept),))

@@ -1,0 +1,198 @@
+"""The NCHWc rules at both block sizes, 8 and 16, on any machine.
+
+onnxruntime runs its com.microsoft.nchwc operators only at the block size of the machine it
+runs on. fuser/nchwc.py writes them as standard operators for a given block size; these tests
+first check that lowering against onnxruntime's own kernels at this machine's block size, then
+optimize with `nchwc_block=8` and `nchwc_block=16` and compare each result, lowered, with the
+original in onnxruntime (graph optimizations off). tests/rules/test_nchwc.py covers the rules
+in detail at this machine's block size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import fuser
+from fuser.context import machine_nchwc_block
+from fuser.errors import UsageError
+from fuser.nchwc import NCHWC, lower
+from tests.helpers import make_model, run
+
+BLOCKS = (8, 16)
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _weight(rng, *shape) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+
+
+def image_model() -> onnx.ModelProto:
+    """An image convolution (3 channels, read as NCHW), a residual Add, a depthwise convolution,
+    MaxPool and a Clip activation."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["a"]),
+        helper.make_node("Relu", ["a"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1], group=24),
+        helper.make_node("MaxPool", ["c3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w4", "b4"], ["c4"]),
+        helper.make_node("Clip", ["c4", "low", "high"], ["y"]),
+    ]
+    inits = {
+        "w1": _weight(rng, 24, 3, 3, 3),
+        "b1": _weight(rng, 24, 1)[:, 0],
+        "w2": _weight(rng, 24, 24, 3, 3),
+        "b2": _weight(rng, 24, 1)[:, 0],
+        "w3": _weight(rng, 24, 1, 3, 3),
+        "w4": _weight(rng, 40, 24, 1, 1),
+        "b4": _weight(rng, 40, 1)[:, 0],
+        "low": np.array(0, np.float32),
+        "high": np.array(0.5, np.float32),
+    }
+    return make_model(nodes, [("x", np.float32, ["batch", 3, 16, 16])], [("y", np.float32, ["batch", 40, 8, 8])], inits)
+
+
+def feature_model() -> onnx.ModelProto:
+    """A grouped convolution, LeakyRelu, HardSigmoid and Tanh activations, AveragePool, a
+    BatchNormalization of its own, a channel Concat and the global pools."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], group=2),
+        helper.make_node("LeakyRelu", ["c1"], ["l1"], alpha=0.1),
+        helper.make_node("Conv", ["l1", "w2", "b2"], ["c2"]),
+        helper.make_node("HardSigmoid", ["c2"], ["h2"], alpha=0.2, beta=0.5),
+        helper.make_node("AveragePool", ["h2"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["p", "scale", "shift", "mean", "var"], ["bn"]),
+        helper.make_node("Conv", ["bn", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Tanh", ["c3"], ["t3"]),
+        helper.make_node("Concat", ["t3", "l1"], ["cat"], axis=1),
+        helper.make_node("GlobalAveragePool", ["cat"], ["y"]),
+        helper.make_node("GlobalMaxPool", ["cat"], ["z"]),
+    ]
+    inits = {
+        "w1": _weight(rng, 32, 16, 3, 3),
+        "w2": _weight(rng, 32, 32, 1, 1),
+        "b2": _weight(rng, 32, 1)[:, 0],
+        "scale": rng.uniform(0.5, 1.5, 32).astype(np.float32),
+        "shift": rng.normal(0, 0.5, 32).astype(np.float32),
+        "mean": rng.normal(0, 0.5, 32).astype(np.float32),
+        "var": rng.uniform(0.5, 1.5, 32).astype(np.float32),
+        "w3": _weight(rng, 32, 32, 3, 3),
+        "b3": _weight(rng, 32, 1)[:, 0],
+    }
+    outputs = [("y", np.float32, [1, 64, 1, 1]), ("z", np.float32, [1, 64, 1, 1])]
+    return make_model(nodes, [("x", np.float32, [1, 32, 12, 12])], outputs, inits)
+
+
+MODELS = {"image": image_model, "features": feature_model}
+# The NCHWc forms each model must reach at both block sizes: every operator the lowering covers.
+EXPECTED_NCHWC = {
+    "image": {"ReorderInput", "ReorderOutput", "Conv"},
+    "features": {"ReorderInput", "ReorderOutput", "Conv", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"},
+}
+
+
+def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in model.graph.input:
+        shape = [d.dim_value or 2 for d in value.type.tensor_type.shape.dim]
+        feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _nchwc_ops(model: onnx.ModelProto) -> set[str]:
+    return {n.op_type for n in model.graph.node if n.domain == NCHWC}
+
+
+def _assert_close(actual: list, expected: list, **tol) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_allclose(a, e, **tol)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_lowering_matches_onnxruntimes_kernels_at_this_machines_block(name):
+    """What makes the check at the other block size mean anything: at this machine's block,
+    the lowered model computes what onnxruntime's NCHWc kernels compute."""
+    block = machine_nchwc_block()
+    if block == 0:
+        pytest.skip("onnxruntime on this machine has no NCHWc kernels to compare the lowering with")
+    after, report = fuser.optimize(MODELS[name](), target="onnxruntime", nchwc_block="auto")
+    assert report.context.nchwc_block == block
+    assert _nchwc_ops(after) >= EXPECTED_NCHWC[name]
+    lowered = lower(after, block)
+    assert not _nchwc_ops(lowered)
+    feeds = _feeds(after)
+    _assert_close(run(lowered, feeds), run(after, feeds), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_block_size_on_any_machine(name, block):
+    model = MODELS[name]()
+    after, report = fuser.optimize(model, target="onnxruntime", nchwc_block=block)
+    assert report.context.nchwc_block == block and report.to_dict()["nchwc_block"] == block
+    assert report.verdict is not None and report.verdict.passed  # fuser's own check, lowered when foreign
+    assert _nchwc_ops(after) >= EXPECTED_NCHWC[name]
+    initializers = {t.name: numpy_helper.to_array(t) for t in after.graph.initializer}
+    filters = [initializers[n.input[1]] for n in after.graph.node if n.domain == NCHWC and n.op_type == "Conv"]
+    assert filters and all(f.shape[0] % block == 0 for f in filters)
+    guard_shapes = [
+        initializers[n.input[1]].tolist() for n in after.graph.node if n.op_type == "Reshape" and n.domain == ""
+    ]
+    assert [block] in guard_shapes
+    feeds = _feeds(model)
+    expected = run(model, feeds)
+    _assert_close(run(lower(after, block), feeds), expected, **TOL)
+    if block == machine_nchwc_block():
+        _assert_close(run(after, feeds), expected, **TOL)
+    else:
+        assert any(f"written for NCHWc block {block}" in note for note in report.notes)
+
+
+def test_the_guard_refuses_a_model_lowered_for_the_other_block():
+    """A model written for one block size, read as written for the other, must not run: the
+    guard's Reshape of the reordered probe to [B] fails, in the lowering as on a real machine."""
+    model = image_model()
+    after, _ = fuser.optimize(model, target="onnxruntime", nchwc_block=8, check=False)
+    with pytest.raises(Exception, match="(?i)reshape"):
+        run(lower(after, 16), _feeds(model))
+
+
+def test_the_block_can_be_written_as_text():
+    _, report = fuser.optimize(image_model(), target="onnxruntime", nchwc_block="8", check=False)
+    assert report.context.nchwc_block == 8
+
+
+@pytest.mark.parametrize("wrong", ["4", 12, "avx", True])
+def test_other_block_sizes_are_usage_errors(wrong):
+    with pytest.raises(UsageError, match="must be one of auto, 8, 16"):
+        fuser.optimize(image_model(), target="onnxruntime", nchwc_block=wrong, check=False)
+
+
+def test_measure_refuses_a_block_this_machine_cannot_run():
+    foreign = next(b for b in BLOCKS if b != machine_nchwc_block())
+    with pytest.raises(UsageError, match=f"cannot time a model written for --nchwc-block {foreign}"):
+        fuser.optimize(image_model(), target="onnxruntime", nchwc_block=foreign, measure="off")
+
+
+def test_an_operator_the_lowering_does_not_know_is_a_clear_error():
+    """The check of a model for another machine's block cannot run what it cannot lower."""
+    model = make_model(
+        [helper.make_node("Upsample", ["x"], ["y"], domain=NCHWC, scales=[2, 2])],
+        [("x", np.float32, [1, 8, 2, 2])],
+        [("y", np.float32, [1, 8, 4, 4])],
+        extra_opsets={NCHWC: 1},
+        check=False,
+    )
+    with pytest.raises(UsageError, match="cannot check NCHWc operator 'Upsample' at another block size") as caught:
+        lower(model, 8)
+    assert "--nchwc-block auto" in str(caught.value)

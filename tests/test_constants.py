@@ -1,0 +1,60 @@
+"""Constant evaluation (fuser/constants.py): what a scope knows is constant, and how that
+knowledge follows the rewrites the graph makes."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from fuser.model import Model
+from tests.helpers import make_model
+
+F32 = np.float32
+
+
+def _ids_by_name(graph) -> dict[str, int]:
+    return {info.name: info.id for info in graph.nodes()}
+
+
+def test_source_kind_names_what_produces_each_tensor():
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.ones(2, F32)})).graph
+    assert [g.source_kind(t) for t in ("x", "w", "y", "nowhere")] == ["input", "initializer", "op", None]
+
+
+def test_a_node_redirected_to_a_constant_becomes_constant():
+    """Relu(x) is not constant; once its consumer reads w instead, what it computes is,
+    although it was remembered as not constant before the redirect."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Neg", ["r"], ["n"], name="neg"),
+        helper.make_node("Add", ["x", "n"], ["y"], name="use"),
+    ]
+    w = np.array([1.0, -2.0], F32)
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": w})).graph
+    assert g.constant_value("n") is None
+    g.redirect("r", "w")
+    np.testing.assert_array_equal(g.constant_value("n"), -w)
+
+
+def test_a_removed_node_forgets_its_value_and_its_replacement_is_evaluated():
+    nodes = [
+        helper.make_node("Neg", ["w"], ["c"], name="neg"),
+        helper.make_node("Add", ["x", "c"], ["y"], name="use"),
+    ]
+    w = np.array([1.0, -2.0], F32)
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": w})).graph
+    np.testing.assert_array_equal(g.constant_value("c"), -w)
+    neg = _ids_by_name(g)["neg"]
+    g.replace_nodes([neg], [helper.make_node("Abs", ["w"], ["c"], name="abs")], [], g.sort_key(neg), "test")
+    np.testing.assert_array_equal(g.constant_value("c"), np.abs(w))
+
+
+def test_cached_values_are_read_only():
+    nodes = [
+        helper.make_node("Neg", ["w"], ["c"], name="neg"),
+        helper.make_node("Add", ["x", "c"], ["y"], name="use"),
+    ]
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.ones(2, F32)})).graph
+    assert not g.constant_value("c").flags.writeable
+    assert not g.constant_value("w").flags.writeable

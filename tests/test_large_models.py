@@ -1,0 +1,142 @@
+"""What keeps large models cheap: skeletons without weights, the streaming writer, shared check weights.
+
+Each test states the property the memory work relies on and would fail if it broke: the
+skeleton infers the same shapes as the full model, the streamed file is byte for byte what
+protobuf writes, the check still catches a wrong weight when weights are fed as inputs.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from fuser.graph import SKELETON_BYTES, weightless_model
+from fuser.model import Model, _write_streaming, write_model
+from fuser.testing import make_model
+from fuser.verify import FEED_BYTES, Checker, WeightFeeds
+
+WIDE = 160  # 160 x 160 float32 = 100 KiB: over the skeleton and feeding thresholds
+
+
+def mlp(seed: int = 0, width: int = WIDE) -> onnx.ModelProto:
+    """MatMul by a large weight, Reshape by a small shape tensor, a com.microsoft op on another weight."""
+    rng = np.random.default_rng(seed)
+    return make_model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Reshape", ["h", "shape"], ["r"]),
+            helper.make_node("Relu", ["r"], ["y"]),
+        ],
+        [("x", np.float32, ["batch", width])],
+        [("y", np.float32, ["batch", 2, width // 2])],
+        {
+            "w": rng.standard_normal((width, width)).astype(np.float32),
+            "shape": np.array([0, 2, width // 2], np.int64),
+        },
+    )
+
+
+def test_weightless_model_keeps_small_tensors_and_declares_large_ones_as_inputs():
+    model = mlp()
+    skeleton = weightless_model(model)
+    assert [t.name for t in skeleton.graph.initializer] == ["shape"]
+    declared = {v.name: v for v in skeleton.graph.input}
+    assert "w" in declared
+    assert [d.dim_value for d in declared["w"].type.tensor_type.shape.dim] == [WIDE, WIDE]
+    assert skeleton.ByteSize() < model.ByteSize() - SKELETON_BYTES // 2
+    onnx.checker.check_model(skeleton, full_check=True)
+
+
+def test_shape_inference_on_the_skeleton_equals_inference_on_the_full_model():
+    model = mlp()
+
+    def inferred(m):
+        result = onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+        return {v.name: v.type.SerializeToString() for v in result.graph.value_info}
+
+    full = inferred(model)
+    assert "r" in full  # the Reshape's output is known only from the small shape tensor's value
+    assert inferred(Model(model).to_proto(weights=False)) == full
+
+
+def test_to_proto_without_weights_matches_with_weights_except_the_weights():
+    model = Model(mlp())
+    with_weights, without = model.to_proto(), model.to_proto(weights=False)
+    assert list(with_weights.graph.node) == list(without.graph.node)
+    assert {t.name for t in with_weights.graph.initializer} == {"w", "shape"}
+    assert {t.name for t in without.graph.initializer} == {"shape"}
+
+
+@pytest.mark.parametrize("ir_version", [3, 8])
+def test_streamed_file_is_byte_for_byte_what_protobuf_writes(ir_version):
+    model = mlp()
+    model.ir_version = ir_version
+    if ir_version < 4:  # initializers must be listed as inputs too
+        model.graph.input.extend(
+            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in model.graph.initializer
+        )
+    model.doc_string = "written after the graph field"
+    model.metadata_props.add(key="k", value="v")
+    stream = io.BytesIO()
+    _write_streaming(model, model.graph.initializer, stream)
+    assert stream.getvalue() == model.SerializeToString(deterministic=True)
+
+
+def test_write_model_returns_the_files_it_wrote(tmp_path):
+    model = mlp()
+    inline = write_model(model, tmp_path / "inline.onnx", source_dir=None, external_data="never")
+    assert inline == [tmp_path / "inline.onnx"]
+    external = write_model(model, tmp_path / "ext.onnx", source_dir=None, external_data="always")
+    assert external == [tmp_path / "ext.onnx", tmp_path / "ext.onnx.data"]
+    reread = onnx.load(str(tmp_path / "ext.onnx"))
+    for original, written in zip(model.graph.initializer, reread.graph.initializer):
+        assert np.array_equal(onnx.numpy_helper.to_array(original), onnx.numpy_helper.to_array(written))
+    assert len(model.graph.initializer[0].raw_data) > 0  # the caller's model is left as it was
+
+
+def test_is_constant_does_not_decode_weights(monkeypatch):
+    model = Model(mlp())
+    decoded = []
+    original_value = model.tensors.value
+    monkeypatch.setattr(model.tensors, "value", lambda *a, **k: decoded.append(a[0].name) or original_value(*a, **k))
+    assert model.graph.is_constant("w")
+    assert decoded == []
+    assert model.graph.constant_value("w") is not None
+    assert decoded == ["w"]
+
+
+def test_feeds_share_one_array_per_weight_and_leave_small_tensors_in_the_model():
+    feeds = WeightFeeds()
+    first_skeleton, first = feeds.split(mlp(), None)
+    second_skeleton, second = feeds.split(mlp(), None)  # an equal copy, as the optimized model's is
+    assert set(first) == {"w"}
+    assert first["w"] is second["w"]
+    assert [t.name for t in first_skeleton.graph.initializer] == ["shape"]
+    assert first["w"].nbytes >= FEED_BYTES
+
+
+def test_weights_of_com_microsoft_ops_stay_initializers():
+    model = mlp()
+    model.graph.node[2].op_type = "FastGelu"
+    model.graph.node[2].domain = "com.microsoft"
+    model.graph.node[0].output[0] = "h"
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    model.graph.node.append(helper.make_node("FusedMatMul", ["x", "w"], ["unused"], domain="com.microsoft"))
+    _, feeds = WeightFeeds().split(model, None)
+    assert feeds == {}
+
+
+def test_the_check_with_fed_weights_passes_equal_models_and_catches_a_changed_weight():
+    checker = Checker(mlp(seed=0))
+    assert checker.check(mlp(seed=0), exact=True).passed
+    assert [spec.name for spec in checker.session.get_inputs()] == ["x"]
+    changed = mlp(seed=0)
+    weight = onnx.numpy_helper.to_array(changed.graph.initializer[0]).copy()
+    weight += 0.5
+    changed.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(weight, "w"))
+    verdict = checker.check(changed, exact=False)
+    assert not verdict.passed
