@@ -353,17 +353,60 @@ def _entry_of(type_proto: onnx.TypeProto) -> Entry:
 
 
 def _carried(previous: dict[str, Entry], fresh: dict, run: int) -> dict[str, Entry]:
-    """Entries of an earlier inference run that the fresh one lacks, with the dim names shape
-    inference made up ('unk__3') made unique to that run: each run numbers them anew, and an
-    equal name must keep meaning an equal dim (rules compare them to prove shapes equal)."""
+    """What an earlier inference run knew that the fresh one does not: its entries for tensors
+    the fresh run lacks, and, for tensors both have, the fresh entry completed with the dims (or
+    element type) only the earlier run knew. A tensor's name keeps denoting the same value
+    across rewrites (a replacement takes over the names of what it replaces), so both runs
+    describe one tensor; the fresh run can know less where shape inference stops at an
+    operator it does not know (the com.microsoft ops a rule created) and everything after it
+    is inferred anew without shapes. The dim names shape inference made up ('unk__3') are made
+    unique to the earlier run: each run numbers them anew, and an equal name must keep meaning
+    an equal dim (rules compare them to prove shapes equal)."""
     carried = {}
-    for name, (elem_type, dims) in previous.items():
+    for name, entry in previous.items():
         if name in fresh:
-            continue
-        if dims is not None and any(isinstance(d, str) and d.startswith("unk__") for d in dims):
-            dims = tuple(f"run{run}.{d}" if isinstance(d, str) and d.startswith("unk__") else d for d in dims)
-        carried[name] = (elem_type, dims)
+            completed = _completed(fresh[name], entry, run)
+            if completed is not None:
+                carried[name] = completed
+        else:
+            carried[name] = _run_unique(entry, run)
     return carried
+
+
+def _run_unique(entry: Entry, run: int) -> Entry:
+    elem_type, dims = entry
+    if dims is None or not any(isinstance(d, str) and d.startswith("unk__") for d in dims):
+        return entry
+    return elem_type, tuple(f"run{run}.{d}" if isinstance(d, str) and d.startswith("unk__") else d for d in dims)
+
+
+def _dim_knowledge(dim) -> int:
+    """How much a dim says: a size, a name the model gave, a name inference made up, nothing."""
+    if isinstance(dim, int):
+        return 3
+    if dim == "?":
+        return 0
+    made_up = dim.startswith("unk__") or (dim.startswith("run") and ".unk__" in dim)
+    return 1 if made_up else 2
+
+
+def _completed(fresh: Entry, earlier: Entry, run: int) -> Entry | None:
+    """`fresh` with what `earlier` (the same tensor, an earlier run) knew beyond it; None when
+    it adds nothing (or the two disagree, which leaves the fresh entry as it is)."""
+    (new_type, new_dims), (old_type, old_dims) = fresh, _run_unique(earlier, run)
+    if new_type and old_type and new_type != old_type:
+        return None
+    elem_type = new_type or old_type
+    if old_dims is None:
+        dims = new_dims
+    elif new_dims is None:
+        dims = old_dims
+    elif len(new_dims) != len(old_dims):
+        return None
+    else:
+        dims = tuple(b if _dim_knowledge(b) > _dim_knowledge(a) else a for a, b in zip(new_dims, old_dims))
+    completed = (elem_type, dims)
+    return None if completed == fresh else completed
 
 
 def _known_dims(table: dict[str, Entry]) -> int:
@@ -426,7 +469,7 @@ class TypeInfo:
                     table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
             del model
             self._runs += 1
-            self._table = {**_carried(self._previous, table, self._runs - 1), **table}
+            self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
             self._previous = {}
         return self._table
 

@@ -38,6 +38,8 @@ ORDER = [
     "layer_norm",
     "norm_affine_fold",
     "rms_norm",
+    "norm_cast_fold",
+    "norm_scale_through_cast",
     "skip_norm",
     "batchnorm_affine_fold",
     "rotary_embedding",

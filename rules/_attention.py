@@ -54,7 +54,20 @@ class Attention:
     nan_guard: bool  # fully masked rows give 0 (Where(IsNaN(probs), 0, probs)), not NaN
     merged_rank: int  # 3: [B, S, N*Hv]; 2: [B*S, N*Hv], flattened for a Gemm
     dtype: np.dtype
+    # The model's own merge (Reshape target, allowzero), applied again to the fused op's
+    # [B, S, N*Hv] when the shapes do not show what the merge gives (see _check_merge).
+    merge_target: tuple[str, int] | None = None
     nodes: set[int] = field(default_factory=set)
+
+    @property
+    def reads(self) -> set[str]:
+        """The tensors the fused op reads from outside the attention."""
+        read = {self.q, self.k, self.v}
+        if self.mask is not None:
+            read.add(self.mask)
+        if self.merge_target is not None:
+            read.add(self.merge_target[0])
+        return read
 
 
 class _Walk:
@@ -171,7 +184,7 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     m.require(k_head_size == head_size, f"Q and K have different head sizes ({head_size}, {k_head_size})")
     if passthrough is not None:
         _check_passthrough(walk, passthrough, q_heads, v_heads)
-    merged_rank = _check_merge(walk, merge, q_batch_seq, num_heads * v_head_size)
+    merged_rank, merge_target = _check_merge(walk, merge, q_batch_seq, num_heads * v_head_size)
 
     dtype = m.dtype(q)
     for name, tensor in (("K", k), ("V", v)):
@@ -200,6 +213,7 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
         nan_guard=nan_guard,
         merged_rank=merged_rank,
         dtype=dtype,
+        merge_target=merge_target,
         nodes=walk.nodes,
     )
 
@@ -336,8 +350,15 @@ def _check_passthrough(walk: _Walk, reshape, q_heads: str, v_heads: str) -> None
     )
 
 
-def _check_merge(walk: _Walk, merge: NodeInfo, batch_seq: tuple, hidden: int) -> int:
-    """The merge's rank: 3 for [B, S, hidden], 2 for [B*S, hidden] (a Gemm's input)."""
+def _check_merge(walk: _Walk, merge: NodeInfo, batch_seq: tuple, hidden: int) -> tuple[int, tuple[str, int] | None]:
+    """The merge's rank: 3 for [B, S, hidden], 2 for [B*S, hidden] (a Gemm's input); and the
+    merge itself (target, allowzero) when the shapes do not show which of the two it is.
+
+    Reshape reads its input in row-major order, so reshaping [B, S, N, Hv] or the fused op's
+    [B, S, N*Hv] to one target gives the same tensor, provided no target entry past the
+    second is a 0 that copies an input dim (the two inputs differ there). Legacy Llama
+    exports need this: their rotary embeddings broadcast Q against a cos/sin cache whose
+    length shape inference cannot tie to the sequence, so S is not known to be the merge's."""
     m = walk.m
     result, heads = walk.shape(merge.outputs[0]), walk.shape(merge.inputs[0])
     q_shape = batch_seq
@@ -348,19 +369,57 @@ def _check_merge(walk: _Walk, merge: NodeInfo, batch_seq: tuple, hidden: int) ->
         three = sum(1 for dim, options in zip(result, known) if any(_same_dim(dim, o) for o in options)) >= 2
     # [B, S, N, Hv] flattened to [x, hidden] can only be [B*S, hidden].
     two = result is not None and len(result) == 2 and result[1] == hidden
+    if three or two:
+        return (3 if three else 2), None
+    target = merge.inputs[1]
+    allowzero = merge.attr("allowzero") or 0
+    entries = _target_entries(walk, target)
     m.require(
-        three or two,
+        entries is not None and (allowzero == 1 or all(e is not None and e != 0 for e in entries[2:])),
         f"cannot tell from the shapes that the last Reshape merges the heads back into [B, S, {hidden}] "
-        f"(it gives {result})",
+        f"(it gives {result}), nor that its target {_entries_text(entries)} leaves the dims past the second uncopied",
     )
-    return 3 if three else 2
+    return 3, (target, allowzero)
 
 
-def merged(b: Builder, attention: Attention, output: str) -> str:
-    """The fused op's [B, S, N*Hv] output in the rank the model's merge Reshape gave."""
-    if attention.merged_rank == 3:
-        return output
-    return b.Reshape(output, np.array([-1, attention.num_heads * attention.v_head_size], np.int64))
+def _entries_text(entries: list[int | None] | None) -> str:
+    if entries is None:
+        return "(of unknown length)"
+    return "[" + ", ".join("?" if e is None else str(e) for e in entries) + "]"
+
+
+def _target_entries(walk: _Walk, target: str) -> list[int | None] | None:
+    """A Reshape target's entries: known numbers, None where computed at run time; None when
+    not even its length is known. Exports build targets with Concat from the input's dims."""
+    value = walk.graph.constant_value(target)
+    if value is not None:
+        return [int(v) for v in value.reshape(-1)] if value.ndim == 1 else None
+    if not walk.is_op(target, "Concat"):
+        shape = walk.shape(target)
+        return [None] * shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+    entries: list[int | None] = []
+    for part in walk.graph.node(walk.graph.producer(target)).inputs:
+        value = walk.graph.constant_value(part)
+        shape = walk.shape(part)
+        if value is not None and value.ndim == 1:
+            entries += [int(v) for v in value]
+        elif shape is not None and len(shape) == 1 and isinstance(shape[0], int):
+            entries += [None] * shape[0]
+        else:
+            return None
+    return entries
+
+
+def merged(b: Builder, attention: Attention, output: str, rank: int = 3) -> str:
+    """The fused op's output, given as [B, S, N*Hv] (rank 3) or [B, S, N, Hv] (rank 4), in the
+    shape the model's merge Reshape gave."""
+    if attention.merge_target is not None:
+        target, allowzero = attention.merge_target
+        return b.Reshape(output, target, allowzero=allowzero or None)
+    hidden = attention.num_heads * attention.v_head_size
+    if attention.merged_rank == 2:
+        return b.Reshape(output, np.array([-1, hidden], np.int64))
+    return output if rank == 3 else b.Reshape(output, np.array([0, 0, hidden], np.int64))
 
 
 def absorb_attention(m: Match, attention: Attention, reads: set[str]) -> None:
@@ -429,7 +488,7 @@ def full_mask(m: Match, b: Builder, attention: Attention) -> str:
 
 def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str, output: str) -> str:
     """Where every key of a query row is masked with -inf, the original gives 0 (its NaN guard)
-    and the fused kernel NaN: zero those rows of `output` [B, S, N*Hv]."""
+    and the fused kernel NaN: zero those rows of `output` [B, S, N*Hv]; gives [B, S, N, Hv]."""
     if m.opset >= 18:
         row_max = b.ReduceMax(mask, np.array([3], np.int64), keepdims=1)
     else:
@@ -438,8 +497,7 @@ def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str
         row_max = b.Cast(row_max, to=onnx.TensorProto.FLOAT)  # onnxruntime's IsInf before opset 20: float, double
     masked = b.Transpose(b.IsInf(row_max, detect_positive=0), perm=_HEADS_FIRST)  # [B|1, S, N|1, 1]
     heads = b.Reshape(output, np.array([0, 0, attention.num_heads, attention.v_head_size], np.int64))
-    zeroed = b.Where(masked, np.zeros((), attention.dtype), heads)
-    return b.Reshape(zeroed, np.array([0, 0, attention.num_heads * attention.v_head_size], np.int64))
+    return b.Where(masked, np.zeros((), attention.dtype), heads)
 
 
 def require_fusable_dtype(m: Match, attention: Attention) -> None:

@@ -39,8 +39,7 @@ def attention_multihead(m: Match, b: Builder):
     """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  MultiHeadAttention."""
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
-    reads = {attention.q, attention.k, attention.v} | ({attention.mask} if attention.mask else set())
-    absorb_attention(m, attention, reads)
+    absorb_attention(m, attention, attention.reads)
     mask = full_mask(m, b, attention) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     # The kernel takes Q as [B, S, N*H], K and V both as [B, L, N*H] or both as [B, N, L, H].
@@ -61,5 +60,5 @@ def attention_multihead(m: Match, b: Builder):
         scale=attention.scale,
     )
     if attention.nan_guard and mask is not None:
-        output = zero_fully_masked_rows(m, b, attention, mask, output)
+        return merged(b, attention, zero_fully_masked_rows(m, b, attention, mask, output), rank=4)
     return merged(b, attention, output)

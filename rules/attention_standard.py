@@ -16,7 +16,6 @@ from fuser.rules._attention import (
     MERGE_HEADS,
     absorb_attention,
     full_mask,
-    heads_merged,
     heads_split,
     merged,
     require_fusable_dtype,
@@ -31,8 +30,7 @@ def attention_standard(m: Match, b: Builder):
     """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  Attention (opset 23)."""
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
-    reads = {attention.q, attention.k, attention.v} | ({attention.mask} if attention.mask else set())
-    absorb_attention(m, attention, reads)
+    absorb_attention(m, attention, attention.reads)
     mask = full_mask(m, b, attention) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     ranks = {m.rank(attention.q), m.rank(attention.k), m.rank(attention.v)}
@@ -46,4 +44,4 @@ def attention_standard(m: Match, b: Builder):
     k = heads_split(b, attention.k, m.rank(attention.k), n, h)
     v = heads_split(b, attention.v, m.rank(attention.v), n, hv)
     output = b.Attention(q, k, v, mask, scale=attention.scale)
-    return merged(b, attention, heads_merged(b, output, 4, n, hv))
+    return merged(b, attention, b.Transpose(output, perm=[0, 2, 1, 3]), rank=4)

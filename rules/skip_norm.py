@@ -53,6 +53,7 @@ def _skip_bias(m: Match) -> str | None:
 def _operands(m: Match) -> tuple[str, str]:
     """(input, skip): the addends in the order the kernel takes them; declines if neither fits."""
     require_float(m, "a", SKIP_DTYPES)
+    m.require(m.dtype("s") == m.dtype("a"), f"the norm's scale is {m.dtype('s')}, its input {m.dtype('a')}")
     shape_a, shape_b = m.shape("a"), m.shape("b")
     m.require(shape_a is not None and shape_b is not None, "the addends' shapes are unknown")
     axis = int(m.attr("norm", "axis", -1))

@@ -36,3 +36,53 @@ def test_a_fresh_runs_made_up_name_never_equals_a_carried_one():
     types._previous["gone"] = typed("gone", ["unk__0"])  # a tensor the next run cannot infer
     assert types.shape("gone")[0].startswith("run1.")
     assert types.shape("y") == first or types.shape("y")[0] != types.shape("gone")[0]
+
+
+def test_a_fresh_entry_that_knows_less_is_completed_by_the_earlier_one():
+    """Shape inference stops at an operator it does not know (a com.microsoft op a rule made):
+    a later run then infers the tensors after it with made-up dims or none. The earlier run's
+    sizes and the model's own dim names describe the same tensor, and are kept."""
+    previous = {
+        "merged": typed("merged", ["batch", "sequence", 64]),
+        "context": typed("context", ["unk__4", 4, "unk__5", 16]),
+        "same": typed("same", ["unk__1", 8]),
+    }
+    fresh = {
+        "merged": typed("merged", ["unk__17", "unk__18", "unk__19"]),
+        "context": (TensorProto.FLOAT, None),
+        "same": typed("same", ["unk__9", 8]),
+    }
+    carried = _carried(previous, fresh, run=2)
+    assert carried["merged"] == (TensorProto.FLOAT, ("batch", "sequence", 64))
+    assert carried["context"] == (TensorProto.FLOAT, ("run2.unk__4", 4, "run2.unk__5", 16))
+    assert "same" not in carried  # nothing to add: the fresh entry stands
+
+
+def test_entries_that_disagree_leave_the_fresh_one():
+    previous = {"t": typed("t", [2, 3]), "u": typed("u", [2, 3])}
+    other_type = _entry_of(helper.make_tensor_type_proto(TensorProto.INT64, [None, None]))
+    fresh = {"t": typed("t", [None, None, None]), "u": other_type}
+    assert _carried(previous, fresh, run=1) == {}
+
+
+def test_type_info_keeps_shapes_an_unknown_operator_hides_from_a_later_run():
+    """A model whose second run has a com.microsoft op in front of the tensor: the shapes of
+    the first run are what a rule sees, not the later run's made-up dims."""
+    relu = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Abs", ["h"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    fused = helper.make_graph(
+        [helper.make_node("QuickGelu", ["x"], ["h"], domain="com.microsoft"), helper.make_node("Abs", ["h"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    models = iter([helper.make_model(relu, opset_imports=opsets), helper.make_model(fused, opset_imports=opsets)])
+    types = TypeInfo(lambda: next(models))
+    assert types.shape("y") == ("batch", 4)
+    types.refresh()
+    assert types.shape("y") == ("batch", 4)

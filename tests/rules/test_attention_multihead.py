@@ -48,6 +48,8 @@ def attention_model(
     probs_output=False,
     rotary=False,
     repeat_kv=False,
+    cache_input=False,
+    merge="constant",
     opset=17,
     seed=0,
 ):
@@ -60,7 +62,11 @@ def attention_model(
     (bool [B, 1, S, L] -> Where(m, 0, -inf)). rotary: the rotate-half rotary embedding on the
     Q and K heads (k_form "0132"); repeat_kv: K and V heads repeated to N (Llama's repeat_kv)
     after projecting to kv_heads heads. symbolic: the model's batch and sequence are
-    named dims (the feeds are still [2, 5]).
+    named dims (the feeds are still [2, 5]). cache_input: the rotary cos/sin are graph inputs of
+    their own symbolic length [1, 1, "positions", H] (computed at run time in the legacy Llama
+    export), so Q's sequence is not known to be x's. merge: the heads-merging Reshape's target
+    is "constant" [0, 0, D], "input_dims" (the legacy export's Concat of x's batch and sequence
+    and -1) or "runtime" (x's batch and sequence and a graph input "merge_width").
     """
     rng = np.random.default_rng(seed)
     batch, seq = B, S
@@ -102,7 +108,8 @@ def attention_model(
     if rotary:
         angles = np.arange(seq)[:, None] * (10000.0 ** (-np.arange(0, H, 2) / H))[None]
         angles = np.concatenate([angles, angles], -1)[None, None]
-        inits.update(cos=np.cos(angles).astype(dtype), sin=np.sin(angles).astype(dtype))
+        if not cache_input:
+            inits.update(cos=np.cos(angles).astype(dtype), sin=np.sin(angles).astype(dtype))
         inits.update(
             zero_1d=np.array([0], np.int64),
             half_1d=np.array([H // 2], np.int64),
@@ -159,6 +166,9 @@ def attention_model(
     scores = "qk"
     inputs = [("x", dtype, [*dims, D])]
     feeds = {"x": rng.standard_normal((batch, seq, D)).astype(dtype)}
+    if rotary and cache_input:
+        inputs += [(name, dtype, [1, 1, "positions", H]) for name in ("cos", "sin")]
+        feeds.update(cos=np.cos(angles).astype(dtype), sin=np.sin(angles).astype(dtype))
     mask_tensor = None
     if mask == "padding":
         inits["one"] = np.array(1, dtype)
@@ -201,12 +211,30 @@ def attention_model(
         nodes.append(helper.make_node("IsNaN", ["probs"], ["probs_nan"]))
         nodes.append(helper.make_node("Where", ["probs_nan", "guard_zero", "probs"], ["probs_guarded"]))
         probs = "probs_guarded"
+    merge_shape = "merge_shape"
+    if merge != "constant":
+        inits.update(first_two=np.array([0, 1], np.int64), minus_one=np.array([-1], np.int64))
+        nodes += [
+            helper.make_node("Shape", ["x"], ["x_shape"]),
+            helper.make_node("Gather", ["x_shape", "first_two"], ["batch_seq"], axis=0),
+            helper.make_node(
+                "Concat",
+                ["batch_seq", "minus_one" if merge == "input_dims" else "merge_width"],
+                ["computed_merge_shape"],
+                axis=0,
+            ),
+        ]
+        merge_shape = "computed_merge_shape"
+        if merge == "runtime":
+            inputs.append(("merge_width", np.int64, [1]))
+            feeds["merge_width"] = np.array([D], np.int64)
     nodes += [
         helper.make_node("MatMul", [probs, v_heads], ["context"]),
         helper.make_node("Transpose", ["context"], ["context_t"], perm=[0, 2, 1, 3]),
-        helper.make_node("Reshape", ["context_t", "merge_shape"], ["y"], name="merge"),
+        helper.make_node("Reshape", ["context_t", merge_shape], ["y"], name="merge"),
     ]
-    outputs = [("y", dtype, [*dims, D])]
+    # A computed merge's result is not a graph output in the exports: its shape is not declared.
+    outputs = [("y", dtype, [*dims, D] if merge == "constant" else [None, None, None])]
     if probs_output:
         outputs.append(("probs", dtype, [*dims[:1], N, *dims[1:], dims[1]]))
     model = make_model(nodes, inputs, outputs, inits, opset=opset, ir_version=10 if opset >= 21 else 8, check=False)
@@ -320,6 +348,54 @@ def test_rotary_heads_and_repeated_kv_heads_fuse(dtype):
     )
     (mha,) = nodes_of(after, "MultiHeadAttention")
     assert list(mha.input[1:3]) == ["k_repeated", "v_repeated"]
+
+
+@pytest.mark.parametrize("nan_guard", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_merge_to_the_inputs_dims_is_kept_where_shapes_cannot_show_what_it_gives(dtype, nan_guard):
+    """The legacy Llama export: the rotary cos/sin come with a length of their own, so Q's
+    sequence is not known to be x's, and the merge target Concat(x's batch, x's sequence, -1)
+    cannot be shown to give [B, S, D]. The fused output is reshaped by that same target, which
+    is the same reshape (row-major order, no 0 copying a dim past the second)."""
+    model, feeds = attention_model(
+        dtype=dtype,
+        k_form="0132",
+        rotary=True,
+        repeat_kv=True,
+        kv_heads=2,
+        mask="boolean",
+        nan_guard=nan_guard,
+        symbolic=True,
+        cache_input=True,
+        merge="input_dims",
+    )
+    if not nan_guard:
+        feeds["allowed"][1, 0, 0, 0] = True  # no fully masked row: NaN there without the guard
+    zeroing = ["ReduceMax", *(["Cast"] if dtype == np.float16 else []), "IsInf", "Transpose", "Reshape", "Where"]
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=["MatMul", "Add", "Reshape"] * 3
+        + ["Transpose", "Transpose", *ROTARY, *REPEAT, "Transpose", *ROTARY, *REPEAT]
+        + ["Where", "Shape", "Gather", "Concat", "Shape", "Shape", "Concat", "Expand", "Transpose", "Reshape"]
+        + ["MultiHeadAttention", *(zeroing if nan_guard else []), "Reshape"],
+    )
+    (merge,) = [n for n in after.graph.node if n.output[0] == "y"]
+    assert merge.op_type == "Reshape" and merge.input[1] == "computed_merge_shape"
+
+
+def test_merge_to_a_width_known_only_at_run_time_is_declined():
+    """The target's last entry is a graph input: it could be 0, copying N of [B, S, N, Hv]
+    where the fused op's output has N*Hv."""
+    model, _ = attention_model(
+        k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, symbolic=True, cache_input=True, merge="runtime"
+    )
+    assert_declined(
+        model,
+        attention_multihead,
+        "nor that its target [?, ?, ?] leaves the dims past the second uncopied",
+        target="onnxruntime",
+    )
 
 
 def test_grouped_query_attention_is_declined():

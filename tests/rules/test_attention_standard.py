@@ -106,3 +106,30 @@ def test_rotary_heads_and_repeated_kv_heads_take_four_dimensional_inputs():
     assert "q_num_heads" not in {a.name for a in node.attribute}  # only for 3-D inputs
     assert not nodes_of(after, "Softmax")
     np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_merge_to_the_inputs_dims_is_kept_where_shapes_cannot_show_what_it_gives():
+    """As in test_attention_multihead.py (the legacy Llama export's merge): the 4-D output of
+    Attention goes through the model's own Transpose and merge, so no Reshape is added."""
+    model, feeds = attention_model(
+        k_form="0132",
+        rotary=True,
+        repeat_kv=True,
+        kv_heads=2,
+        symbolic=True,
+        cache_input=True,
+        merge="input_dims",
+        opset=23,
+    )
+    rotary = ["Slice", "Slice", "Neg", "Concat", "Mul", "Mul", "Add"]
+    repeat = ["Unsqueeze", "Expand", "Reshape"]
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=["MatMul", "Add", "Reshape"] * 3
+        + ["Transpose", "Transpose", *rotary, *repeat, "Transpose", *rotary, *repeat]
+        + ["Shape", "Gather", "Concat", "Attention", "Transpose", "Reshape"],
+    )
+    (merge,) = [n for n in after.graph.node if n.output[0] == "y"]
+    assert merge.op_type == "Reshape" and merge.input[1] == "computed_merge_shape"
+    assert len(nodes_of(after, "Reshape")) == len(nodes_of(model, "Reshape"))

@@ -53,11 +53,13 @@ def skip_model(
     y="y",
     check=True,
     scale=None,
+    scale_dtype=None,
 ):
     """a + b -> Norm -> y; sum_uses: "next" (a second Add reads the sum, as the next block's
-    residual), "output" (the sum is a graph output)."""
+    residual), "output" (the sum is a graph output). scale_dtype: the scale's and y's, when not
+    the addends' (a mixed-precision SimplifiedLayerNormalization)."""
     inputs = ["b", "a"] if swapped else ["a", "b"]
-    inits = {"s": np.asarray(S if scale is None else scale, dtype)}
+    inits = {"s": np.asarray(S if scale is None else scale, scale_dtype or dtype)}
     norm_inputs = ["sum", "s"]
     if beta and op == "LayerNormalization":
         inits["beta"] = BETA.astype(dtype)
@@ -66,7 +68,7 @@ def skip_model(
         helper.make_node("Add", inputs, ["sum"], name="residual"),
         helper.make_node(op, norm_inputs, [y], name="norm", axis=-1, epsilon=1e-5),
     ]
-    outputs = [(y, dtype, [None] * len(a_shape))]
+    outputs = [(y, scale_dtype or dtype, [None] * len(a_shape))]
     if "next" in sum_uses:
         nodes.append(helper.make_node("Add", ["sum", y], ["next"], name="next_residual"))
         outputs.append(("next", dtype, [None] * len(a_shape)))
@@ -210,6 +212,13 @@ def test_written_out_norm_with_weight_becomes_one_skip_node(kind):
 def test_float64_declined():
     model = skip_model(dtype=np.float64)
     assert_declined(model, skip_layer_norm, "the input is float64", target="onnxruntime")
+
+
+def test_mixed_precision_norm_declined():
+    """A float16 sum normalized with a float32 scale and result (norm-cast-fold-ort makes these
+    from a float16 Llama's RMSNorm): the Skip kernels take one type for input, scale and result."""
+    model = skip_model(op="SimplifiedLayerNormalization", dtype=np.float16, scale_dtype=np.float32, check=False)
+    assert_declined(model, skip_rms_norm, "the norm's scale is float32, its input float16", target="onnxruntime")
 
 
 def test_rank_4_declined():
