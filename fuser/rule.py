@@ -192,10 +192,9 @@ def rule(
     location = caller_location()
 
     def decorate(function: Callable) -> Rule:
-        doc = (function.__doc__ or "").strip().splitlines()
         return Rule(
             name=name,
-            description=description or (doc[0].strip() if doc else ""),
+            description=description or _summary(function),
             pattern=pattern,
             build=function,
             target=target,
@@ -212,6 +211,12 @@ def rule(
         )
 
     return decorate
+
+
+def _summary(function: Callable) -> str:
+    """The first line of a rule function's docstring: its description unless one is given."""
+    doc = (function.__doc__ or "").strip().splitlines()
+    return doc[0].strip() if doc else ""
 
 
 @dataclass(frozen=True)
@@ -249,10 +254,9 @@ def sweep(
     location = caller_location()
 
     def decorate(function: Callable) -> Rule:
-        doc = (function.__doc__ or "").strip().splitlines()
         return Rule(
             name=name,
-            description=description or (doc[0].strip() if doc else ""),
+            description=description or _summary(function),
             pattern=None,
             build=function,
             target=target,

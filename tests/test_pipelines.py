@@ -380,7 +380,7 @@ from fuser import op, rule, var
 def slow_sin(m, b):
     \"\"\"Sin(x) -> a long wait.\"\"\"
     Path(f"worker-{os.getpid()}.pid").write_text("")
-    time.sleep(60)
+    time.sleep(600)  # far longer than the test waits: Ctrl-C must end it, never the clock
 """
 
 
