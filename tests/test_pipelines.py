@@ -403,7 +403,16 @@ def test_ctrl_c_ends_every_worker_and_writes_nothing(tmp_path):
         "--rules",
         "slow_rules.py",
     ]
-    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # A suite started in the background inherits SIGINT ignored, and Python then never turns
+        # it into KeyboardInterrupt: give the run the disposition a terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("worker-*.pid"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
