@@ -191,13 +191,18 @@ class Engine:
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
         # A later phase's rewrites can give an earlier phase's rules work again (attention
-        # fusion leaves a Reshape that simplification folds): the phases sweep again, over the
-        # nodes the previous sweep touched only, until a sweep changes nothing.
-        seeds: set[int] | None = None
+        # fusion leaves a Reshape that simplification folds): the phases sweep again, each over
+        # the nodes that other phases changed since it last ran, until a round changes nothing.
+        changes: list[set[int]] = []  # the nodes each phase run changed, in run order
+        seen_changes: dict[int, int] = {}  # phase -> how many entries of `changes` it has seen
+        seen_rewrites: dict[int, int] = {}  # phase -> the rewrite count when it last ran
         inferred_at = 0  # how many rewrites the type table has seen
         for _ in range(PHASE_ROUNDS):
-            touched: set[int] = set()
+            round_start = len(self.result.rewrites)
             for phase in self._phases:
+                if phase in seen_rewrites and seen_rewrites[phase] == len(self.result.rewrites):
+                    continue  # nothing changed since this phase reached its fixed point
+                seeds = set().union(*changes[seen_changes[phase] :]) if phase in seen_changes else None
                 if len(self.result.rewrites) != inferred_at:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
                     inferred_at = len(self.result.rewrites)
@@ -210,6 +215,7 @@ class Engine:
                                 self._by_root.setdefault(op_type, []).append(candidate)
                 # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes
                 # the dims below it) can let the phase's rules do more: its fixed point includes them.
+                touched: set[int] = set()
                 for _ in range(PHASE_ROUNDS):
                     before = len(self.result.rewrites)
                     touched |= self._run_sweeps(graph, scope, apply, phase)
@@ -220,9 +226,11 @@ class Engine:
                     inferred_at = len(self.result.rewrites)
                     if not self._types.learns_more():
                         break
-            if not apply or not touched or len(self._phases) == 1 or self._limit_reached():
+                changes.append(touched)
+                seen_changes[phase] = len(changes)  # its own changes it has revisited already
+                seen_rewrites[phase] = len(self.result.rewrites)
+            if not apply or len(self.result.rewrites) == round_start or self._limit_reached():
                 return
-            seeds = touched
 
     def _run_sweeps(self, graph: Graph, scope: str, apply: bool, phase: int) -> set[int]:
         """Run the phase's sweeps over the scope, unless nothing changed since they last did;
