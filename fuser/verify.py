@@ -163,9 +163,6 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, w
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
     options.intra_op_num_threads = SESSION_THREADS
-    # Prepacking keeps a second, kernel-specific copy of every MatMul/Conv weight per session;
-    # a check holds two sessions at once, and a single run gains nothing from it.
-    options.add_session_config_entry("session.disable_prepacking", "1")
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())
