@@ -141,8 +141,14 @@ def stage_times(report: Path) -> dict[str, float]:
         return {}
 
 
+# Linux carries a process's peak RSS over fork and exec into the child's rusage, so this
+# process never holds a model itself: building and counting run in children of their own.
+COUNT_NODES = "import onnx, sys; print(len(onnx.load(sys.argv[1], load_external_data=False).graph.node))"
+BUILD = "import sys; sys.path.insert(0, sys.argv[1]); import scale, onnx; onnx.save(eval(sys.argv[2]), sys.argv[3])"
+
+
 def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list[dict]:
-    nodes = sum(1 for _ in onnx.load(str(path), load_external_data=False).graph.node)
+    nodes = int(subprocess.run([sys.executable, "-c", COUNT_NODES, str(path)], capture_output=True, text=True).stdout)
     rows = []
     reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
     for check in checks:
@@ -201,23 +207,23 @@ def main(argv=None) -> int:
     print(f"python {sys.version.split()[0]}, onnx {onnx.__version__}, {os.cpu_count()} cores; models in {workdir}")
     print("time x / mem x: fuser's wall time / peak RSS over onnx load+save of the same file, measured in the same run")
     print(header(), flush=True)
-    models: list[tuple[str, Path, list[bool]]] = []
+    models: list[tuple[str, Path, list[bool], str | None]] = []  # label, file, checks, how to build it
     for size in (int(s) for s in args.sizes.split(",") if s):
         for family in args.families.split(","):
             path = workdir / f"{family}_{size}.onnx"
             checks = [False] if args.no_check_only or size > args.check_up_to else [False, True]
-            models.append((family, path, checks, lambda family=family, size=size: builders[family](size)))
+            models.append((family, path, checks, f"scale.{builders[family].__name__}({size})"))
     if args.weights_mb:
         path = workdir / f"weights_{args.weights_mb}mb.onnx"
         checks = [False] if args.no_check_only else [False, True]
-        models.append((f"weights {args.weights_mb}MB", path, checks, lambda: large_weights(args.weights_mb)))
+        models.append((f"weights {args.weights_mb}MB", path, checks, f"scale.large_weights({args.weights_mb})"))
     for real in args.real:
         checks = [False] if args.no_check_only else [False, True]
         models.append((Path(real).stem[:16], Path(real), checks, None))
     try:
         for label, path, checks, build in models:
             if build is not None and not path.exists():
-                onnx.save(build(), str(path))
+                subprocess.run([sys.executable, "-c", BUILD, str(Path(__file__).parent), build, str(path)], check=True)
             for row in run_model(label, path, workdir, checks):
                 print(line(row), flush=True)
     finally:
