@@ -90,12 +90,12 @@ class Report:
         }
 
 
-def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model) -> Model:
+def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:
     if isinstance(model_or_path, Model):
         return model_or_path
     if isinstance(model_or_path, onnx.ModelProto):
-        return Model(model_or_path)
-    return Model.load(Path(model_or_path))
+        return Model(model_or_path, progress=progress)
+    return Model.load(Path(model_or_path), progress=progress)
 
 
 def resolve_rules(rules: list[Rule] | None, target: str, enable=(), disable=(), rule_files=()) -> list[Rule]:
@@ -165,7 +165,7 @@ def optimize(
         model = model_or_path
     else:
         with stage("load"):
-            model = load(model_or_path)
+            model = load(model_or_path, progress=stage.progress)
     original = None
     if check:
         with stage("check", announce=False):

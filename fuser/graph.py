@@ -29,6 +29,7 @@ from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
 from fuser.constants import ConstantValues, is_foldable
 from fuser.errors import FuserError
+from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, nbytes, uses_external_data
 
 OP = "op"
@@ -148,6 +149,7 @@ class Graph:
         opsets: dict[str, int],
         outer: Graph | None = None,
         constant_initializer_inputs: bool = False,
+        progress: Progress | None = None,
     ) -> None:
         # Before IR 4 every initializer had to be listed as a graph input too, and such
         # inputs hold the model's weights: they are constants, not values to feed.
@@ -174,11 +176,11 @@ class Graph:
         self._constants = ConstantValues(self)
         self.shared: dict[str, str] = {}  # Builder.once: key -> the tensor rewrites share
         with paused_gc():
-            self._build(proto)
+            self._build(proto, Ticker(progress, "load", total=len(proto.node)))
 
     # ----------------------------------------------------------------- building
 
-    def _build(self, proto: GraphProto) -> None:
+    def _build(self, proto: GraphProto, ticker: Ticker) -> None:
         for value in itertools.chain(proto.input, proto.output, proto.value_info):
             self.names.add(value.name)
         constant_inputs = {t.name for t in proto.initializer} if self.constant_initializer_inputs else set()
@@ -197,12 +199,19 @@ class Graph:
             if tensor.values.name not in self._producer:
                 self._add_source(INITIALIZER, tensor.values.name, (-1, -1))
 
-        pending = []
+        # A node is connected as soon as everything it reads has a producer: in one pass for the
+        # topologically sorted graphs exporters write, and after the others for any that are not.
+        deferred = []
         for position, node in enumerate(proto.node):
             node_id = self._register_node(node, (position,))
-            pending.append(node_id)
-        for node_id in pending:
+            if self._reads_known(node_id):
+                self._connect_inputs(node_id)
+            else:
+                deferred.append(node_id)
+            ticker.tick()
+        for node_id in deferred:
             self._connect_inputs(node_id)
+        ticker.finish()
         for position, value in enumerate(proto.output):
             sink = next(self._ids)
             self.nx.add_node(sink, kind=GRAPH_OUTPUT, tensor=value.name, key=(float("inf"), position))
@@ -243,6 +252,13 @@ class Graph:
         )
         sub.owner = owner
         return sub
+
+    def _reads_known(self, node_id: int) -> bool:
+        info: NodeInfo = self._attrs[node_id]["info"]
+        producer = self._producer
+        if not all(tensor in producer for tensor in info.proto.input if tensor):
+            return False
+        return all(name in producer for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
 
     def _connect_inputs(self, node_id: int) -> None:
         info: NodeInfo = self._attrs[node_id]["info"]

@@ -126,7 +126,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         check_destination(source, destination, job.force)
         progress("load", 0, None)
         loading = time.perf_counter()
-        loaded = Model.load(source)
+        loaded = Model.load(source, progress=progress)
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
         options = options_for(loaded.to_proto(weights=False), job.options, job.from_config)
@@ -154,7 +154,9 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         )
         progress("write", 0, None)
         writing = time.perf_counter()
-        written = write_model(optimized, destination, source_dir=source.parent, external_data=external_data)
+        written = write_model(
+            optimized, destination, source_dir=source.parent, external_data=external_data, progress=progress
+        )
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
         result.output_path = str(destination)
         body = result.to_dict()

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
 from fuser.errors import InputError, OutputPathError, UsageError
+from fuser.progress import Progress, Ticker
 from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except, weightless_model
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -25,7 +26,9 @@ from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_extern
 class Model:
     """An ONNX model whose main graph (and every subgraph) is a rewritable Graph."""
 
-    def __init__(self, proto: ModelProto, base_dir: Path | None = None, path: Path | None = None):
+    def __init__(
+        self, proto: ModelProto, base_dir: Path | None = None, path: Path | None = None, progress: Progress | None = None
+    ):
         self.path = path
         self.base_dir = base_dir
         self._shell = ModelProto()
@@ -42,13 +45,15 @@ class Model:
             tensors=self.tensors,
             opsets=self.opsets,
             constant_initializer_inputs=proto.ir_version < 4,
+            progress=progress,
         )
         self.check_external_data()
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Model:
+    def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Model:
+        """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
         path = Path(path)
-        return cls(read_model(path), base_dir=path.parent, path=path)
+        return cls(read_model(path), base_dir=path.parent, path=path, progress=progress)
 
     def initializers(self):
         for g in self.graph.all_graphs():
@@ -215,14 +220,21 @@ def writes_external_data(model: ModelProto | Model, mode: str) -> bool:
     return too_large or any(uses_external_data(t) for t in tensors)
 
 
-def write_model(model: ModelProto, path: Path, source_dir: Path | None, external_data: str = "auto") -> list[Path]:
+def write_model(
+    model: ModelProto,
+    path: Path,
+    source_dir: Path | None,
+    external_data: str = "auto",
+    progress: Progress | None = None,
+) -> list[Path]:
     """Serialize deterministically to temporary files beside `path`, then rename them into place.
 
     External data of the input (resolved against `source_dir`) is copied into the output's own
     file, `external_data_path(path)`, referenced relatively; the output never points into the
     input's files, so it can be written to any folder. The main graph's initializers are
     written one at a time (see _write_streaming): the model is never held twice in memory.
-    Returns the files written: the model, and its data file if it has one.
+    Returns the files written: the model, and its data file if it has one. `progress("write",
+    done, total)` counts the tensors written (those kept outside count twice: data, then pointer).
     """
     path = Path(path)
     external = writes_external_data(model, external_data)
@@ -236,7 +248,8 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None, external
         emitted = [_inlined(t, store) if uses_external_data(t) else t for t in main] if any(
             uses_external_data(t) for t in main
         ) else main
-        _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream))
+        ticker = Ticker(progress, "write", total=len(main))
+        _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream, ticker))
         return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, list(main), store)
@@ -246,6 +259,7 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None, external
         if tensor.data_type != TensorProto.STRING and (uses_external_data(tensor) or nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
     ]
     pointers: dict[int, TensorProto] = {}
+    ticker = Ticker(progress, "write", every=100, total=len(main) + len(outside))
 
     def write_data(stream) -> None:
         offset = 0
@@ -254,11 +268,12 @@ def write_model(model: ModelProto, path: Path, source_dir: Path | None, external
             stream.write(raw)
             pointers[index] = _pointer(main[index], data_path.name, offset, len(raw))
             offset += len(raw)
+            ticker.tick()
 
     if outside:
         _write_atomically(data_path, write_data)
     emitted = _LazyList(main, pointers)
-    _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream))
+    _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream, ticker))
     return [path, data_path] if outside else [path]
 
 
@@ -311,7 +326,7 @@ _MODEL_GRAPH_FIELD = 7
 _GRAPH_INITIALIZER_FIELD = 5
 
 
-def _write_streaming(model: ModelProto, initializers, stream) -> None:
+def _write_streaming(model: ModelProto, initializers, stream, ticker: Ticker | None = None) -> None:
     """Write `model` with `initializers` as its main graph's initializers, one tensor at a time.
 
     The bytes equal model.SerializeToString(deterministic=True) of that model: protobuf writes
@@ -332,8 +347,12 @@ def _write_streaming(model: ModelProto, initializers, stream) -> None:
     for tensor, size in zip(initializers, sizes):
         stream.write(_key(_GRAPH_INITIALIZER_FIELD) + _varint(size))
         stream.write(tensor.SerializeToString(deterministic=True))
+        if ticker is not None:
+            ticker.tick()
     stream.write(graph_tail.SerializeToString(deterministic=True))
     stream.write(model_tail.SerializeToString(deterministic=True))
+    if ticker is not None:
+        ticker.finish()
 
 
 def _split_fields(message, boundary: int, skip: set[int]):

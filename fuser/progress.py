@@ -2,8 +2,8 @@
 engine, the check and blame; the command line draws it (a bar on a terminal, nothing in CI logs).
 
 stage: "load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame" or "write"; done and total
-count that stage's own units (nodes visited, with those still queued; models run on an input
-set; checks made), total None while unknown. A stage's last call has done == total. Callers
+count that stage's own units (nodes read into the graph; nodes visited, with those still queued;
+models run on an input set; checks made; tensors written), total None while unknown. A stage's last call has done == total. Callers
 report every so many units, not each one, so the hook costs nothing measurable even on a
 million nodes.
 """
@@ -18,7 +18,7 @@ Progress = Callable[[str, int, "int | None"], None]
 STAGES = ("load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame", "write")
 
 # What each stage counts, for a rate shown next to its bar.
-UNITS = {"rewrite": "nodes", "check": "model runs", "blame": "checks", "models": "models"}
+UNITS = {"load": "nodes", "rewrite": "nodes", "write": "tensors", "check": "model runs", "blame": "checks", "models": "models"}
 
 
 def silent(stage: str, done: int, total: int | None) -> None:
@@ -29,21 +29,23 @@ class Ticker:
     """Counts units of one stage and passes every `every`-th to `progress`: a loop over a million
     nodes pays an increment and a comparison per node."""
 
-    __slots__ = ("progress", "stage", "every", "done", "_next")
+    __slots__ = ("progress", "stage", "every", "total", "done", "_next")
 
-    def __init__(self, progress: Progress | None, stage: str, every: int = 1000):
+    def __init__(self, progress: Progress | None, stage: str, every: int = 1000, total: int | None = None):
         self.progress = progress or silent
         self.stage = stage
         self.every = every
+        self.total = total
         self.done = 0
         self._next = every
 
     def tick(self, pending: int | None = None) -> None:
-        """One more unit; `pending` is how many are known to remain (the total grows with it)."""
+        """One more unit; `pending` is how many are known to remain (the total grows with it),
+        else the total is the one given at the start, if any."""
         self.done += 1
         if self.done >= self._next:
             self._next += self.every
-            self.progress(self.stage, self.done, None if pending is None else self.done + pending)
+            self.progress(self.stage, self.done, self.total if pending is None else self.done + pending)
 
     def finish(self) -> None:
         self.progress(self.stage, self.done, self.done)

@@ -13,7 +13,7 @@ import fuser.tensors
 from fuser.errors import InputError, UnsafePathError
 from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT
 from fuser.model import Model
-from tests.helpers import make_model
+from tests.helpers import make_model, model_from_text
 
 F32 = np.float32
 
@@ -534,3 +534,13 @@ def test_save_with_external_data_elsewhere_gets_its_own_data_file(tmp_path, monk
     model.save(path.parent / "out.onnx")
     again = onnx.load(str(path.parent / "out.onnx"), load_external_data=False)
     assert again.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+
+
+def test_a_graph_out_of_order_loads_as_one_in_order():
+    ordered = model_from_text("agraph (float[4] x) => (float[4] z) { y = Relu(x)\n z = Neg(y) }")
+    shuffled = onnx.ModelProto()
+    shuffled.CopyFrom(ordered)
+    shuffled.graph.node.reverse()
+    as_loaded = [Model(m).to_proto() for m in (ordered, shuffled)]
+    assert [n.op_type for n in as_loaded[1].graph.node] == ["Relu", "Neg"]
+    assert as_loaded[0].graph.SerializeToString() == as_loaded[1].graph.SerializeToString()

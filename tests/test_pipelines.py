@@ -331,6 +331,7 @@ def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
     code, drawn = run_in_terminal(["optimize", "chain.onnx"], tmp_path)
     assert code == 0, drawn
     assert "fuser: loading..." in drawn
+    assert re.search(r"fuser: loading .*\] +2500/2500 +[\d,.]+ nodes/s", drawn)
     assert re.search(r"fuser: rewriting .*\] +[1-9]\d*000/\d+ +[\d,.]+ nodes/s", drawn)
     assert "fuser: checking numerics" in drawn and "2/2" in drawn and "model runs/s" in drawn
     assert "time: load " in drawn
@@ -357,7 +358,27 @@ def test_the_progress_hook_hears_every_stage_in_order():
     assert rewrite[0] == (1000, rewrite[0][1]) and rewrite[-1][0] == rewrite[-1][1] >= 2500
     assert len(rewrite) < 20  # every 1000 nodes, not every node
     assert [(d, t) for s, d, t in heard if s == "check" and t is not None] == [(0, 2), (1, 2), (2, 2)]
+    assert [(d, t) for s, d, t in heard if s == "load"] == [(0, None), (1000, 2500), (2000, 2500), (2500, 2500)]
     assert list(report.to_dict()["timings"]) == ["load", "rewrite", "check", "write"]
+
+
+@pytest.mark.parametrize("external_data", ["never", "always"])
+def test_writing_counts_the_tensors_it_writes(tmp_path, external_data):
+    from fuser.model import write_model
+
+    weights = [numpy_helper.from_array(np.full((64, 64), i, np.float32), f"w{i}") for i in range(250)]
+    nodes = [helper.make_node("Add", [f"t{i}", f"w{i}"], [f"t{i + 1}"]) for i in range(250)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("t0", 1, [64, 64])], [helper.make_tensor_value_info("t250", 1, [64, 64])], weights
+    )
+    heard = []
+    written = write_model(
+        helper.make_model(graph), tmp_path / "m.onnx", None, external_data, lambda *call: heard.append(call)
+    )
+    total = 250 if external_data == "never" else 500  # kept outside: the data, then its pointer
+    assert heard[-1] == ("write", total, total) and all(t == total for _, _, t in heard)
+    assert len(written) == (1 if external_data == "never" else 2)
+
 
 
 def test_each_worker_writes_for_the_nchwc_block_asked(cli, zoo, tmp_path):
