@@ -165,6 +165,7 @@ class Graph:
         # than the lookups they wrap, and the engine makes millions of them on a large graph.
         self._attrs = self.nx._node
         self._succ = self.nx._succ
+        self._pred = self.nx._pred
         self.modified = False
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
@@ -214,12 +215,12 @@ class Graph:
         ticker.finish()
         for position, value in enumerate(proto.output):
             sink = next(self._ids)
-            self.nx.add_node(sink, kind=GRAPH_OUTPUT, tensor=value.name, key=(float("inf"), position))
+            self._add_vertex(sink, kind=GRAPH_OUTPUT, tensor=value.name, key=(float("inf"), position))
             self._connect(value.name, sink, position)
 
     def _add_source(self, kind: str, tensor: str, key: tuple) -> int:
         node_id = next(self._ids)
-        self.nx.add_node(node_id, kind=kind, tensor=tensor, key=key)
+        self._add_vertex(node_id, kind=kind, tensor=tensor, key=key)
         self._producer[tensor] = (node_id, 0)
         return node_id
 
@@ -232,7 +233,7 @@ class Graph:
             elif attribute.type == AttributeProto.GRAPHS:
                 subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
         info = NodeInfo(node_id, proto, subgraphs)
-        self.nx.add_node(node_id, kind=OP, info=info, key=key, provenance=provenance)
+        self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
         for index, output in enumerate(proto.output):
             if output:
@@ -274,7 +275,22 @@ class Graph:
             # Not defined in this scope: read from an enclosing graph.
             self._add_source(OUTER, tensor, (-3, 0))
         producer, _ = self._producer[tensor]
-        self.nx.add_edge(producer, consumer, tensor=tensor, slot=slot)
+        # networkx's MultiDiGraph.add_edge, written into its dicts: the same structure (one key
+        # dict shared by both directions, keys counting up from 0) without its per-call checks,
+        # which cost more than the insert on a graph of a million edges.
+        keys = self._succ[producer].get(consumer)
+        if keys is None:
+            keys = self._succ[producer][consumer] = self._pred[consumer][producer] = {}
+        key = len(keys)
+        while key in keys:
+            key += 1
+        keys[key] = {"tensor": tensor, "slot": slot}
+
+    def _add_vertex(self, node_id: int, **attrs) -> None:
+        """networkx's add_node for an id not yet in the graph, written into its dicts."""
+        self._succ[node_id] = {}
+        self._pred[node_id] = {}
+        self._attrs[node_id] = attrs
 
     # ------------------------------------------------------------------ queries
 
@@ -526,7 +542,7 @@ class Graph:
 
     def topological_order(self) -> list[int]:
         """Op nodes in a deterministic topological order: ties broken by original position."""
-        attrs, succ, pred = self._attrs, self._succ, self.nx._pred
+        attrs, succ, pred = self._attrs, self._succ, self._pred
         indegree: dict[int, int] = {}
         heap: list[tuple[tuple, int]] = []
         for node_id, data in attrs.items():

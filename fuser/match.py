@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -455,14 +457,16 @@ class TypeInfo:
 
     def _load(self) -> dict[str, Entry]:
         if self._table is None:
-            model = self._factory()
+            # Serialized at once, so that the skeleton is freed before inference makes its copy.
+            skeleton = self._factory().SerializeToString()
             try:
-                model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+                model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
-                pass
+                model = onnx.load_from_string(skeleton)
+            del skeleton
             table: dict[str, Entry] = {}
             for graph in all_graph_protos(model.graph):
-                for value in list(graph.value_info) + list(graph.input) + list(graph.output):
+                for value in itertools.chain(graph.value_info, graph.input, graph.output):
                     if value.type.HasField("tensor_type"):
                         table[value.name] = _entry_of(value.type)
                 for tensor in graph.initializer:

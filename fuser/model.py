@@ -27,7 +27,12 @@ class Model:
     """An ONNX model whose main graph (and every subgraph) is a rewritable Graph."""
 
     def __init__(
-        self, proto: ModelProto, base_dir: Path | None = None, path: Path | None = None, progress: Progress | None = None
+        self,
+        proto: ModelProto,
+        base_dir: Path | None = None,
+        path: Path | None = None,
+        progress: Progress | None = None,
+        initializers_checked: bool = False,
     ):
         self.path = path
         self.base_dir = base_dir
@@ -47,23 +52,25 @@ class Model:
             constant_initializer_inputs=proto.ir_version < 4,
             progress=progress,
         )
-        self.check_external_data()
+        self.check_external_data(initializers=not initializers_checked)
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Model:
         """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
         path = Path(path)
-        return cls(read_model(path), base_dir=path.parent, path=path, progress=progress)
+        # read_model has checked the initializers before anything could read them
+        return cls(read_model(path), base_dir=path.parent, path=path, progress=progress, initializers_checked=True)
 
     def initializers(self):
         for g in self.graph.all_graphs():
             yield from g.initializers()
 
-    def check_external_data(self) -> None:
-        """Every stored tensor (initializers, Constant values) fits its dtype and dims, and its
-        external data stays inside the model's folder."""
-        for tensor in self.initializers():
-            self.tensors.check(tensor)
+    def check_external_data(self, initializers: bool = True) -> None:
+        """Every stored tensor (initializers unless told otherwise, Constant values) fits its dtype
+        and dims, and its external data stays inside the model's folder."""
+        if initializers:
+            for tensor in self.initializers():
+                self.tensors.check(tensor)
         for g in self.graph.all_graphs():
             for node in g.nodes():
                 if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
