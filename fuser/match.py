@@ -282,23 +282,35 @@ class Match:
         value.flags.writeable = False  # shared with the graph: rules build new tensors
         return value
 
+    # A name given to dtype/shape/rank/consumers/is_graph_output is read as the pattern's name
+    # first, then as a tensor. A tensor taken from the graph (a node's inputs, say) goes to the
+    # *_of forms instead, which never read it as a pattern name: tensors and pattern names can
+    # be the same string (the dynamo exporter names tensors after their ops, "cos", "transpose").
+
     def dtype(self, name_or_tensor: str) -> np.dtype | None:
-        tensor = self._tensor(name_or_tensor)
-        value = self.graph.constant_value(tensor) if tensor is not None else None
+        return self.dtype_of(self._tensor(name_or_tensor))
+
+    def dtype_of(self, tensor: str | None) -> np.dtype | None:
+        value = self.graph.constant_value(tensor) if tensor else None
         if value is not None:
             return value.dtype
         return self._types.dtype(tensor)
 
     def shape(self, name_or_tensor: str) -> tuple | None:
         """Known shape: ints for fixed dims, strings for symbolic ones, None if unknown."""
-        tensor = self._tensor(name_or_tensor)
-        value = self.graph.constant_value(tensor) if tensor is not None else None
+        return self.shape_of(self._tensor(name_or_tensor))
+
+    def shape_of(self, tensor: str | None) -> tuple | None:
+        value = self.graph.constant_value(tensor) if tensor else None
         if value is not None:
             return value.shape
         return self._types.shape(tensor)
 
     def rank(self, name_or_tensor: str) -> int | None:
-        shape = self.shape(name_or_tensor)
+        return self.rank_of(self._tensor(name_or_tensor))
+
+    def rank_of(self, tensor: str | None) -> int | None:
+        shape = self.shape_of(tensor)
         return None if shape is None else len(shape)
 
     @property
@@ -306,7 +318,10 @@ class Match:
         return self.graph.opset("") or 1
 
     def consumers(self, name_or_tensor: str) -> int:
-        return len(self.graph.consumers(self._tensor(name_or_tensor)))
+        return self.consumers_of(self._tensor(name_or_tensor))
+
+    def consumers_of(self, tensor: str) -> int:
+        return len(self.graph.consumers(tensor))
 
     def is_graph_output(self, name_or_tensor: str) -> bool:
         return self.graph.is_graph_output(self._tensor(name_or_tensor))

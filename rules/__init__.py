@@ -42,7 +42,7 @@ ORDER = [
     "norm_scale_through_cast",
     "skip_norm",
     "batchnorm_affine_fold",
-    "rotary_embedding",
+    "rotary_embedding",  # before attention, which takes the rotated heads as they come
     "gelu",
     "bias_gelu",
     "silu",

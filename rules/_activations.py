@@ -37,7 +37,7 @@ def activation_params(m: Match, name: str = "act") -> tuple[str, list[float]]:
 
 
 def fusable_dtype(m: Match, tensor: str) -> None:
-    dtype = m.dtype(tensor)
+    dtype = m.dtype_of(tensor)
     m.require(
         dtype in (np.dtype(np.float32), np.dtype(np.float16)),
         f"onnxruntime's fused kernels take float32/float16, this tensor is {dtype}",

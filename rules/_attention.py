@@ -119,7 +119,7 @@ class _Walk:
         return info.inputs[0]
 
     def shape(self, tensor: str) -> tuple | None:
-        return self.m.shape(tensor)
+        return self.m.shape_of(tensor)
 
 
 def _same_dim(a, b) -> bool:
@@ -155,8 +155,8 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     while walk.is_op(probs, "Cast"):  # eager attention: softmax(..., dtype=float32).to(dtype)
         cast = walk.producer(probs, "the attention probabilities", "Cast")
         m.require(
-            m.dtype(cast.inputs[0]) == m.dtype(probs) and m.dtype(probs) is not None,
-            f"the Softmax's {m.dtype(cast.inputs[0])} result is cast to {m.dtype(probs)}",
+            m.dtype_of(cast.inputs[0]) == m.dtype_of(probs) and m.dtype_of(probs) is not None,
+            f"the Softmax's {m.dtype_of(cast.inputs[0])} result is cast to {m.dtype_of(probs)}",
         )
         probs = cast.inputs[0]
     softmax = walk.producer(probs, "the attention probabilities", "Softmax")
@@ -186,12 +186,12 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
         _check_passthrough(walk, passthrough, q_heads, v_heads)
     merged_rank, merge_target = _check_merge(walk, merge, q_batch_seq, num_heads * v_head_size)
 
-    dtype = m.dtype(q)
+    dtype = m.dtype_of(q)
     for name, tensor in (("K", k), ("V", v)):
-        m.require(m.dtype(tensor) == dtype, f"{name} is {m.dtype(tensor)} but Q is {dtype}")
+        m.require(m.dtype_of(tensor) == dtype, f"{name} is {m.dtype_of(tensor)} but Q is {dtype}")
     mask_is_full = False
     if mask is not None:
-        m.require(m.dtype(mask) == dtype, f"the mask is {m.dtype(mask)}, not {dtype} like Q")
+        m.require(m.dtype_of(mask) == dtype, f"the mask is {m.dtype_of(mask)}, not {dtype} like Q")
         mask_shape, scores_shape = walk.shape(mask), walk.shape(scores)
         m.require(mask_shape is None or len(mask_shape) <= 4, f"the mask has shape {mask_shape}, more than 4-D")
         mask_is_full = (
@@ -479,8 +479,8 @@ def full_mask(m: Match, b: Builder, attention: Attention) -> str:
     seq_axis = {3: 1, 4: 2}
     shape = b.Concat(
         np.array([1, 1], np.int64),
-        dim(b, m.opset, attention.q, seq_axis[m.rank(attention.q)]),
-        dim(b, m.opset, attention.k, seq_axis[m.rank(attention.k)]),
+        dim(b, m.opset, attention.q, seq_axis[m.rank_of(attention.q)]),
+        dim(b, m.opset, attention.k, seq_axis[m.rank_of(attention.k)]),
         axis=0,
     )
     return b.Expand(attention.mask, shape)

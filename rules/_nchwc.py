@@ -75,7 +75,7 @@ def blocked_filter(weight: np.ndarray, block: int, blocked_input: bool) -> np.nd
 
 def channel_count(m: Match, tensor: str) -> int:
     """The channel count of a 4-D NCHW tensor; declines if unknown."""
-    shape = m.shape(tensor)
+    shape = m.shape_of(tensor)
     m.require(shape is not None and len(shape) == 4, "the input is not known to be 4-D")
     m.require(isinstance(shape[1], int), "the channel count is not fixed")
     return shape[1]
@@ -119,7 +119,7 @@ def reorder_output(b: Builder, blocked: str, channels: int) -> str:
 
 
 def is_float32(m: Match, tensor: str) -> None:
-    dtype = m.dtype(tensor)
+    dtype = m.dtype_of(tensor)
     m.require(dtype == np.dtype(np.float32), f"NCHWc kernels take float32, this tensor is {dtype}")
 
 

@@ -43,7 +43,7 @@ def foldable_op_types() -> tuple[str, ...]:
 
 
 def used(m: Match, tensor: str) -> bool:
-    return bool(tensor) and (m.consumers(tensor) > 0 or m.is_graph_output(tensor))
+    return bool(tensor) and (m.consumers_of(tensor) > 0 or m.graph.is_graph_output(tensor))
 
 
 def same_shape(m: Match, tensor: str, other: str) -> bool:

@@ -43,10 +43,10 @@ def attention_multihead(m: Match, b: Builder):
     mask = full_mask(m, b, attention) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     # The kernel takes Q as [B, S, N*H], K and V both as [B, L, N*H] or both as [B, N, L, H].
-    q = heads_merged(b, attention.q, m.rank(attention.q), n, h)
+    q = heads_merged(b, attention.q, m.rank_of(attention.q), n, h)
     k, v = attention.k, attention.v
-    if m.rank(k) != m.rank(v):
-        k, v = heads_split(b, k, m.rank(k), n, h), heads_split(b, v, m.rank(v), n, hv)
+    if m.rank_of(k) != m.rank_of(v):
+        k, v = heads_split(b, k, m.rank_of(k), n, h), heads_split(b, v, m.rank_of(v), n, hv)
     output = b.op(
         "MultiHeadAttention",
         q,

@@ -33,15 +33,15 @@ def attention_standard(m: Match, b: Builder):
     absorb_attention(m, attention, attention.reads)
     mask = full_mask(m, b, attention) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
-    ranks = {m.rank(attention.q), m.rank(attention.k), m.rank(attention.v)}
+    ranks = {m.rank_of(attention.q), m.rank_of(attention.k), m.rank_of(attention.v)}
     if ranks == {3}:
         output = b.Attention(
             attention.q, attention.k, attention.v, mask, q_num_heads=n, kv_num_heads=n, scale=attention.scale
         )
         return merged(b, attention, output)
     # Heads given as [B, N, S, H] (after rotary embeddings, or repeated): all inputs 4-D.
-    q = heads_split(b, attention.q, m.rank(attention.q), n, h)
-    k = heads_split(b, attention.k, m.rank(attention.k), n, h)
-    v = heads_split(b, attention.v, m.rank(attention.v), n, hv)
+    q = heads_split(b, attention.q, m.rank_of(attention.q), n, h)
+    k = heads_split(b, attention.k, m.rank_of(attention.k), n, h)
+    v = heads_split(b, attention.v, m.rank_of(attention.v), n, hv)
     output = b.Attention(q, k, v, mask, scale=attention.scale)
     return merged(b, attention, b.Transpose(output, perm=[0, 2, 1, 3]), rank=4)

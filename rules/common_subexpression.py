@@ -59,7 +59,7 @@ def common_subexpression(m: Match, b: Builder):
     # Nearly every node has no twin: that is no decline worth a line in the report.
     m.only_if(bool(twins))
     m.require(
-        not any(m.is_graph_output(o) for o in node.outputs if o),
+        not any(m.graph.is_graph_output(o) for o in node.outputs if o),
         "its output is a graph output, which would become a copy of the earlier node's",
     )
     earlier = graph.node(min(twins, key=graph.sort_key))

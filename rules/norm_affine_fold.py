@@ -58,7 +58,7 @@ def _norm(m: Match, b: Builder, scale, bias):
     if isinstance(outputs, str):
         return outputs
     for old, new in zip(node.outputs[1:], outputs[1:]):
-        if old and (m.consumers(old) or m.is_graph_output(old)):
+        if old and (m.consumers_of(old) or m.graph.is_graph_output(old)):
             b.replaces(old, new)
     return outputs[0]
 

@@ -33,7 +33,7 @@ def _axes(m: Match, node) -> list[int] | None:
 def _dims_of_shape(m: Match, shape_node, indices) -> list | None:
     """('dim', tensor, axis) for each index into Shape(tensor)."""
     tensor = shape_node.inputs[0]
-    rank = m.rank(tensor)
+    rank = m.rank_of(tensor)
     if rank is None or int(shape_node.attr("start", 0) or 0) != 0 or shape_node.attr("end") is not None:
         return None
     return [("dim", tensor, int(i) % rank) for i in indices]
@@ -61,7 +61,7 @@ def _shape_dim(m: Match, tensor: str) -> list | None:
         bounds = [m.graph.constant_value(t) for t in sliced.inputs[1:]]
         if source is None or m.graph.node(source).op_type != "Shape" or any(v is None for v in bounds):
             return None
-        rank = m.rank(m.graph.node(source).inputs[0])
+        rank = m.rank_of(m.graph.node(source).inputs[0])
         axes = [int(a) for a in bounds[2].reshape(-1)] if len(bounds) > 2 else [0]
         steps = [int(a) for a in bounds[3].reshape(-1)] if len(bounds) > 3 else [1]
         if rank is None or axes != [0] or steps != [1]:
@@ -85,7 +85,7 @@ def _entries(m: Match, tensor: str) -> list | None:
         found = _shape_dim(m, node.inputs[0])
         if found is not None:
             return found
-    length = m.shape(tensor)
+    length = m.shape_of(tensor)
     if length is None or len(length) != 1 or not isinstance(length[0], int):
         return None
     return [None] * length[0]
@@ -93,7 +93,7 @@ def _entries(m: Match, tensor: str) -> list | None:
 
 def _inferred(m: Match, entry):
     """The size shape inference gives ('dim', tensor, axis): an int, a symbol, or None."""
-    shape = m.shape(entry[1])
+    shape = m.shape_of(entry[1])
     return None if shape is None else shape[entry[2]]
 
 
@@ -102,7 +102,7 @@ def _same_dim(m: Match, entry, data: str, position: int) -> bool:
     _, tensor, axis = entry
     if tensor == data and axis == position:
         return True
-    theirs, ours = m.shape(tensor), m.shape(data)
+    theirs, ours = m.shape_of(tensor), m.shape_of(data)
     if theirs is None or ours is None or position >= len(ours):
         return False
     return same_dim(theirs[axis], ours[position])

@@ -1,17 +1,26 @@
 """Rotary position embedding written out, x * cos + rotate_half(x) * sin  =>  the standard ONNX
-RotaryEmbedding operator (opset 23 and later), for heads x [B, N, S, H].
+RotaryEmbedding operator (opset 23 and later), or com.microsoft RotaryEmbedding on the
+onnxruntime target (any opset), for heads x [B, N, S, H].
 
 rotate_half(x) = Concat(-x[..., H/2:], x[..., :H/2]) is the Hugging Face form (not the
-interleaved one). The operator wants cos and sin as half-width caches: with no position_ids,
-[B, S, H/2] per batch row. Exporters compute cos as Unsqueeze(Cos(Concat(f, f)) [* scaling],
-axis 1), so both halves are equal by construction (checked), and the first half is the cache;
-onnxruntime wants its batch dimension in full, so a batch-1 cache is expanded to x's batch.
-cos/sin tensors that are not built that way are declined: their halves might differ.
+interleaved one). Both operators want cos and sin as half-width caches. Exporters compute cos as
+Unsqueeze(Cos(Concat(f, f)) [* scaling], axis 1), so both halves are equal by construction
+(checked), and the first half is the cache; cos/sin tensors that are not built that way are
+declined: their halves might differ.
+
+- Standard: with no position_ids, the caches are [B, S, H/2] per batch row; onnxruntime wants
+  the batch dimension in full, so a batch-1 cache is expanded to x's batch.
+- com.microsoft: the caches are [positions, H/2] tables and position_ids a single offset 0, so
+  row s of the cache rotates position s. That reads the cache per position, which holds only
+  for a batch-1 cache (one row of positions for the whole batch, as Hugging Face builds it); a
+  cache of one position (broadcast over the sequence in the original) is expanded to x's
+  sequence first, unless shape inference shows the two lengths equal.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from fuser.rules._attention import dim
 
 from fuser import Builder, Match, op, rule, var
 
@@ -49,7 +58,7 @@ def _int_values(m: Match, tensor: str | None, depth: int = 6) -> np.ndarray | No
     inputs = [_int_values(m, i, depth - 1) if i else None for i in info.inputs]
     if info.op_type == "Gather" and info.inputs and m.graph.producer(info.inputs[0]) is not None:
         shape_node = m.graph.node(m.graph.producer(info.inputs[0]))
-        dims = m.shape(shape_node.inputs[0]) if shape_node.op_type == "Shape" and not shape_node.attrs() else None
+        dims = m.shape_of(shape_node.inputs[0]) if shape_node.op_type == "Shape" and not shape_node.attrs() else None
         if dims is None or inputs[1] is None:
             return None
         picked = [dims[int(i)] for i in np.ravel(inputs[1])]
@@ -125,9 +134,8 @@ def _duplicated_halves(m: Match, tensor: str, function: str) -> str:
     return cache
 
 
-@rule("rotary-embedding", pattern=PATTERN, opsets=(23, None))
-def rotary_embedding(m: Match, b: Builder):
-    """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  RotaryEmbedding."""
+def _checked_caches(m: Match) -> tuple[list[str], int]:
+    """The checks both rules share; the [B or 1, S, H] tensors cos and sin unsqueeze, and the head size."""
     shape = m.shape("x")
     m.require(shape is not None and len(shape) == 4, f"x has shape {shape}, not heads [B, N, S, H]")
     head_size = shape[3]
@@ -142,18 +150,63 @@ def rotary_embedding(m: Match, b: Builder):
     caches = []
     for name, function in (("cos", "Cos"), ("sin", "Sin")):
         m.require(m.dtype(name) == dtype, f"{name} is {m.dtype(name)}, x is {dtype}")
-        full = _duplicated_halves(m, m[name], function)
-        half = b.once(
-            f"rotary-embedding:{full}",
-            lambda b, full=full: b.Slice(
-                full, np.array([0], np.int64), np.array([head_size // 2], np.int64), np.array([-1], np.int64)
+        caches.append(_duplicated_halves(m, m[name], function))
+    return caches, head_size
+
+
+def _first_halves(b: Builder, caches: list[str], head_size: int, rule_name: str) -> list[str]:
+    """cache[..., :H/2] of each cache, made once for all the rotations that read it."""
+    return [
+        b.once(
+            f"{rule_name}:{cache}",
+            lambda b, cache=cache: b.Slice(
+                cache, np.array([0], np.int64), np.array([head_size // 2], np.int64), np.array([-1], np.int64)
             ),
         )
-        caches.append((full, half))
-    batch = shape[0]
-    cache_shape = m.shape(caches[0][0])
+        for cache in caches
+    ]
+
+
+@rule("rotary-embedding", pattern=PATTERN, opsets=(23, None))
+def rotary_embedding(m: Match, b: Builder):
+    """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  RotaryEmbedding."""
+    caches, head_size = _checked_caches(m)
+    batch = m.shape("x")[0]
+    cache_shape = m.shape_of(caches[0])
+    halves = _first_halves(b, caches, head_size, "rotary-embedding")
     if not (cache_shape is not None and cache_shape[0] == batch and batch not in (None, "?")):
         # onnxruntime wants the caches' batch dimension in full: [1, S, H/2] -> [B, S, H/2].
         target = b.Concat(b.Shape(m["x"], start=0, end=1), np.array([1, 1], np.int64), axis=0)
-        caches = [(full, b.Expand(half, target)) for full, half in caches]
-    return b.RotaryEmbedding(m["x"], caches[0][1], caches[1][1])
+        halves = [b.Expand(half, target) for half in halves]
+    return b.RotaryEmbedding(m["x"], halves[0], halves[1])
+
+
+@rule("rotary-embedding-ort", pattern=PATTERN, target="onnxruntime", emits={"com.microsoft": 1})
+def rotary_embedding_ort(m: Match, b: Builder):
+    """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  com.microsoft RotaryEmbedding."""
+    caches, head_size = _checked_caches(m)
+    cache_shape = m.shape_of(caches[0])
+    m.require(
+        cache_shape is not None and len(cache_shape) == 3 and cache_shape[0] == 1,
+        f"cos has rows per batch ({cache_shape}): the fused op reads one row of positions for the whole batch",
+    )
+    # [positions, H/2] tables, made once for all the rotations that read the same cache
+    tables = [
+        b.once(f"rotary-embedding-ort:table:{half}", lambda b, half=half: b.Reshape(half, np.array([-1, head_size // 2], np.int64)))
+        for half in _first_halves(b, caches, head_size, "rotary-embedding-ort")
+    ]
+    positions, sequence = cache_shape[1], m.shape("x")[2]
+    if not (positions == sequence and positions not in (None, "?")):
+        # Shape inference cannot show the cache has x's sequence length: it may be one position
+        # that the original broadcasts over the sequence. A row per position of x, either way.
+        rows = b.Concat(dim(b, m.opset, m["x"], 2), np.array([head_size // 2], np.int64), axis=0)
+        tables = [b.Expand(table, rows) for table in tables]
+    return b.op(
+        "RotaryEmbedding",
+        m["x"],
+        np.array([0], np.int64),
+        tables[0],
+        tables[1],
+        domain="com.microsoft",
+        interleaved=0,
+    )

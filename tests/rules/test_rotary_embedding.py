@@ -1,6 +1,7 @@
-"""Tests for rotary-embedding (rules/rotary_embedding.py): x * cos + rotate_half(x) * sin on
-heads [B, N, S, H] becomes the standard RotaryEmbedding (opset 23), checked in onnxruntime
-with its optimizations off. cos and sin are computed in the model, as Hugging Face's Llama
+"""Tests for rotary-embedding and rotary-embedding-ort (rules/rotary_embedding.py): x * cos +
+rotate_half(x) * sin on heads [B, N, S, H] becomes the standard RotaryEmbedding (opset 23), or
+com.microsoft RotaryEmbedding on the onnxruntime target, checked in onnxruntime with its
+optimizations off. cos and sin are computed in the model, as Hugging Face's Llama
 does: Unsqueeze(Cos(Concat(freqs, freqs)), 1) with freqs = positions x inverse frequencies.
 
 onnxruntime 1.32's RotaryEmbedding wants 3-D caches with x's batch size (a batch-1 cache is
@@ -16,7 +17,7 @@ from onnx import helper
 
 import fuser
 from fuser.rules.attention_standard import attention_standard
-from fuser.rules.rotary_embedding import rotary_embedding
+from fuser.rules.rotary_embedding import rotary_embedding, rotary_embedding_ort
 from tests.helpers import assert_declined, make_model, nodes_of, run
 from tests.rules.test_attention_multihead import TRANSFORMERS, export_feeds
 
@@ -33,12 +34,19 @@ def rotary_model(
     second_slice=(H // 2, 2**62),
     constant_cos=False,
     opset=23,
+    positions=None,
+    batch_positions=False,
+    tensor_names=False,
 ):
     """x [B, N, S, H], position_ids [1, S] -> x * cos + rotate_half(x) * sin; (model, feeds).
 
     second_freqs: "freqs" builds Concat(freqs, freqs); "other" Concat(freqs, 2 * freqs), whose
     halves differ. first_slice/second_slice: the rotate_half Slices' [start, end).
     constant_cos: cos and sin as initializers instead of computed.
+    positions: the length of position_ids (default S; 1 rotates every position alike).
+    batch_positions: position_ids [B, S], one row of positions per batch row.
+    tensor_names: the [1, S, H] caches named "cos" and "sin" (as the dynamo exporter names
+    them), which are also names in the rules' pattern (bound to the [1, 1, S, H] Unsqueezes).
     """
     rng = np.random.default_rng(0)
     batch, seq = ("batch", "seq") if symbolic else (B, S)
@@ -72,23 +80,28 @@ def rotary_model(
         for function, name in (("Cos", "cos"), ("Sin", "sin")):
             nodes += [
                 helper.make_node(function, ["emb"], [f"{name}_3d"]),
-                helper.make_node("Cast", [f"{name}_3d"], [f"{name}_typed"], to=to),
-                helper.make_node("Unsqueeze", [f"{name}_typed", "axis_1"], [name]),
+                helper.make_node("Cast", [f"{name}_3d"], [name if tensor_names else f"{name}_typed"], to=to),
+                helper.make_node(
+                    "Unsqueeze", [name if tensor_names else f"{name}_typed", "axis_1"], [f"{name}_heads" if tensor_names else name]
+                ),
             ]
     nodes += [
         helper.make_node("Slice", ["x", "first_start", "first_end", "axis_last"], ["x1"], name="first"),
         helper.make_node("Slice", ["x", "second_start", "second_end", "axis_last"], ["x2"], name="second"),
         helper.make_node("Neg", ["x2"], ["x2_negated"]),
         helper.make_node("Concat", ["x2_negated", "x1"], ["x_rotated"], axis=-1),
-        helper.make_node("Mul", ["x", "cos"], ["x_cos"]),
-        helper.make_node("Mul", ["x_rotated", "sin"], ["x_sin"]),
+        helper.make_node("Mul", ["x", "cos_heads" if tensor_names else "cos"], ["x_cos"]),
+        helper.make_node("Mul", ["x_rotated", "sin_heads" if tensor_names else "sin"], ["x_sin"]),
         helper.make_node("Add", ["x_cos", "x_sin"], ["y"], name="sum"),
     ]
     inputs = [("x", dtype, [batch, N, seq, H])]
     feeds = {"x": rng.standard_normal((B, N, S, H)).astype(dtype)}
     if not constant_cos:
-        inputs.append(("position_ids", np.int64, [1, seq]))
-        feeds["position_ids"] = np.arange(S, dtype=np.int64)[None]
+        rows, length = (batch, seq) if batch_positions else (1, seq if positions is None else positions)
+        inputs.append(("position_ids", np.int64, [rows, length]))
+        feeds["position_ids"] = np.arange(S if positions is None else positions, dtype=np.int64)[None]
+        if batch_positions:
+            feeds["position_ids"] = np.tile(feeds["position_ids"], (B, 1)) + np.arange(B)[:, None]
     model = make_model(nodes, inputs, [("y", dtype, [batch, N, seq, H])], inits, opset=opset, ir_version=10)
     return model, feeds
 
@@ -160,3 +173,79 @@ def test_llama_exports_upgraded_to_opset_23(name):
         assert not nodes_of(after, "Softmax")
     for expected, actual in zip(run(model, feeds), run(after, feeds)):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ com.microsoft RotaryEmbedding
+
+RULE_ORT = "rotary-embedding-ort"
+TOLERANCES = {np.float32: {"rtol": 1e-5, "atol": 1e-5}, np.float16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+def fuse_ort(model, feeds, dtype=np.float32):
+    after, report = fuser.optimize(model, rules=[rotary_embedding_ort], target="onnxruntime", inputs=feeds)
+    assert report.counts == {RULE_ORT: 1} and report.verdict.passed
+    (rotary,) = nodes_of(after, "RotaryEmbedding")
+    assert rotary.domain == "com.microsoft" and rotary.input[0] == "x"
+    assert not nodes_of(after, "Neg") and not nodes_of(after, "Add")
+    expected, actual = run(model, feeds)[0], run(after, feeds)[0]
+    np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64), **TOLERANCES[dtype])
+    return after
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("opset", [14, 18, 23])
+def test_ort_rotate_half_becomes_com_microsoft_rotary_embedding(dtype, opset):
+    model, feeds = rotary_model(dtype=dtype, opset=opset)
+    after = fuse_ort(model, feeds, dtype)
+    # shape inference shows the cache has x's sequence length: it is read as it is
+    assert not nodes_of(after, "Expand")
+    assert [n.input[0] for n in nodes_of(after, "Slice")] == ["cos_typed", "sin_typed"]
+
+
+def test_ort_symbolic_batch_and_sequence():
+    model, feeds = rotary_model(symbolic=True, opset=18)
+    after = fuse_ort(model, feeds)
+    longer = {"x": np.ones((3, N, 7, H), np.float32), "position_ids": np.arange(7, dtype=np.int64)[None]}
+    np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opset", [14, 18])
+def test_ort_one_position_for_the_whole_sequence_is_expanded_to_it(opset):
+    # cos [1, 1, 1, H] broadcasts over x's S positions: the fused op reads a row per position
+    model, feeds = rotary_model(positions=1, opset=opset)
+    after = fuse_ort(model, feeds)
+    assert len(nodes_of(after, "Expand")) == 2
+
+
+def test_ort_positions_per_batch_row_are_declined():
+    model, _ = rotary_model(batch_positions=True, opset=18)
+    assert_declined(model, rotary_embedding_ort, "cos has rows per batch", target="onnxruntime")
+
+
+def test_ort_cos_with_different_halves_is_declined():
+    model, _ = rotary_model(second_freqs="other", opset=18)
+    assert_declined(model, rotary_embedding_ort, "its halves may differ", target="onnxruntime")
+
+
+def test_ort_float64_is_declined():
+    model, _ = rotary_model(dtype=np.float64, opset=18)
+    assert_declined(model, rotary_embedding_ort, "takes float32/float16", target="onnxruntime")
+
+
+@pytest.mark.parametrize("rule", [rotary_embedding, rotary_embedding_ort])
+def test_tensors_named_like_the_patterns_names(rule):
+    # The dynamo exporter names the cache tensors "cos" and "sin", which are names in the
+    # pattern too: the rule must read the tensors' shapes, not those of what "cos" binds.
+    model, feeds = rotary_model(tensor_names=True, opset=23)
+    after, report = fuser.optimize(model, rules=[rule], target=rule.target, inputs=feeds)
+    assert report.counts == {rule.name: 1} and report.verdict.passed
+
+
+@pytest.mark.parametrize("name", ["llama_legacy", "llama_dynamo", "llama_legacy_fp16"])
+def test_llama_exports_on_the_onnxruntime_target(name):
+    model = onnx.load(str(TRANSFORMERS / f"{name}.onnx"))
+    feeds = export_feeds(model)
+    after, report = fuser.optimize(model, target="onnxruntime", inputs=feeds)
+    assert report.counts[RULE_ORT] == 4 and report.verdict.passed  # Q and K in each of two layers
+    assert not nodes_of(after, "Neg") and not nodes_of(after, "Softmax")
+    assert len(nodes_of(after, "MultiHeadAttention")) == 2  # attention takes the rotated heads

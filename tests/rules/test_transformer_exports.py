@@ -13,6 +13,7 @@ rtol 1e-2, atol 1e-3). Then, per file:
   - no Sigmoid feeds a Mul that also reads the Sigmoid's input (SiLU fused);
   - no Softmax is left: every attention became MultiHeadAttention (legacy Llama included, whose
     rotary embeddings hide from shape inference what the heads-merging Reshape gives);
+  - no Neg is left in Llama: every rotate_half became com.microsoft RotaryEmbedding;
   - no norm is followed by a Mul with a constant where the original norm's weight could fold;
   - no Cast feeds a norm: the float32 norms of float16 Llama read the float16 data themselves
     (the Cast back to float16 after them stays, see rules/norm_cast_fold.py).
@@ -129,6 +130,7 @@ def test_the_corpus_has_every_pattern_the_checks_below_look_for():
     assert any(n.op_type == "ReduceMean" for m in models for n in m.graph.node)
     assert any(sigmoid_times_input(m) for m in models)
     assert any(casts_to_float32_before_a_square(m) for m in models)
+    assert any(n.op_type == "Neg" for path, m in zip(FILES, models) if path.name.startswith("llama") for n in m.graph.node)
 
 
 @pytest.fixture(scope="module", params=[p.name for p in FILES])
@@ -167,6 +169,13 @@ def test_attention_fused(optimized):
     assert softmaxes > 0
     assert not [n.name for n in after.graph.node if n.op_type == "Softmax"]
     assert sum(n.op_type == "MultiHeadAttention" for n in after.graph.node) == softmaxes
+
+
+def test_rotary_fused(optimized):
+    name, original, after, report = optimized
+    rotations = sum(n.op_type == "Neg" for n in original.graph.node) if name.startswith("llama") else 0
+    assert not [n.name for n in after.graph.node if n.op_type == "Neg"]
+    assert [n.domain for n in after.graph.node if n.op_type == "RotaryEmbedding"] == ["com.microsoft"] * rotations
 
 
 def test_silu_fused(optimized):
