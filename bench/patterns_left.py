@@ -1,7 +1,8 @@
 """Count the transformer patterns a model still computes from primitive operators.
 
     from bench.patterns_left import patterns_left
-    patterns_left(onnx.load("model.onnx"))   # {"layernorm": 0, "rmsnorm": 5, "gelu": 2, "silu": 2, "attention": 2}
+    patterns_left(onnx.load("model.onnx"))
+    # {"layernorm": 0, "rmsnorm": 5, "gelu": 2, "silu": 2, "attention": 2, "rotary": 4}
 
 Each counter names one decomposed pattern, counted once per occurrence, in the main graph and
 every subgraph; operators in other domains (fused kernels) are never counted:
@@ -12,7 +13,9 @@ every subgraph; operators in other domains (fused kernels) are never counted:
   Sub (that would be a LayerNorm's variance);
 - gelu: an Erf or Tanh (GELU's exact and tanh forms; nothing else in these models uses them);
 - silu: a Sigmoid whose output is multiplied by the Sigmoid's own input;
-- attention: a Softmax (scaled dot-product attention has one per head group).
+- attention: a Softmax (scaled dot-product attention has one per head group);
+- rotary: a Neg whose result is the first input of a Concat: rotate_half(x) =
+  Concat(-x[..., H/2:], x[..., :H/2]) of a rotary embedding, one per rotated tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-PATTERNS = ("layernorm", "rmsnorm", "gelu", "silu", "attention")
+PATTERNS = ("layernorm", "rmsnorm", "gelu", "silu", "attention", "rotary")
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -89,6 +92,9 @@ def _count_graph(graph: onnx.GraphProto) -> dict[str, int]:
                     break
         elif node.op_type == "Softmax":
             counts["attention"] += 1
+        elif node.op_type == "Neg":
+            if any(c.op_type == "Concat" and c.input[0] == node.output[0] for c in consumers[node.output[0]]):
+                counts["rotary"] += 1
     return counts
 
 

@@ -14,7 +14,7 @@ columns are:
     ort-opt     onnxruntime.transformers.optimizer.optimize_model (opt_level 0: its fusions only)
     onnxscript  onnxscript.rewriter.ort_fusions.optimize_for_ort (n/a when not installed)
 
-and the tables: nodes left; decomposed patterns left (LayerNorm/RMSNorm/GELU/SiLU/attention,
+and the tables: nodes left; decomposed patterns left (LayerNorm/RMSNorm/GELU/SiLU/attention/rotary,
 counted by bench/patterns_left.py); the largest absolute difference from the original's output
 on the same realistic inputs (token ids in the vocabulary, token types in [0, 2), an attention
 mask of ones), every model run with onnxruntime's optimizations disabled; onnxruntime CPU
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
         sys.stderr.flush()
 
     print(table("Nodes", tables["nodes"]))
-    print(table("Decomposed patterns left: LayerNorm/RMSNorm/GELU/SiLU/attention (Softmax)", tables["patterns"]))
+    print(table("Decomposed patterns left: LayerNorm/RMSNorm/GELU/SiLU/attention (Softmax)/rotary", tables["patterns"]))
     print(table("Max abs difference from the original (onnxruntime, optimizations off)", tables["diff"]))
     print(table("Latency median, ms, onnxruntime optimizations off", tables["off"]))
     print(table("Latency median, ms, onnxruntime optimizations all", tables["all"]))

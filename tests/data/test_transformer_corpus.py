@@ -21,10 +21,10 @@ FILES = sorted(os.path.basename(p)[: -len(".onnx")] for p in glob.glob(os.path.j
 # (layernorm, rmsnorm, gelu, silu, attention) decomposed in each family's export: two layers;
 # LayerNorm is one operator from opset 17 on, so only the opset-14 files decompose it.
 EXPECTED = {
-    "bert": (0, 0, 2, 0, 2),
-    "gpt2": (0, 0, 2, 0, 2),
-    "vit": (0, 0, 2, 0, 2),
-    "llama": (0, 5, 0, 2, 2),
+    "bert": (0, 0, 2, 0, 2, 0),
+    "gpt2": (0, 0, 2, 0, 2, 0),
+    "vit": (0, 0, 2, 0, 2, 0),
+    "llama": (0, 5, 0, 2, 2, 4),  # rotary: Q and K in each of two layers
 }
 
 
@@ -74,11 +74,12 @@ def test_export_is_a_small_valid_single_file_with_dynamic_dims(name):
 
 @pytest.mark.parametrize("name", FILES)
 def test_patterns_left_counts_each_exports_decomposed_patterns(name):
-    layernorm, rmsnorm, gelu, silu, attention = EXPECTED[name.split("_")[0]]
+    layernorm, rmsnorm, gelu, silu, attention, rotary = EXPECTED[name.split("_")[0]]
     if name.endswith("opset14"):
         layernorm = 5
     counts = patterns_left(onnx.load(os.path.join(CORPUS, f"{name}.onnx")))
-    assert counts == {"layernorm": layernorm, "rmsnorm": rmsnorm, "gelu": gelu, "silu": silu, "attention": attention}
+    expected = {"layernorm": layernorm, "rmsnorm": rmsnorm, "gelu": gelu, "silu": silu, "attention": attention}
+    assert counts == {**expected, "rotary": rotary}
 
 
 def test_both_exporters_give_the_same_function():
@@ -108,7 +109,7 @@ def test_decomposed_layernorm_is_a_layernorm_not_an_rmsnorm():
         helper.make_node("ReduceMean", ["p", "axes"], ["v"]),
         helper.make_node("Add", ["d", "v"], ["y"]),
     ]
-    assert counts_of(nodes) == {"layernorm": 1, "rmsnorm": 0, "gelu": 0, "silu": 0, "attention": 0}
+    assert counts_of(nodes) == {"layernorm": 1, "rmsnorm": 0, "gelu": 0, "silu": 0, "attention": 0, "rotary": 0}
 
 
 def test_rmsnorm_squares_by_pow_2_or_by_mul_with_itself():
@@ -132,6 +133,20 @@ def test_silu_needs_the_sigmoids_own_input_in_the_mul():
     assert counts_of(gate, {"w": np.ones((2, 8), np.float32)})["silu"] == 0
 
 
+def test_rotary_is_a_negated_half_first_in_a_concat():
+    halves = {"zero": np.array([0], np.int64), "four": np.array([4], np.int64), "eight": np.array([8], np.int64)}
+    split = [
+        helper.make_node("Slice", ["x", "zero", "four", "last"], ["first"]),
+        helper.make_node("Slice", ["x", "four", "eight", "last"], ["second"]),
+        helper.make_node("Neg", ["second"], ["negated"]),
+    ]
+    inits = {**halves, "last": np.array([-1], np.int64)}
+    rotate_half = split + [helper.make_node("Concat", ["negated", "first"], ["y"], axis=-1)]
+    other_order = split + [helper.make_node("Concat", ["first", "negated"], ["y"], axis=-1)]
+    assert counts_of(rotate_half, inits)["rotary"] == 1
+    assert counts_of(other_order, inits)["rotary"] == 0
+
+
 def test_fused_operators_in_other_domains_are_not_counted():
     nodes = [
         helper.make_node("Erf", ["x"], ["e"]),
@@ -139,7 +154,7 @@ def test_fused_operators_in_other_domains_are_not_counted():
         helper.make_node("Gelu", ["s"], ["y"], domain="com.microsoft"),
     ]
     model = make_model(nodes, [X], [Y], opset=18, extra_opsets={"com.microsoft": 1}, check=False)
-    assert patterns_left(model) == {"layernorm": 0, "rmsnorm": 0, "gelu": 1, "silu": 0, "attention": 1}
+    assert patterns_left(model) == {"layernorm": 0, "rmsnorm": 0, "gelu": 1, "silu": 0, "attention": 1, "rotary": 0}
 
 
 def test_patterns_inside_subgraphs_are_counted():
