@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
 from fuser.errors import InputError, OutputPathError, UsageError
-from fuser.progress import Progress, Ticker
 from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except, weightless_model
+from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
 
@@ -173,7 +173,11 @@ def _valid_for_onnxruntime(model: ModelProto, error: Exception) -> bool:
     moved = 0
     for graph in all_graph_protos(copy.graph):
         for node in graph.node:
-            if node.domain in ("", "ai.onnx") and node.op_type in runtime_ops and not _onnx_knows(node.op_type, version):
+            if (
+                node.domain in ("", "ai.onnx")
+                and node.op_type in runtime_ops
+                and not _onnx_knows(node.op_type, version)
+            ):
                 node.domain = _RUNTIME_DOMAIN
                 moved += 1
     if not moved:
@@ -252,9 +256,11 @@ def write_model(
         return _write_copy(model, path, store, external)  # weights inside If/Loop/Scan bodies: rare and small
     main = model.graph.initializer
     if not external:
-        emitted = [_inlined(t, store) if uses_external_data(t) else t for t in main] if any(
-            uses_external_data(t) for t in main
-        ) else main
+        emitted = (
+            [_inlined(t, store) if uses_external_data(t) else t for t in main]
+            if any(uses_external_data(t) for t in main)
+            else main
+        )
         ticker = Ticker(progress, "write", total=len(main))
         _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream, ticker))
         return [path]
@@ -263,7 +269,8 @@ def write_model(
     outside = [
         index
         for index, tensor in enumerate(main)
-        if tensor.data_type != TensorProto.STRING and (uses_external_data(tensor) or nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
+        if tensor.data_type != TensorProto.STRING
+        and (uses_external_data(tensor) or nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
     ]
     pointers: dict[int, TensorProto] = {}
     ticker = Ticker(progress, "write", every=100, total=len(main) + len(outside))

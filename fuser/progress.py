@@ -18,7 +18,14 @@ Progress = Callable[[str, int, "int | None"], None]
 STAGES = ("load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame", "write")
 
 # What each stage counts, for a rate shown next to its bar.
-UNITS = {"load": "nodes", "rewrite": "nodes", "write": "tensors", "check": "model runs", "blame": "checks", "models": "models"}
+UNITS = {
+    "load": "nodes",
+    "rewrite": "nodes",
+    "write": "tensors",
+    "check": "model runs",
+    "blame": "checks",
+    "models": "models",
+}
 
 
 def silent(stage: str, done: int, total: int | None) -> None:

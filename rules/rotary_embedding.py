@@ -192,7 +192,10 @@ def rotary_embedding_ort(m: Match, b: Builder):
     )
     # [positions, H/2] tables, made once for all the rotations that read the same cache
     tables = [
-        b.once(f"rotary-embedding-ort:table:{half}", lambda b, half=half: b.Reshape(half, np.array([-1, head_size // 2], np.int64)))
+        b.once(
+            f"rotary-embedding-ort:table:{half}",
+            lambda b, half=half: b.Reshape(half, np.array([-1, head_size // 2], np.int64)),
+        )
         for half in _first_halves(b, caches, head_size, "rotary-embedding-ort")
     ]
     positions, sequence = cache_shape[1], m.shape("x")[2]

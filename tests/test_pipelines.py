@@ -369,7 +369,11 @@ def test_writing_counts_the_tensors_it_writes(tmp_path, external_data):
     weights = [numpy_helper.from_array(np.full((64, 64), i, np.float32), f"w{i}") for i in range(250)]
     nodes = [helper.make_node("Add", [f"t{i}", f"w{i}"], [f"t{i + 1}"]) for i in range(250)]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("t0", 1, [64, 64])], [helper.make_tensor_value_info("t250", 1, [64, 64])], weights
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("t0", 1, [64, 64])],
+        [helper.make_tensor_value_info("t250", 1, [64, 64])],
+        weights,
     )
     heard = []
     written = write_model(
@@ -378,7 +382,6 @@ def test_writing_counts_the_tensors_it_writes(tmp_path, external_data):
     total = 250 if external_data == "never" else 500  # kept outside: the data, then its pointer
     assert heard[-1] == ("write", total, total) and all(t == total for _, _, t in heard)
     assert len(written) == (1 if external_data == "never" else 2)
-
 
 
 def test_each_worker_writes_for_the_nchwc_block_asked(cli, zoo, tmp_path):

@@ -82,7 +82,9 @@ def rotary_model(
                 helper.make_node(function, ["emb"], [f"{name}_3d"]),
                 helper.make_node("Cast", [f"{name}_3d"], [name if tensor_names else f"{name}_typed"], to=to),
                 helper.make_node(
-                    "Unsqueeze", [name if tensor_names else f"{name}_typed", "axis_1"], [f"{name}_heads" if tensor_names else name]
+                    "Unsqueeze",
+                    [name if tensor_names else f"{name}_typed", "axis_1"],
+                    [f"{name}_heads" if tensor_names else name],
                 ),
             ]
     nodes += [

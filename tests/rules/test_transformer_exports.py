@@ -130,7 +130,9 @@ def test_the_corpus_has_every_pattern_the_checks_below_look_for():
     assert any(n.op_type == "ReduceMean" for m in models for n in m.graph.node)
     assert any(sigmoid_times_input(m) for m in models)
     assert any(casts_to_float32_before_a_square(m) for m in models)
-    assert any(n.op_type == "Neg" for path, m in zip(FILES, models) if path.name.startswith("llama") for n in m.graph.node)
+    assert any(
+        n.op_type == "Neg" for path, m in zip(FILES, models) if path.name.startswith("llama") for n in m.graph.node
+    )
 
 
 @pytest.fixture(scope="module", params=[p.name for p in FILES])
