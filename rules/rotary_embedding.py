@@ -172,9 +172,9 @@ def rotary_embedding(m: Match, b: Builder):
     """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  RotaryEmbedding."""
     caches, head_size = _checked_caches(m)
     batch = m.shape("x")[0]
-    cache_shape = m.shape_of(caches[0])
+    full_batch = all(shape is not None and shape[0] == batch for shape in map(m.shape_of, caches))
     halves = _first_halves(b, caches, head_size, "rotary-embedding")
-    if not (cache_shape is not None and cache_shape[0] == batch and batch not in (None, "?")):
+    if not (full_batch and batch not in (None, "?")):
         # onnxruntime wants the caches' batch dimension in full: [1, S, H/2] -> [B, S, H/2].
         target = b.Concat(b.Shape(m["x"], start=0, end=1), np.array([1, 1], np.int64), axis=0)
         halves = [b.Expand(half, target) for half in halves]
@@ -185,11 +185,13 @@ def rotary_embedding(m: Match, b: Builder):
 def rotary_embedding_ort(m: Match, b: Builder):
     """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  com.microsoft RotaryEmbedding."""
     caches, head_size = _checked_caches(m)
-    cache_shape = m.shape_of(caches[0])
-    m.require(
-        cache_shape is not None and len(cache_shape) == 3 and cache_shape[0] == 1,
-        f"cos has rows per batch ({cache_shape}): the fused op reads one row of positions for the whole batch",
-    )
+    shapes = [m.shape_of(cache) for cache in caches]
+    for name, shape in zip(("cos", "sin"), shapes):
+        m.require(
+            shape is not None and len(shape) == 3 and shape[0] == 1,
+            f"{name} is computed as {shape}, not [1, positions, H]: the fused op reads one row of positions "
+            "for the whole batch",
+        )
     # [positions, H/2] tables, made once for all the rotations that read the same cache
     tables = [
         b.once(
@@ -198,8 +200,8 @@ def rotary_embedding_ort(m: Match, b: Builder):
         )
         for half in _first_halves(b, caches, head_size, "rotary-embedding-ort")
     ]
-    positions, sequence = cache_shape[1], m.shape("x")[2]
-    if not (positions == sequence and positions not in (None, "?")):
+    sequence = m.shape("x")[2]
+    if not all(shape[1] == sequence for shape in shapes) or sequence in (None, "?"):
         # Shape inference cannot show the cache has x's sequence length: it may be one position
         # that the original broadcasts over the sequence. A row per position of x, either way.
         rows = b.Concat(dim(b, m.opset, m["x"], 2), np.array([head_size // 2], np.int64), axis=0)

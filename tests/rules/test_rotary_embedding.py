@@ -36,6 +36,7 @@ def rotary_model(
     opset=23,
     positions=None,
     batch_positions=False,
+    sin_batch_positions=False,
     tensor_names=False,
 ):
     """x [B, N, S, H], position_ids [1, S] -> x * cos + rotate_half(x) * sin; (model, feeds).
@@ -45,6 +46,7 @@ def rotary_model(
     constant_cos: cos and sin as initializers instead of computed.
     positions: the length of position_ids (default S; 1 rotates every position alike).
     batch_positions: position_ids [B, S], one row of positions per batch row.
+    sin_batch_positions: sin from positions of its own, [B, S]; cos from position_ids [1, S].
     tensor_names: the [1, S, H] caches named "cos" and "sin" (as the dynamo exporter names
     them), which are also names in the rules' pattern (bound to the [1, 1, S, H] Unsqueezes).
     """
@@ -77,9 +79,17 @@ def rotary_model(
                 "Concat", ["freqs", "freqs" if second_freqs == "freqs" else "freqs_doubled"], ["emb"], axis=-1
             ),
         ]
-        for function, name in (("Cos", "cos"), ("Sin", "sin")):
+        if sin_batch_positions:
             nodes += [
-                helper.make_node(function, ["emb"], [f"{name}_3d"]),
+                helper.make_node("Cast", ["sin_position_ids"], ["sin_positions"], to=onnx.TensorProto.FLOAT),
+                helper.make_node("Unsqueeze", ["sin_positions", "axis_last"], ["sin_positions_3d"]),
+                helper.make_node("MatMul", ["sin_positions_3d", "inv_freq"], ["sin_freqs"]),
+                helper.make_node("Concat", ["sin_freqs", "sin_freqs"], ["sin_emb"], axis=-1),
+            ]
+        for function, name in (("Cos", "cos"), ("Sin", "sin")):
+            emb = "sin_emb" if sin_batch_positions and name == "sin" else "emb"
+            nodes += [
+                helper.make_node(function, [emb], [f"{name}_3d"]),
                 helper.make_node("Cast", [f"{name}_3d"], [name if tensor_names else f"{name}_typed"], to=to),
                 helper.make_node(
                     "Unsqueeze",
@@ -104,6 +114,9 @@ def rotary_model(
         feeds["position_ids"] = np.arange(S if positions is None else positions, dtype=np.int64)[None]
         if batch_positions:
             feeds["position_ids"] = np.tile(feeds["position_ids"], (B, 1)) + np.arange(B)[:, None]
+        if sin_batch_positions:
+            inputs.append(("sin_position_ids", np.int64, [batch, seq]))
+            feeds["sin_position_ids"] = np.arange(S, dtype=np.int64)[None] + np.arange(B)[:, None]
     model = make_model(nodes, inputs, [("y", dtype, [batch, N, seq, H])], inits, opset=opset, ir_version=10)
     return model, feeds
 
@@ -221,7 +234,18 @@ def test_ort_one_position_for_the_whole_sequence_is_expanded_to_it(opset):
 
 def test_ort_positions_per_batch_row_are_declined():
     model, _ = rotary_model(batch_positions=True, opset=18)
-    assert_declined(model, rotary_embedding_ort, "cos has rows per batch", target="onnxruntime")
+    assert_declined(model, rotary_embedding_ort, "not [1, positions, H]", target="onnxruntime")
+
+
+def test_ort_sin_with_positions_per_batch_row_is_declined_though_cos_has_one_row():
+    model, _ = rotary_model(sin_batch_positions=True, opset=18)
+    assert_declined(model, rotary_embedding_ort, "sin is computed as", target="onnxruntime")
+
+
+def test_sin_with_positions_per_batch_row_on_the_standard_op():
+    model, feeds = rotary_model(sin_batch_positions=True)
+    after, report = fuser.optimize(model, rules=[rotary_embedding], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
 
 
 def test_ort_cos_with_different_halves_is_declined():
