@@ -14,10 +14,11 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from fuser.api import Report, find_opportunities, optimize
+from fuser.api import find_opportunities, optimize
 from fuser.match import Decline, Match
 from fuser.model import Model
 from fuser.pattern import const, op, var
+from fuser.report import Report
 from fuser.rule import Builder, Change, Rule, rule, sweep
 from fuser.verify import CheckOptions
 

@@ -6,88 +6,26 @@ import dataclasses
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from fuser.blame import Attempt, find_guilty
-from fuser.context import Context, machine_nchwc_block, resolve_context
-from fuser.engine import Engine, EngineResult, Rewrite
+from fuser.context import machine_nchwc_block, resolve_context
+from fuser.engine import Engine, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
-from fuser.measure import Timing
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.nchwc import has_nchwc
 from fuser.nchwc import lower as lower_nchwc
 from fuser.opset import upgrade
-from fuser.progress import STAGES, Progress, silent
+from fuser.progress import Progress, silent
 from fuser.registry import all_rules, select
+from fuser.report import Report
 from fuser.rule import Rule
 from fuser.specialize import fix_shapes as specialize
 from fuser.verify import Checker, CheckOptions, Verdict
-
-
-@dataclass
-class Report:
-    """What an optimization did: rewrites, per-rule counts, node counts, numerics, timings."""
-
-    target: str
-    rules: list[str]
-    nodes_before: int
-    nodes_after: int
-    engine: EngineResult
-    verdict: Verdict | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    input_path: str | None = None
-    output_path: str | None = None
-    blamed: list[Rewrite] = field(default_factory=list)
-    dropped: list[Rewrite] = field(default_factory=list)
-    blame_checks: int = 0
-    notes: list[str] = field(default_factory=list)
-    op_types_before: dict[str, int] = field(default_factory=dict)
-    op_types_after: dict[str, int] = field(default_factory=dict)
-    latency: Timing | None = None
-    context: Context = field(default_factory=Context)
-    fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
-
-    @property
-    def rewrites(self):
-        return self.engine.rewrites
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return self.engine.counts()
-
-    @property
-    def checked(self) -> bool:
-        return self.verdict is not None
-
-    def to_dict(self) -> dict:
-        return {
-            "target": self.target,
-            "rules": self.rules,
-            **self.context.to_dict(),
-            "input": self.input_path,
-            "output": self.output_path,
-            "nodes_before": self.nodes_before,
-            "nodes_after": self.nodes_after,
-            "op_types_before": self.op_types_before,
-            "op_types_after": self.op_types_after,
-            "rule_counts": self.counts,
-            "rewrites": [r.to_dict() for r in self.rewrites],
-            "skipped_rules": self.engine.skipped_rules,
-            "advice": [a.to_dict() for a in self.engine.advice],
-            "declines": [d.to_dict() for d in self.engine.unique_declines()],
-            "notes": self.notes,
-            "numerics": None if self.verdict is None else self.verdict.to_dict(),
-            "blamed": [r.to_dict() for r in self.blamed],
-            "dropped": [r.to_dict() for r in self.dropped],
-            "timings": {stage: self.timings[stage] for stage in STAGES if stage in self.timings},
-            "latency": None if self.latency is None else self.latency.to_dict(),
-            "fixed_shapes": self.fixed_shapes,
-        }
 
 
 def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import onnx
 
-from fuser import api, explain, verify
+from fuser import api, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, NumericsMismatch, UsageError
 from fuser.graph import all_graph_protos
@@ -172,7 +172,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             source=str(source),
             code=EXIT_OK,
             report=report_module.envelope("optimize", verdict, EXIT_OK, **body),
-            summary=summary_lines(result, destination, sizes, job.verbose),
+            summary=report_module.summary_lines(result, destination, sizes, job.verbose),
             written=str(destination),
             seconds=time.perf_counter() - started,
         )
@@ -348,87 +348,6 @@ def keep_evidence(error: NumericsMismatch, source: Path) -> Path:
         except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
             (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder
-
-
-# ------------------------------------------------------------------------ the summary
-
-TOP_OP_TYPES = 8
-
-
-def summary_lines(result: api.Report, destination: Path, sizes=None, verbose: bool = False) -> list[str]:
-    """What a person reads after one model: counts, op types, sizes, the check, notes, times."""
-    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
-    if result.counts:
-        width = max(len(n) for n in result.counts)
-        lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
-    else:
-        lines.append("  no rule applied: nothing to fuse")
-    skipped = result.engine.skipped_rules
-    newer = result.engine.need_newer_opset
-    lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()] if verbose else []
-    if newer and not verbose:
-        lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
-    advice = result.engine.advice
-    if advice:
-        lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
-        if verbose:
-            lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
-    lines += op_type_table(result.op_types_before, result.op_types_after)
-    if sizes is not None:
-        lines.append(f"size on disk: {bytes_text(sizes[0])} -> {bytes_text(sizes[1])}")
-    if result.verdict is not None:
-        stabilized = result.verdict.stabilized
-        status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
-        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
-        on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
-        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
-        lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
-    elif result.rewrites:
-        lines.append("numerics check: SKIPPED")
-    if result.target == "onnxruntime":
-        lines.append(f"NCHWc block: {result.context.nchwc_block or 'none (onnxruntime here has no NCHWc kernels)'}")
-    lines += [f"  note: {note}" for note in result.notes]
-    for rewrite in result.dropped:
-        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
-    if verbose:
-        for rewrite in result.rewrites:
-            lines.append(
-                f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
-                f"{', '.join(rewrite.created)}"
-            )
-        lines += explain.decline_lines(result.engine.unique_declines())
-    lines.append(stage_times(result.timings))
-    lines.append(f"wrote {destination}")
-    return lines
-
-
-def stage_times(timings: dict[str, float]) -> str:
-    """`time: load 0.12 s, rewrite 0.40 s, check 0.31 s, write 0.05 s`."""
-    return "time: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in timings.items())
-
-
-def op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """The op types that changed most, before -> after, largest first (at most TOP_OP_TYPES)."""
-    changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name, 0) != after.get(name, 0)]
-    if not changed:
-        return []
-    changed.sort(key=lambda name: (-max(before.get(name, 0), after.get(name, 0)), name))
-    shown = changed[:TOP_OP_TYPES]
-    width = max(len(name) for name in shown)
-    lines = [f"  {name:<{width}}  {before.get(name, 0):>6} -> {after.get(name, 0)}" for name in shown]
-    if len(changed) > len(shown):
-        lines.append(f"  ... and {len(changed) - len(shown)} more op types changed")
-    return ["op types:", *lines]
-
-
-def bytes_text(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    for unit in ("KB", "MB", "GB"):
-        size /= 1024
-        if size < 1024 or unit == "GB":
-            break
-    return f"{size:.1f} {unit}"
 
 
 # ------------------------------------------------------------------------ many models at once

@@ -1,7 +1,9 @@
-"""The JSON report every command can write (`--report FILE`, `--format json`).
+"""What a run did, and its three renderings: `Report` (what `fuser.optimize` returns), the
+summary a person reads after one model (`summary_lines`), and the report every command can
+write (`--report FILE`, `--format json|markdown`).
 
-The schema is versioned (SCHEMA_VERSION) and described in REPORT_SCHEMA, a JSON Schema
-document; tests validate real reports against it.
+The JSON report's schema is versioned (SCHEMA_VERSION) and described in REPORT_SCHEMA, a JSON
+Schema document; tests validate real reports against it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fuser import explain
+from fuser.context import Context
+from fuser.progress import STAGES
+
+if TYPE_CHECKING:
+    from fuser.engine import EngineResult, Rewrite
+    from fuser.measure import Timing
+    from fuser.verify import Verdict
 
 SCHEMA_VERSION = 4  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage
 
@@ -173,6 +186,148 @@ REPORT_SCHEMA = {
         },
     },
 }
+
+
+@dataclass
+class Report:
+    """What an optimization did: rewrites, per-rule counts, node counts, numerics, timings."""
+
+    target: str
+    rules: list[str]
+    nodes_before: int
+    nodes_after: int
+    engine: EngineResult
+    verdict: Verdict | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    input_path: str | None = None
+    output_path: str | None = None
+    blamed: list[Rewrite] = field(default_factory=list)
+    dropped: list[Rewrite] = field(default_factory=list)
+    blame_checks: int = 0
+    notes: list[str] = field(default_factory=list)
+    op_types_before: dict[str, int] = field(default_factory=dict)
+    op_types_after: dict[str, int] = field(default_factory=dict)
+    latency: Timing | None = None
+    context: Context = field(default_factory=Context)
+    fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
+
+    @property
+    def rewrites(self):
+        return self.engine.rewrites
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.engine.counts()
+
+    @property
+    def checked(self) -> bool:
+        return self.verdict is not None
+
+    def to_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "rules": self.rules,
+            **self.context.to_dict(),
+            "input": self.input_path,
+            "output": self.output_path,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "op_types_before": self.op_types_before,
+            "op_types_after": self.op_types_after,
+            "rule_counts": self.counts,
+            "rewrites": [r.to_dict() for r in self.rewrites],
+            "skipped_rules": self.engine.skipped_rules,
+            "advice": [a.to_dict() for a in self.engine.advice],
+            "declines": [d.to_dict() for d in self.engine.unique_declines()],
+            "notes": self.notes,
+            "numerics": None if self.verdict is None else self.verdict.to_dict(),
+            "blamed": [r.to_dict() for r in self.blamed],
+            "dropped": [r.to_dict() for r in self.dropped],
+            "timings": {stage: self.timings[stage] for stage in STAGES if stage in self.timings},
+            "latency": None if self.latency is None else self.latency.to_dict(),
+            "fixed_shapes": self.fixed_shapes,
+        }
+
+
+# ------------------------------------------------------------------------ the summary
+
+TOP_OP_TYPES = 8
+
+
+def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool = False) -> list[str]:
+    """What a person reads after one model: counts, op types, sizes, the check, notes, times."""
+    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
+    if result.counts:
+        width = max(len(n) for n in result.counts)
+        lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
+    else:
+        lines.append("  no rule applied: nothing to fuse")
+    skipped = result.engine.skipped_rules
+    newer = result.engine.need_newer_opset
+    lines += [f"  skipped {name}: {reason}" for name, reason in skipped.items()] if verbose else []
+    if newer and not verbose:
+        lines.append(f"  need a newer opset: {', '.join(newer)} (--opset N upgrades; -v says which)")
+    advice = result.engine.advice
+    if advice:
+        lines.append(f"  kept as is: {len(advice)} pattern(s); {advice[0].message}")
+        if verbose:
+            lines += [f"    {a.rule} [{a.scope}] {', '.join(a.nodes)}" for a in advice]
+    lines += op_type_table(result.op_types_before, result.op_types_after)
+    if sizes is not None:
+        lines.append(f"size on disk: {bytes_text(sizes[0])} -> {bytes_text(sizes[1])}")
+    if result.verdict is not None:
+        stabilized = result.verdict.stabilized
+        status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
+        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
+        on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
+        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
+    elif result.rewrites:
+        lines.append("numerics check: SKIPPED")
+    if result.target == "onnxruntime":
+        lines.append(f"NCHWc block: {result.context.nchwc_block or 'none (onnxruntime here has no NCHWc kernels)'}")
+    lines += [f"  note: {note}" for note in result.notes]
+    for rewrite in result.dropped:
+        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
+    if verbose:
+        for rewrite in result.rewrites:
+            lines.append(
+                f"  #{rewrite.index} {rewrite.rule} [{rewrite.scope}] {', '.join(rewrite.matched)} -> "
+                f"{', '.join(rewrite.created)}"
+            )
+        lines += explain.decline_lines(result.engine.unique_declines())
+    lines.append(stage_times(result.timings))
+    lines.append(f"wrote {destination}")
+    return lines
+
+
+def stage_times(timings: dict[str, float]) -> str:
+    """`time: load 0.12 s, rewrite 0.40 s, check 0.31 s, write 0.05 s`."""
+    return "time: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in timings.items())
+
+
+def op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The op types that changed most, before -> after, largest first (at most TOP_OP_TYPES)."""
+    changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name, 0) != after.get(name, 0)]
+    if not changed:
+        return []
+    changed.sort(key=lambda name: (-max(before.get(name, 0), after.get(name, 0)), name))
+    shown = changed[:TOP_OP_TYPES]
+    width = max(len(name) for name in shown)
+    lines = [f"  {name:<{width}}  {before.get(name, 0):>6} -> {after.get(name, 0)}" for name in shown]
+    if len(changed) > len(shown):
+        lines.append(f"  ... and {len(changed) - len(shown)} more op types changed")
+    return ["op types:", *lines]
+
+
+def bytes_text(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    for unit in ("KB", "MB", "GB"):
+        size /= 1024
+        if size < 1024 or unit == "GB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def versions() -> dict[str, str]:
