@@ -158,7 +158,9 @@ def optimize(
         returned, after any rewrites the check dropped, is the one timed."""
         if measured is not None and report.rewrites:
             with stage("measure"):
-                report.latency = compare_latency(unoptimized, written, feeds, level=measure, threads=measure_threads)
+                report.latency = compare_latency(
+                    unoptimized, written, feeds, level=measure, threads=measure_threads, base_dir=model.base_dir
+                )
             report.notes.append(f"--measure: {report.latency.summary()}")
         return written, report
 
@@ -292,7 +294,9 @@ def _measure_phases(model: Model, chosen, level, threads, options: CheckOptions,
     unoptimized = model.to_proto()
     feeds = options.inputs
     if feeds is None:
-        feeds = synthesize_inputs(session(unoptimized, "off"), dims=options.dims, shapes=options.shapes)
+        feeds = synthesize_inputs(
+            session(unoptimized, "off", base_dir=model.base_dir), dims=options.dims, shapes=options.shapes
+        )
     say(f"timing each phase of rules in onnxruntime (optimizations {level})")
     kept, notes = paying_rules(
         unoptimized, chosen, feeds, base_dir=model.base_dir, level=level, threads=threads, progress=say, context=context

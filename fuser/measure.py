@@ -61,9 +61,12 @@ class Timing:
         }
 
 
-def session(model: onnx.ModelProto, level: str = "all", threads: int = 1):
-    """An onnxruntime CPU session at one of LEVELS with a fixed intra-op thread count."""
+def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_dir=None):
+    """An onnxruntime CPU session at one of LEVELS with a fixed intra-op thread count; external
+    data is read from `base_dir`, the model's folder."""
     import onnxruntime as ort
+
+    from fuser.verify import open_session
 
     levels = {
         "off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -78,7 +81,7 @@ def session(model: onnx.ModelProto, level: str = "all", threads: int = 1):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return open_session(model, options, base_dir)
 
 
 def interleaved_ms(
@@ -109,11 +112,13 @@ def compare(
     threads: int = 1,
     seconds: float = 3.0,
     progress: Callable[[str], None] | None = None,
+    base_dir=None,
 ) -> Timing:
-    """Time `optimized` against `original` (see the module docstring)."""
+    """Time `optimized` against `original` (see the module docstring); external data of either
+    is read from `base_dir`."""
     if progress:
         progress(f"timing the original and the optimized model ({seconds:g} s, optimizations {level})")
-    sessions = [session(original, level, threads), session(optimized, level, threads)]
+    sessions = [session(original, level, threads, base_dir), session(optimized, level, threads, base_dir)]
     before, after = interleaved_ms(sessions, feeds, seconds=seconds)
     ratios = sorted(a / b for a, b in zip(after, before))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else [ratios[0], 0, ratios[-1]]
@@ -163,7 +168,16 @@ def paying_rules(
             kept.append(phase)
             continue
         candidate = model.to_proto()
-        timing = compare(previous, candidate, feeds, level=level, threads=threads, seconds=seconds, progress=progress)
+        timing = compare(
+            previous,
+            candidate,
+            feeds,
+            level=level,
+            threads=threads,
+            seconds=seconds,
+            progress=progress,
+            base_dir=base_dir,
+        )
         if timing.slower:
             notes.append(f"--measure: left out the phase-{phase} rules ({', '.join(applied)}): {timing.summary()}")
         else:

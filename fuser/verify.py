@@ -163,6 +163,14 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, w
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
     options.intra_op_num_threads = SESSION_THREADS
+    return open_session(model, options, base_dir)
+
+
+def open_session(model: onnx.ModelProto, options, base_dir: str | os.PathLike | None = None):
+    """An onnxruntime CPU session of `model` with `options`, its external data resolved against
+    `base_dir`; a model onnxruntime cannot load is an InputError."""
+    import onnxruntime as ort
+
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())

@@ -5,12 +5,13 @@ verdict does not depend on the machine's noise."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import helper
 
 import fuser
 from fuser import Builder, Match, op, rule, var
 from fuser.measure import compare, paying_rules
-from tests.helpers import make_model
+from tests.helpers import fuser_cli, make_model
 
 X = {"x": np.random.default_rng(0).standard_normal((1, 64, 64, 64)).astype(np.float32)}
 
@@ -89,3 +90,20 @@ def test_measure_times_the_model_written_after_a_drop():
     # The model before the drop skipped the sixty Max nodes and ran in a fraction of the time;
     # the model written keeps them, like the original.
     assert report.latency.ratio > 0.5
+
+
+def test_measure_reads_external_data_from_the_models_folder_not_the_working_directory(tmp_path):
+    # onnxruntime resolves the external data of a model given as bytes against the working
+    # directory; --measure runs from anywhere, like the check.
+    folder = tmp_path / "models"
+    folder.mkdir()
+    weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    weights = {"w": weight, "b": np.ones(64, np.float32)}
+    original = make_model(nodes, [("x", np.float32, [8, 64])], [("y", np.float32, [8, 64])], weights)
+    onnx.save(original, folder / "m.onnx", save_as_external_data=True, size_threshold=0, location="m.onnx.data")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = fuser_cli("optimize", folder / "m.onnx", "-o", elsewhere / "out.onnx", "--measure", "off", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert "matmul-add-gemm" in result.stderr and "--measure: latency" in result.stderr
