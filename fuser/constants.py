@@ -132,6 +132,8 @@ class ConstantValues:
             return cached if cached.nbytes <= max_bytes else None
         if tensor in self._not_constant:
             return None
+        if self._graph.source_kind(tensor) == "initializer":
+            return self._leaf_value(tensor, max_bytes)  # nothing to evaluate: most queries are weights
         order = self._dependencies(tensor)
         if order is None:
             return None
@@ -177,9 +179,10 @@ class ConstantValues:
         kind = graph.source_kind(tensor)
         if kind == "outer":
             return graph.outer.constant_value(tensor, max_bytes)
-        if kind != "initializer":
+        proto = graph.initializer(tensor) if kind == "initializer" else None
+        if proto is None:  # not an initializer, or a sparse one, which stays opaque
             return None
-        value = graph.tensors.value(graph.initializer(tensor), max_bytes)
+        value = graph.tensors.value(proto, max_bytes)
         if value is not None:
             value.flags.writeable = False
             self._cache[tensor] = value

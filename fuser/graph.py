@@ -573,7 +573,8 @@ class Graph:
 
     def to_proto(self, weights: bool = True) -> GraphProto:
         """The graph as ONNX. weights=False gives its skeleton for shape inference and checks:
-        initializers over SKELETON_BYTES become typed graph inputs instead of copies of their data."""
+        initializers whose values inference never reads (see shape_relevant) become typed graph
+        inputs instead of copies of their data."""
         graph = GraphProto()
         self.fill_proto(graph, weights)
         return graph
@@ -628,22 +629,52 @@ def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
                     yield from all_graph_protos(sub)
 
 
-# Initializers up to this size stay in a skeleton: shape inference reads the values of small
-# integer tensors (Reshape targets, Slice bounds); it only needs the type of a weight.
+# What a skeleton keeps of the initializers: shape inference reads the values of integer tensors
+# (Reshape targets, Slice bounds) and of a few tiny float ones (Resize scales, Range bounds); of
+# every other tensor it needs only the type and dims, so those become typed graph inputs. A
+# graph of many small weights would otherwise be copied whole for every inference and check.
 SKELETON_BYTES = 64 << 10
+SKELETON_ELEMENTS = 64
+_INTEGER_TYPES = frozenset(
+    {
+        TensorProto.INT64,
+        TensorProto.INT32,
+        TensorProto.INT16,
+        TensorProto.INT8,
+        TensorProto.UINT64,
+        TensorProto.UINT32,
+        TensorProto.UINT16,
+        TensorProto.UINT8,
+        TensorProto.BOOL,
+    }
+)
+
+
+def shape_relevant(tensor: TensorProto) -> bool:
+    """Whether a skeleton keeps `tensor`'s values (see SKELETON_BYTES)."""
+    if uses_external_data(tensor):
+        return False
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    if count <= SKELETON_ELEMENTS:
+        return True
+    return tensor.data_type in _INTEGER_TYPES and nbytes(tensor) <= SKELETON_BYTES
 
 
 def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], inputs) -> None:
-    """Add `initializers` to `graph`, the large ones as typed inputs (their data stays out)."""
+    """Add `initializers` to `graph`: those shape inference reads as they are, the others as
+    typed inputs (their data stays out)."""
     for tensor in initializers:
-        if not uses_external_data(tensor) and nbytes(tensor) <= SKELETON_BYTES:
+        if shape_relevant(tensor):
             graph.initializer.append(tensor)
         elif tensor.name not in inputs:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
 
 
 def weightless_model(model: ModelProto) -> ModelProto:
-    """A copy of `model` without its large weights (see SKELETON_BYTES), for checks and inference."""
+    """A copy of `model` without the weights shape inference does not read (see shape_relevant),
+    for checks and inference."""
     skeleton = ModelProto()
     copy_fields_except(model, skeleton, {"graph"})
     copy_fields_except(model.graph, skeleton.graph, {"initializer"})

@@ -290,6 +290,9 @@ class Match:
         return self.dtype_of(self._tensor(name_or_tensor))
 
     def dtype_of(self, tensor: str | None) -> np.dtype | None:
+        stored = self.graph.initializer(tensor) if tensor else None
+        if stored is not None:  # read from the TensorProto: a weight is never decoded to answer this
+            return _np_dtype(stored.data_type)
         value = self.graph.constant_value(tensor) if tensor else None
         if value is not None:
             return value.dtype
@@ -300,6 +303,9 @@ class Match:
         return self.shape_of(self._tensor(name_or_tensor))
 
     def shape_of(self, tensor: str | None) -> tuple | None:
+        stored = self.graph.initializer(tensor) if tensor else None
+        if stored is not None:
+            return tuple(stored.dims)
         value = self.graph.constant_value(tensor) if tensor else None
         if value is not None:
             return value.shape
@@ -425,6 +431,16 @@ def _completed(fresh: Entry, earlier: Entry, run: int) -> Entry | None:
     return None if completed == fresh else completed
 
 
+def _np_dtype(data_type: int) -> np.dtype | None:
+    """numpy's dtype for an ONNX element type; None for none or one numpy lacks."""
+    if not data_type:
+        return None
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(data_type)
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
 def _known_dims(table: dict[str, Entry]) -> int:
     return sum(1 for _, dims in table.values() if dims is not None for dim in dims if isinstance(dim, int))
 
@@ -493,12 +509,7 @@ class TypeInfo:
 
     def dtype(self, tensor: str | None) -> np.dtype | None:
         entry = self._entry(tensor)
-        if entry is None or not entry[0]:
-            return None
-        try:
-            return onnx.helper.tensor_dtype_to_np_dtype(entry[0])
-        except (KeyError, ValueError, TypeError):
-            return None
+        return None if entry is None else _np_dtype(entry[0])
 
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)

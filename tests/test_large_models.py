@@ -63,6 +63,39 @@ def test_shape_inference_on_the_skeleton_equals_inference_on_the_full_model():
     assert inferred(Model(model).to_proto(weights=False)) == full
 
 
+def test_skeleton_keeps_the_values_inference_reads_and_only_those():
+    """Small float weights leave the skeleton too (a graph of many of them would be copied whole for
+    every inference); integer tensors and tiny float ones (Resize scales) stay, so shapes are the same."""
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Reshape", ["h", "shape"], ["r"]),
+            helper.make_node("Resize", ["r", "", "scales"], ["y"], mode="nearest"),
+        ],
+        [("x", np.float32, [1, 16])],
+        [("y", np.float32, ["n", "c", "h", "w"])],
+        {
+            "w": rng.standard_normal((16, 16)).astype(np.float32),  # 1 KiB: far under SKELETON_BYTES
+            "shape": np.array([1, 1, 4, 4], np.int64),
+            "scales": np.array([1, 1, 2, 2], np.float32),
+        },
+    )
+    skeleton = weightless_model(model)
+    assert sorted(t.name for t in skeleton.graph.initializer) == ["scales", "shape"]
+    assert "w" in {v.name for v in skeleton.graph.input}
+
+    def inferred(m):
+        result = onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+        return {v.name: v.type.SerializeToString() for v in [*result.graph.value_info, *result.graph.output]}
+
+    full = inferred(model)
+    assert "r" in full  # known only from the shape tensor's values
+    y = onnx.TypeProto.FromString(full["y"]).tensor_type.shape.dim
+    assert [d.dim_value for d in y] == [1, 1, 8, 8]  # known only from the scales' values
+    assert inferred(skeleton) == full
+
+
 def test_to_proto_without_weights_matches_with_weights_except_the_weights():
     model = Model(mlp())
     with_weights, without = model.to_proto(), model.to_proto(weights=False)
