@@ -18,6 +18,7 @@ import contextlib
 import gc
 import heapq
 import itertools
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -87,7 +88,7 @@ class Names:
                 return candidate
 
 
-@dataclass
+@dataclass(slots=True)  # no per-instance dict: a graph holds one per node
 class NodeInfo:
     """What a rule or the engine may read about one op node."""
 
@@ -219,6 +220,7 @@ class Graph:
             self._connect(value.name, sink, position)
 
     def _add_source(self, kind: str, tensor: str, key: tuple) -> int:
+        tensor = sys.intern(tensor)
         node_id = next(self._ids)
         self._add_vertex(node_id, kind=kind, tensor=tensor, key=key)
         self._producer[tensor] = (node_id, 0)
@@ -237,6 +239,7 @@ class Graph:
         self.names.add(proto.name)
         for index, output in enumerate(proto.output):
             if output:
+                output = sys.intern(output)
                 self.names.add(output)
                 self._producer[output] = (node_id, index)
         self._by_op.setdefault((proto.domain, proto.op_type), {})[node_id] = None
@@ -271,6 +274,9 @@ class Graph:
             self._connect(tensor, node_id, SUBGRAPH_SLOT)
 
     def _connect(self, tensor: str, consumer: int, slot: int) -> None:
+        # One string object per tensor name, however many edges carry it: protobuf hands out a
+        # new one on every read, and a large graph has millions of edges.
+        tensor = sys.intern(tensor)
         if tensor not in self._producer:
             # Not defined in this scope: read from an enclosing graph.
             self._add_source(OUTER, tensor, (-3, 0))

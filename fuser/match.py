@@ -454,6 +454,8 @@ class TypeInfo:
         self._previous: dict[str, Entry] = {}
         self._stale = False
         self._runs = 0
+        # Whether a query since learns_more last ran got an answer a new inference might complete.
+        self._asked_unknown = False
 
     def invalidate(self) -> None:
         """The graph changed: tensors created since the last inference are looked up anew."""
@@ -466,8 +468,15 @@ class TypeInfo:
             self._previous, self._table, self._stale = self._table, None, False
 
     def learns_more(self) -> bool:
-        """Infer every shape again now; True when that fixed more dims than were known before."""
+        """Infer every shape again now; True when that fixed more dims than were known before.
+
+        Without inferring when every answer given since the last call was complete: a rule's
+        decisions rest on the answers it got, and complete answers cannot change."""
+        asked_unknown, self._asked_unknown = self._asked_unknown, False
         if self._table is None:
+            return False
+        if not asked_unknown:
+            self.refresh()  # later queries still see what the rewrites made known
             return False
         known = _known_dims(self._table)
         self.refresh()
@@ -509,8 +518,14 @@ class TypeInfo:
 
     def dtype(self, tensor: str | None) -> np.dtype | None:
         entry = self._entry(tensor)
-        return None if entry is None else _np_dtype(entry[0])
+        dtype = None if entry is None else _np_dtype(entry[0])
+        if dtype is None and tensor:
+            self._asked_unknown = True
+        return dtype
 
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)
-        return None if entry is None else entry[1]
+        dims = None if entry is None else entry[1]
+        if tensor and (dims is None or any(_dim_knowledge(d) < 2 for d in dims)):
+            self._asked_unknown = True
+        return dims

@@ -86,3 +86,36 @@ def test_type_info_keeps_shapes_an_unknown_operator_hides_from_a_later_run():
     assert types.shape("y") == ("batch", 4)
     types.refresh()
     assert types.shape("y") == ("batch", 4)
+
+
+def _relu_model(x_dims):
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_learns_more_infers_again_only_after_an_answer_inference_could_complete():
+    """A new inference cannot change a complete answer (sizes and the model's own dim names),
+    so after only complete answers the engine is spared a whole-graph inference; an unknown
+    dim, rank or type asked for since the last call makes it infer again."""
+    complete = TypeInfo(lambda: _relu_model(["batch", 4]))
+    assert complete.shape("y") == ("batch", 4)
+    assert complete.dtype("y") is not None
+    assert complete.learns_more() is False
+    assert complete._runs == 1  # no second inference
+    assert complete.shape("y") == ("batch", 4)  # the table was refreshed: a query infers anew
+    assert complete._runs == 2
+
+    partial = TypeInfo(lambda: _relu_model([None, 4]))
+    assert partial.shape("y")[1] == 4
+    assert partial.learns_more() is False  # nothing new to learn, but it had to look
+    assert partial._runs == 2
+
+    unknown = TypeInfo(lambda: _relu_model(["batch", 4]))
+    assert unknown.shape("no-such-tensor") is None
+    unknown.learns_more()
+    assert unknown._runs == 2
