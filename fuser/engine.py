@@ -319,9 +319,10 @@ class Engine:
                 continue
             self._visits.tick(len(heap))
             touched = self._visit(graph, scope, node_id, apply)
-            touched_all.update(touched)
-            for other in self._downstream(graph, set(touched)):
-                push(other)
+            if touched:  # most visits change nothing
+                touched_all.update(touched)
+                for other in self._downstream(graph, set(touched)):
+                    push(other)
         return touched_all
 
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:

@@ -363,6 +363,10 @@ class Graph:
         """The op nodes reading any output of `node_id`, through a subgraph too."""
         return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
+    def graph_outputs(self) -> set[str]:
+        """The names of this graph's outputs."""
+        return {value.name for value in self._outputs}
+
     def is_graph_output(self, tensor: str) -> bool:
         return any(self._attrs[c]["kind"] == GRAPH_OUTPUT for c, _ in self.consumers(tensor))
 

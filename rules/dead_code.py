@@ -32,13 +32,17 @@ PURE_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 def _pure(info) -> bool:
     if info.domain not in PURE_DOMAINS:
         return False
-    return all(_pure(inner) for graphs in info.subgraphs.values() for g in graphs for inner in g.nodes())
+    return not info.subgraphs or all(
+        _pure(inner) for graphs in info.subgraphs.values() for g in graphs for inner in g.nodes()
+    )
 
 
 def _reads(info) -> set[str]:
     """Tensors the node reads: its inputs, and what its subgraphs read from this scope."""
-    names = {i for i in info.inputs if i}
-    names.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+    names = set(info.proto.input)
+    names.discard("")
+    if info.subgraphs:
+        names.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
     return names
 
 
@@ -46,10 +50,9 @@ def _reads(info) -> set[str]:
 def dead_code(graph):
     """Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed."""
     nodes = {info.id: info for info in graph.nodes()}
+    outputs = graph.graph_outputs()
     live = [
-        node_id
-        for node_id, info in nodes.items()
-        if not _pure(info) or any(o and graph.is_graph_output(o) for o in info.outputs)
+        node_id for node_id, info in nodes.items() if not _pure(info) or any(o in outputs for o in info.proto.output)
     ]
     seen = set(live)
     while live:
