@@ -1,0 +1,71 @@
+"""What the graph structure alone costs: a networkx MultiDiGraph with the vertices and edges fuser
+builds for bench/scale.py's MLP stack, and no ONNX data at all.
+
+    python bench/networkx_floor.py [NODES ...]     # default: 100000 1000000
+
+One vertex per op node, initializer and graph input, one edge per tensor an op reads (carrying
+the tensor and the input slot, as fuser's edges do), added through networkx's own API. Prints
+the build time and the memory it added (resident set, measured around the build).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import networkx as nx
+
+
+def resident_gb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 1e9
+
+
+def mlp_graph(nodes: int) -> nx.MultiDiGraph:
+    """Blocks MatMul-Add-Relu-MatMul-Add-Add(residual) with 4 weights each, as scale.mlp_stack."""
+    graph = nx.MultiDiGraph()
+    graph.add_node(0, kind="input")
+    previous, vertex = 0, 1
+    for _ in range(max(1, nodes // 6)):
+        weights = list(range(vertex, vertex + 4))
+        for w in weights:
+            graph.add_node(w, kind="initializer")
+        vertex += 4
+        reads = [
+            [(previous, 0), (weights[0], 1)],  # MatMul
+            [(vertex, 0), (weights[1], 1)],  # Add bias: reads the MatMul just added
+            [(vertex + 1, 0)],  # Relu
+            [(vertex + 2, 0), (weights[2], 1)],  # MatMul
+            [(vertex + 3, 0), (weights[3], 1)],  # Add bias
+            [(vertex + 4, 0), (previous, 1)],  # residual Add
+        ]
+        for index, inputs in enumerate(reads):
+            node = vertex + index
+            graph.add_node(node, kind="op")
+            for source, slot in inputs:
+                graph.add_edge(source, node, tensor=f"t{source}", slot=slot)
+        previous = vertex + 5
+        vertex += 6
+    return graph
+
+
+def main(argv: list[str]) -> int:
+    for nodes in [int(a) for a in argv] or [100_000, 1_000_000]:
+        gc.collect()
+        gc.disable()  # as fuser builds its graph: the collector's scans would dominate
+        before, started = resident_gb(), time.perf_counter()
+        graph = mlp_graph(nodes)
+        seconds, added = time.perf_counter() - started, resident_gb() - before
+        print(
+            f"{nodes:>9} nodes: {graph.number_of_nodes()} vertices, {graph.number_of_edges()} edges, "
+            f"built in {seconds:.2f} s, {added:.2f} GB",
+            flush=True,
+        )
+        del graph
+        gc.enable()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
