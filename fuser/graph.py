@@ -363,6 +363,15 @@ class Graph:
         """The op nodes reading any output of `node_id`, through a subgraph too."""
         return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
+    def feedable_inputs(self) -> list[onnx.ValueInfoProto]:
+        """The graph inputs a caller feeds: those without an initializer of the same name (before
+        IR 4 those are the weights; since, a default the caller need not feed)."""
+        return [value for name, value in self._inputs.items() if name not in self._initializers]
+
+    def output_values(self) -> list[onnx.ValueInfoProto]:
+        """This graph's outputs, in order."""
+        return list(self._outputs)
+
     def graph_outputs(self) -> set[str]:
         """The names of this graph's outputs."""
         return {value.name for value in self._outputs}

@@ -129,7 +129,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         loaded = Model.load(source, progress=progress)
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
-        options = options_for(loaded.to_proto(weights=False), job.options, job.from_config)
+        options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
             refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)

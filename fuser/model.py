@@ -85,6 +85,15 @@ class Model:
         self.graph.fill_proto(model.graph, weights)
         return model
 
+    def interface(self) -> ModelProto:
+        """The model's main-graph inputs a caller feeds and its outputs, without nodes or weights
+        (a skeleton lists the weights it leaves out as inputs, so it cannot say which are inputs)."""
+        model = ModelProto()
+        model.CopyFrom(self._shell)
+        model.graph.input.extend(self.graph.feedable_inputs())
+        model.graph.output.extend(self.graph.output_values())
+        return model
+
     def require_opset(self, domain: str, version: int) -> None:
         """Declare that rewritten nodes use `domain` at `version` (adds the import if missing)."""
         key = "" if domain == "ai.onnx" else domain

@@ -199,6 +199,22 @@ def test_unusable_settings_and_paths_exit_2_with_one_line(cli, tmp_path, args, m
     _assert_clean_failure(result, tmp_path, before, message)
 
 
+@pytest.mark.parametrize("width", [16, 160])  # a weight left out of the skeleton: 1 KiB, and over SKELETON_BYTES
+def test_a_weight_is_not_an_input_the_settings_may_name(cli, tmp_path, width):
+    """The skeleton lists the weights it leaves out as typed inputs; settings are checked against
+    the inputs a caller feeds, not against those."""
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [("x", np.float32, ["batch", width])],
+        [("y", np.float32, ["batch", width])],
+        {"w": np.ones((width, width), np.float32)},
+    )
+    onnx.save(model, tmp_path / "m.onnx")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", "m.onnx", "--input-shape", f"w:{width},{width}")
+    _assert_clean_failure(result, tmp_path, before, "--input-shape: the model has no input w (its inputs: x)")
+
+
 def test_unknown_names_in_given_inputs_are_listed(cli, tmp_path):
     model = _symbolic_model(tmp_path)
     np.savez(tmp_path / "inputs.npz", x=np.ones((2, 4), np.float32), typo=np.ones(1, np.float32))
