@@ -604,7 +604,8 @@ class Graph:
             graph.MergeFrom(self._shell)
             graph.input.extend(self._inputs.values())
             graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
-            if weights:
+            if weights or self.outer is not None:
+                # A body's inputs are fixed by its If/Loop/Scan: it keeps its weights, as it must.
                 graph.initializer.extend(self._initializers.values())
             else:
                 add_weightless(graph, self._initializers.values(), self._inputs)
@@ -681,11 +682,12 @@ def shape_relevant(tensor: TensorProto) -> bool:
     return tensor.data_type in _INTEGER_TYPES and nbytes(tensor) <= SKELETON_BYTES
 
 
-def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], inputs) -> None:
-    """Add `initializers` to `graph`: those shape inference reads as they are, the others as
-    typed inputs (their data stays out)."""
+def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], inputs, listed_only: bool = False) -> None:
+    """Add `initializers` to a main graph: those shape inference reads as they are, the others as
+    typed inputs (their data stays out). listed_only (IR < 4, where every initializer must be a
+    graph input too): an initializer that is not an input stays, so the checker still sees that."""
     for tensor in initializers:
-        if shape_relevant(tensor):
+        if shape_relevant(tensor) or (listed_only and tensor.name not in inputs):
             graph.initializer.append(tensor)
         elif tensor.name not in inputs:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
@@ -697,7 +699,8 @@ def weightless_model(model: ModelProto) -> ModelProto:
     skeleton = ModelProto()
     copy_fields_except(model, skeleton, {"graph"})
     copy_fields_except(model.graph, skeleton.graph, {"initializer"})
-    add_weightless(skeleton.graph, model.graph.initializer, {value.name for value in model.graph.input})
+    inputs = {value.name for value in model.graph.input}
+    add_weightless(skeleton.graph, model.graph.initializer, inputs, listed_only=model.ir_version < 4)
     return skeleton
 
 

@@ -470,8 +470,10 @@ class TypeInfo:
     def learns_more(self) -> bool:
         """Infer every shape again now; True when that fixed more dims than were known before.
 
-        Without inferring when every answer given since the last call was complete: a rule's
-        decisions rest on the answers it got, and complete answers cannot change."""
+        Without inferring when every answer given since the last call was complete (a type, and
+        a size for every dim): a rule's decisions rest on the answers it got, and those cannot
+        change. A dim name can: inference puts a size in its place once a rewrite makes it
+        computable."""
         asked_unknown, self._asked_unknown = self._asked_unknown, False
         if self._table is None:
             return False
@@ -526,6 +528,6 @@ class TypeInfo:
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)
         dims = None if entry is None else entry[1]
-        if tensor and (dims is None or any(_dim_knowledge(d) < 2 for d in dims)):
-            self._asked_unknown = True
+        if tensor and (dims is None or not all(isinstance(d, int) for d in dims)):
+            self._asked_unknown = True  # a later inference may put a size in place of a name
         return dims

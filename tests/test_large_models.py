@@ -173,3 +173,60 @@ def test_the_check_with_fed_weights_passes_equal_models_and_catches_a_changed_we
     changed.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(weight, "w"))
     verdict = checker.check(changed, exact=False)
     assert not verdict.passed
+
+
+@pytest.mark.parametrize("elements", [100, 20_000])  # under and over SKELETON_BYTES
+def test_a_subgraph_keeps_its_weights_in_the_skeleton(elements):
+    """An If/Loop/Scan body's inputs are fixed by its node: a weight turned into a body input
+    would make inference reject the body and lose every shape in and after it."""
+    from onnx import numpy_helper
+
+    weight = numpy_helper.from_array(np.ones(elements, np.float32), "W")
+    then_branch = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["t"]), helper.make_node("Relu", ["t"], ["ty"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("ty", onnx.TensorProto.FLOAT, [2, elements])],
+        [weight],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["ey"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("ey", onnx.TensorProto.FLOAT, [2, elements])],
+    )
+    model = make_model(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch)],
+        [("c", np.bool_, []), ("x", np.float32, [2, elements])],
+        [("y", np.float32, [2, elements])],
+    )
+    loaded = Model(model)
+    body = next(iter(loaded.graph.nodes())).subgraphs["then_branch"][0]
+    body.modified = True  # as after a rewrite inside it: the body is rebuilt from the graph
+    skeleton = loaded.to_proto(weights=False)
+    then_proto = next(a.g for a in skeleton.graph.node[0].attribute if a.name == "then_branch")
+    assert len(then_proto.input) == 0 and [t.name for t in then_proto.initializer] == ["W"]
+    inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=True)  # raised with W as a body input
+    inferred_then = next(a.g for a in inferred.graph.node[0].attribute if a.name == "then_branch")
+    assert "t" in {v.name for v in inferred_then.value_info}
+
+
+def test_an_ir3_model_whose_weight_is_not_an_input_is_still_refused(tmp_path):
+    """Before IR 4 every initializer must also be a graph input; the skeleton must not hide a
+    weight that is not by listing it as one."""
+    from onnx import numpy_helper
+
+    from fuser.errors import InputError
+    from fuser.model import read_model
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [100])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [100])],
+        [numpy_helper.from_array(np.ones(100, np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(InputError, match="W in initializer but not in graph input"):
+        read_model(tmp_path / "m.onnx")

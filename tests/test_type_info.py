@@ -99,23 +99,58 @@ def _relu_model(x_dims):
 
 
 def test_learns_more_infers_again_only_after_an_answer_inference_could_complete():
-    """A new inference cannot change a complete answer (sizes and the model's own dim names),
-    so after only complete answers the engine is spared a whole-graph inference; an unknown
-    dim, rank or type asked for since the last call makes it infer again."""
-    complete = TypeInfo(lambda: _relu_model(["batch", 4]))
-    assert complete.shape("y") == ("batch", 4)
+    """A new inference cannot change a complete answer (a type, and a size for every dim), so
+    after only complete answers the engine is spared a whole-graph inference; a dim without a
+    size (a name, which a later inference may replace by a size), an unknown rank or an unknown
+    type asked for since the last call makes it infer again."""
+    complete = TypeInfo(lambda: _relu_model([2, 4]))
+    assert complete.shape("y") == (2, 4)
     assert complete.dtype("y") is not None
     assert complete.learns_more() is False
     assert complete._runs == 1  # no second inference
-    assert complete.shape("y") == ("batch", 4)  # the table was refreshed: a query infers anew
+    assert complete.shape("y") == (2, 4)  # the table was refreshed: a query infers anew
     assert complete._runs == 2
 
-    partial = TypeInfo(lambda: _relu_model([None, 4]))
-    assert partial.shape("y")[1] == 4
-    assert partial.learns_more() is False  # nothing new to learn, but it had to look
-    assert partial._runs == 2
+    for dims in (["batch", 4], [None, 4]):
+        named = TypeInfo(lambda dims=dims: _relu_model(dims))
+        assert named.shape("y")[1] == 4
+        assert named.learns_more() is False  # nothing new to learn, but it had to look
+        assert named._runs == 2
 
-    unknown = TypeInfo(lambda: _relu_model(["batch", 4]))
+    unknown = TypeInfo(lambda: _relu_model([2, 4]))
     assert unknown.shape("no-such-tensor") is None
     unknown.learns_more()
     assert unknown._runs == 2
+
+
+def test_a_named_dim_a_rewrite_makes_computable_is_inferred_again():
+    """The model annotates r as [a, b]; once constant-fold has folded Abs(c) into the Reshape's
+    target, inference knows r is [2, 4], and reshape-noop removes the Reshape that the first
+    answer, (a, b), could not prove a no-op."""
+    import numpy as np
+
+    import fuser
+    from onnx import numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "k"], ["r0"]),
+            helper.make_node("Abs", ["c"], ["s"]),
+            helper.make_node("Reshape", ["x", "s"], ["r"]),
+            helper.make_node("Relu", ["r"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4]),
+            helper.make_tensor_value_info("r0", TensorProto.FLOAT, [8]),
+        ],
+        [
+            numpy_helper.from_array(np.array([-2, -4], np.int64), "c"),
+            numpy_helper.from_array(np.array([8], np.int64), "k"),
+        ],
+        value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, ["a", "b"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    optimized, _ = fuser.optimize(model, check=False)
+    assert [n.op_type for n in optimized.graph.node] == ["Reshape", "Relu"]
