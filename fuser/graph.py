@@ -372,7 +372,7 @@ class Graph:
         """This graph's outputs, in order."""
         return list(self._outputs)
 
-    def graph_outputs(self) -> set[str]:
+    def output_names(self) -> set[str]:
         """The names of this graph's outputs."""
         return {value.name for value in self._outputs}
 

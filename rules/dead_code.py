@@ -50,7 +50,7 @@ def _reads(info) -> set[str]:
 def dead_code(graph):
     """Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed."""
     nodes = {info.id: info for info in graph.nodes()}
-    outputs = graph.graph_outputs()
+    outputs = graph.output_names()
     live = [
         node_id for node_id, info in nodes.items() if not _pure(info) or any(o in outputs for o in info.proto.output)
     ]
