@@ -6,8 +6,10 @@ The check opens an onnxruntime session (optimizations off) for the original mode
 the rewritten model, so it cannot take less than those two session starts. This times them on
 a chain of N Add nodes, each adding its own 4-float constant, in three spellings of the same
 model: constants as initializers (as exporters write them), the same N tensors as graph inputs
-instead, and a chain of N Relu nodes without constants. Each start runs in a process of its
-own; medians of --runs.
+instead, and a chain of N Relu nodes without constants; and, as `kept`, the initializers again
+in a session asked to save its model, which keeps them instead of removing them one at a time
+(what fuser's check does for a model of many small initializers, fuser/verify.py). Each start
+runs in a process of its own; medians of --runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import sys, time, onnxruntime as ort
 ort.set_default_logger_severity(4)
 options = ort.SessionOptions()
 options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+if sys.argv[2]:
+    options.optimized_model_filepath = sys.argv[2]
 started = time.perf_counter()
 ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 print(time.perf_counter() - started)
@@ -59,18 +63,19 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="10000,20000,40000,80000")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
-    spellings = ["initializers", "inputs", "relu"]
+    spellings = ["initializers", "kept", "inputs", "relu"]
     print(f"{'nodes':>8} " + " ".join(f"{s:>14}" for s in spellings) + "   (seconds to start a session, median)")
     with tempfile.TemporaryDirectory() as folder:
         for n in (int(s) for s in args.sizes.split(",") if s):
             cells = []
             for spelling in spellings:
                 path = Path(folder) / f"{spelling}_{n}.onnx"
-                onnx.save(chain(n, spelling), path)
+                onnx.save(chain(n, "initializers" if spelling == "kept" else spelling), path)
+                saved = str(Path(folder) / "saved.onnx") if spelling == "kept" else ""
                 times = [
                     float(
                         subprocess.run(
-                            [sys.executable, "-c", TIME_SESSION, str(path)], capture_output=True, text=True, check=True
+                            [sys.executable, "-c", TIME_SESSION, str(path), saved], capture_output=True, text=True, check=True
                         ).stdout
                     )
                     for _ in range(args.runs)

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +164,29 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, w
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
     options.intra_op_num_threads = SESSION_THREADS
-    return open_session(model, options, base_dir)
+    if not keeps_initializers(model):
+        return open_session(model, options, base_dir)
+    with tempfile.TemporaryDirectory(prefix="fuser-session-") as folder:
+        options.optimized_model_filepath = os.path.join(folder, "model.onnx")
+        return open_session(model, options, base_dir)
+
+
+# onnxruntime hands each initializer to the session and then removes it from its graph one at a
+# time, searching the graph's list by name: starting a session takes time quadratic in their
+# number (bench/ort_sessions.py: 20 s for 80k). A session that is to save its model keeps them,
+# so a model of many small initializers is given a file in a temporary folder to save to. They
+# then stay in memory twice, hence the cap on their size; their being external would have
+# onnxruntime copy the data beside the saved model, so those models start as usual.
+MANY_INITIALIZERS = 4096
+KEPT_INITIALIZER_BYTES = 64 << 20
+
+
+def keeps_initializers(model: onnx.ModelProto) -> bool:
+    """Whether the session of `model` keeps its initializers rather than removing them one by one."""
+    initializers = model.graph.initializer
+    if len(initializers) < MANY_INITIALIZERS or any(uses_external_data(t) for t in initializers):
+        return False
+    return sum(nbytes(t) for t in initializers) <= KEPT_INITIALIZER_BYTES
 
 
 def open_session(model: onnx.ModelProto, options, base_dir: str | os.PathLike | None = None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -363,6 +364,54 @@ def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
     assert verdict.summary().startswith("onnxruntime cannot run the optimized model")
     assert verdict.to_dict()["passed"] is False and verdict.to_dict()["load_error"] == verdict.load_error
     json.dumps(verdict.to_dict())
+
+
+def add_chain(count: int, changed: int | None = None) -> onnx.ModelProto:
+    """x + c0 + c1 + ... with `count` small constants; `changed` names one to alter."""
+    nodes, constants, current = [], {}, "x"
+    for i in range(count):
+        value = np.full(4, 1e-3 * (i % 7 + 1), np.float32)
+        if i == changed:
+            value = value + 0.5
+        constants[f"c{i}"] = value
+        nodes.append(helper.make_node("Add", [current, f"c{i}"], [f"a{i}"]))
+        current = f"a{i}"
+    nodes.append(helper.make_node("Identity", [current], ["y"]))
+    return make_model(nodes, [("x", np.float32, [4])], [("y", np.float32, [4])], initializers=constants)
+
+
+def test_a_session_of_many_small_initializers_keeps_them_and_leaves_no_file(tmp_path, monkeypatch):
+    from fuser.verify import MANY_INITIALIZERS, keeps_initializers
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    original = add_chain(MANY_INITIALIZERS)
+    assert keeps_initializers(original) and not keeps_initializers(add_chain(100))
+    checker = Checker(original)
+    assert checker.check(add_chain(MANY_INITIALIZERS), exact=True).passed
+    verdict = checker.check(add_chain(MANY_INITIALIZERS, changed=MANY_INITIALIZERS // 2), exact=False)
+    assert not verdict.passed and verdict.failures()[0].max_abs_error == pytest.approx(0.5, rel=1e-3)
+    assert list(scratch.iterdir()) == []  # the file onnxruntime saved went with its folder
+
+
+def test_a_session_keeps_neither_external_nor_large_initializers():
+    from fuser.verify import KEPT_INITIALIZER_BYTES, MANY_INITIALIZERS, keeps_initializers
+
+    def model_of(tensors):
+        model = onnx.ModelProto()
+        model.graph.initializer.extend(tensors)
+        return model
+
+    many = [helper.make_tensor(f"c{i}", TensorProto.FLOAT, [4], [0.0] * 4) for i in range(MANY_INITIALIZERS)]
+    assert keeps_initializers(model_of(many))
+    external = onnx.TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    external.data_location = TensorProto.EXTERNAL
+    external.external_data.add(key="location", value="w.bin")
+    assert not keeps_initializers(model_of([*many, external]))
+    # dims only: the size is read from them, and no test should hold 64 MiB
+    large = onnx.TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[KEPT_INITIALIZER_BYTES // 4])
+    assert not keeps_initializers(model_of([*many, large]))
 
 
 def test_compare_with_infinities_emits_no_runtime_warnings():
