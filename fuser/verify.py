@@ -246,22 +246,24 @@ class WeightFeeds:
     def split(self, model: onnx.ModelProto, base_dir) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         """The model with its feedable weights turned into inputs, and their values."""
         graph = model.graph
-        readers: dict[str, set[str]] = {}
-        for scope in all_graph_protos(graph):
-            for node in scope.node:
-                for name in node.input:
-                    readers.setdefault(name, set()).add(node.domain or "")
+        large = {t.name for t in graph.initializer if t.data_type in _FEEDABLE and nbytes(t) >= FEED_BYTES}
+        if not large:
+            return model, {}
+        read_by_other_domains = {
+            name
+            for scope in all_graph_protos(graph)
+            for node in scope.node
+            if node.domain not in ("", "ai.onnx")
+            for name in node.input
+            if name in large
+        }
         listed = {value.name for value in graph.input}
         store = TensorStore(Path(base_dir)) if base_dir is not None else None
         feeds: dict[str, np.ndarray] = {}
         kept = []
         for tensor in graph.initializer:
             array = None
-            if (
-                tensor.data_type in _FEEDABLE
-                and nbytes(tensor) >= FEED_BYTES
-                and readers.get(tensor.name, set()) <= {"", "ai.onnx"}
-            ):
+            if tensor.name in large and tensor.name not in read_by_other_domains:
                 array = self._array(tensor, store)
             if array is None:
                 kept.append(tensor)
@@ -416,6 +418,14 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     tables the smallest one bounds it. Only tables of known size (initializers, Constants) count.
     """
     graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    indices = [
+        spec.name
+        for spec in graph.input
+        if spec.name not in initializers and spec.type.tensor_type.elem_type in _INTEGER_TYPES
+    ]
+    if not indices:
+        return {}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -424,13 +434,10 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             rows[node.output[0]] = list(node.attribute[0].t.dims)
-    initializers = {t.name for t in graph.initializer}
     result = {}
-    for spec in graph.input:
-        if spec.name in initializers or spec.type.tensor_type.elem_type not in _INTEGER_TYPES:
-            continue
+    for name in indices:
         bounds = []
-        seen, frontier = {spec.name}, [spec.name]
+        seen, frontier = {name}, [name]
         while frontier:
             tensor = frontier.pop()
             for node in consumers.get(tensor, []):
@@ -446,7 +453,7 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
                             seen.add(output)
                             frontier.append(output)
         if bounds:
-            result[spec.name] = (0, min(bounds))
+            result[name] = (0, min(bounds))
     return result
 
 
