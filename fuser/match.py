@@ -456,6 +456,11 @@ class TypeInfo:
         self._runs = 0
         # Whether a query since learns_more last ran got an answer a new inference might complete.
         self._asked_unknown = False
+        # Dim names the main graph's inputs declare: sizes the caller picks, which no inference
+        # can ever replace by a number.
+        self._input_symbols: set[str] = set()
+        # Tensors the last inference saw produced and could not type.
+        self._untyped: set[str] = set()
 
     def invalidate(self) -> None:
         """The graph changed: tensors created since the last inference are looked up anew."""
@@ -471,9 +476,9 @@ class TypeInfo:
         """Infer every shape again now; True when that fixed more dims than were known before.
 
         Without inferring when every answer given since the last call was complete (a type, and
-        a size for every dim): a rule's decisions rest on the answers it got, and those cannot
-        change. A dim name can: inference puts a size in its place once a rewrite makes it
-        computable."""
+        a size for every dim, or a dim name a graph input declares): a rule's decisions rest on
+        the answers it got, and those cannot change. Another dim name can: inference puts a size
+        in its place once a rewrite makes it computable."""
         asked_unknown, self._asked_unknown = self._asked_unknown, False
         if self._table is None:
             return False
@@ -488,10 +493,12 @@ class TypeInfo:
         if not tensor:
             return None
         entry = self._load().get(tensor)
-        if entry is None and self._stale:
-            # Re-infer, but keep what was known: shape inference stops at operators it does
-            # not know (com.microsoft ones a rule created), and rewrites keep the types of
-            # the tensors they replace.
+        if entry is None and self._stale and tensor not in self._untyped:
+            # A tensor created since: re-infer, but keep what was known (shape inference stops
+            # at operators it does not know, com.microsoft ones a rule created, and rewrites keep
+            # the types of the tensors they replace). One the last inference saw and could not
+            # type waits for the next refresh: asking again at every rewrite would infer the
+            # whole graph once per layer of a model whose fused nodes onnx does not know.
             self._previous, self._table, self._stale = self._table, None, False
             entry = self._load().get(tensor)
         return entry
@@ -505,13 +512,24 @@ class TypeInfo:
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
                 model = onnx.load_from_string(skeleton)
             del skeleton
+            self._input_symbols = {
+                dim.dim_param
+                for value in model.graph.input
+                if value.type.HasField("tensor_type")
+                for dim in value.type.tensor_type.shape.dim
+                if dim.dim_param
+            } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
             table: dict[str, Entry] = {}
+            produced: list[str] = []
             for graph in all_graph_protos(model.graph):
                 for value in itertools.chain(graph.value_info, graph.input, graph.output):
                     if value.type.HasField("tensor_type"):
                         table[value.name] = _entry_of(value.type)
                 for tensor in graph.initializer:
                     table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+                for node in graph.node:
+                    produced.extend(node.output)
+            self._untyped = {name for name in produced if name not in table}
             del model
             self._runs += 1
             self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
@@ -528,6 +546,6 @@ class TypeInfo:
     def shape(self, tensor: str | None) -> tuple | None:
         entry = self._entry(tensor)
         dims = None if entry is None else entry[1]
-        if tensor and (dims is None or not all(isinstance(d, int) for d in dims)):
+        if tensor and (dims is None or not all(isinstance(d, int) or d in self._input_symbols for d in dims)):
             self._asked_unknown = True  # a later inference may put a size in place of a name
         return dims

@@ -98,11 +98,27 @@ def _relu_model(x_dims):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def _reshape_model(first_dim):
+    """Reshape(x, s) with s fed at run time: r's first dim is known only as annotated."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+            helper.make_tensor_value_info("s", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [first_dim, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
 def test_learns_more_infers_again_only_after_an_answer_inference_could_complete():
-    """A new inference cannot change a complete answer (a type, and a size for every dim), so
-    after only complete answers the engine is spared a whole-graph inference; a dim without a
-    size (a name, which a later inference may replace by a size), an unknown rank or an unknown
-    type asked for since the last call makes it infer again."""
+    """A new inference cannot change a complete answer (a type, and for every dim a size or a
+    name a graph input declares, which only the caller fixes), so after only complete answers
+    the engine is spared a whole-graph inference; another dim without a size (a name a later
+    inference may replace by a size, or none), an unknown rank or an unknown type asked for
+    since the last call makes it infer again."""
     complete = TypeInfo(lambda: _relu_model([2, 4]))
     assert complete.shape("y") == (2, 4)
     assert complete.dtype("y") is not None
@@ -111,9 +127,14 @@ def test_learns_more_infers_again_only_after_an_answer_inference_could_complete(
     assert complete.shape("y") == (2, 4)  # the table was refreshed: a query infers anew
     assert complete._runs == 2
 
-    for dims in (["batch", 4], [None, 4]):
-        named = TypeInfo(lambda dims=dims: _relu_model(dims))
-        assert named.shape("y")[1] == 4
+    declared = TypeInfo(lambda: _relu_model(["batch", 4]))
+    assert declared.shape("y") == ("batch", 4)
+    assert declared.learns_more() is False
+    assert declared._runs == 1
+
+    for annotation in ("a", None):  # a name only the model's annotation gives, and no name
+        named = TypeInfo(lambda annotation=annotation: _reshape_model(annotation))
+        assert named.shape("r")[1] == 4
         assert named.learns_more() is False  # nothing new to learn, but it had to look
         assert named._runs == 2
 
@@ -154,3 +175,32 @@ def test_a_named_dim_a_rewrite_makes_computable_is_inferred_again():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     optimized, _ = fuser.optimize(model, check=False)
     assert [n.op_type for n in optimized.graph.node] == ["Reshape", "Relu"]
+
+
+def test_a_tensor_inference_could_not_type_is_not_inferred_again_at_every_rewrite():
+    """After a rewrite, a query for a tensor the last inference did not know infers the whole
+    graph again only when the tensor is new: one that inference saw and could not type (the
+    output of an operator onnx does not know) would cost a whole-graph inference per rewrite,
+    once per layer of a deep model, to learn nothing."""
+    nodes = [helper.make_node("Fused", ["x"], ["t"], domain="com.example"), helper.make_node("Relu", ["t"], ["y"])]
+
+    def model():
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        )
+        return helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)]
+        )
+
+    types = TypeInfo(model)
+    assert types.shape("t") is None and types._runs == 1
+    types.invalidate()  # a rewrite elsewhere
+    assert types.shape("t") is None and types._runs == 1
+    nodes.append(helper.make_node("Abs", ["x"], ["new"]))  # a rewrite that creates a tensor
+    types.invalidate()
+    assert types.shape("new") == (2, 4) and types._runs == 2
+    types.refresh()  # the engine's refresh between phases still infers everything again
+    assert types.shape("t") is None and types._runs == 3

@@ -3,6 +3,7 @@ each exported by both torch exporters (TorchScript-based "legacy" and "dynamo"),
 
     python tests/data/make_transformers.py                              # tiny, into tests/data/transformers/
     python tests/data/make_transformers.py --size real --out bench/models/
+    python tests/data/make_transformers.py --size deep --out bench/models/deep/ --models gpt2,llama
 
 Needs torch and transformers only when run; the tests read the files it wrote and never import
 torch. Models are built from Config objects with seeded random initialisation (nothing is
@@ -82,6 +83,35 @@ SIZES = {
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "max_position_embeddings": 2048,
+        },
+    },
+    # The layer count of the largest models (GPT-2 XL has 48 layers, Llama 70B 80) at a width that
+    # keeps the files small: how fuser's time grows with depth (bench/scale.py --real).
+    "deep": {
+        "bert": {
+            "vocab_size": 1000,
+            "hidden_size": 64,
+            "num_hidden_layers": 96,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+        },
+        "gpt2": {"vocab_size": 1000, "n_embd": 64, "n_layer": 96, "n_head": 4, "n_positions": 256},
+        "vit": {
+            "image_size": 64,
+            "patch_size": 8,
+            "hidden_size": 64,
+            "num_hidden_layers": 96,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+        },
+        "llama": {
+            "vocab_size": 1000,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
         },
     },
 }
@@ -329,7 +359,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.out is None and args.size != "tiny":
-        parser.error("--out is required for --size real")
+        parser.error(f"--out is required for --size {args.size}")
     out = args.out or os.path.join(HERE, "transformers")
     os.makedirs(out, exist_ok=True)
     external = args.size != "tiny"
