@@ -25,7 +25,7 @@ from fuser.registry import all_rules, select
 from fuser.report import Report
 from fuser.rule import Rule
 from fuser.specialize import fix_shapes as specialize
-from fuser.verify import Checker, CheckOptions, Verdict
+from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict
 
 
 def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:
@@ -128,10 +128,18 @@ def optimize(
         with stage("measure"):
             measured = _measure_phases(model, chosen, measure, measure_threads, options, stage.say, context)
         chosen, measure_notes, unoptimized, feeds = measured
-    with stage("rewrite"):
-        result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
-    with stage("write", announce=False):
-        optimized = model.to_proto()
+    # The original's side of the check is prepared while the rewrite runs (after any --measure,
+    # which a busy core would disturb); it is thrown away if nothing needs checking.
+    prepared = PreparedChecker(original, options, base_dir=model.base_dir) if check else None
+    try:
+        with stage("rewrite"):
+            result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
+        with stage("write", announce=False):
+            optimized = model.to_proto()
+    except BaseException:
+        if prepared is not None:
+            prepared.discard()
+        raise
     report = Report(
         target=target,
         rules=[r.name for r in chosen],
@@ -165,6 +173,8 @@ def optimize(
         return written, report
 
     if not (check and (result.rewrites or upgraded or fixed)):
+        if prepared is not None:
+            prepared.discard()
         return finished(optimized)
     if any(r.scope != "main" for r in result.rewrites):
         # A branch the check inputs never take is not verified: widen the inputs, and say so.
@@ -179,7 +189,11 @@ def optimize(
         # Progress in model runs: the original's input sets, then the optimized model's.
         runs = 1 if options.inputs is not None else options.runs
         stage.progress("check", 0, 2 * runs)
-        checker = Checker(original, options, base_dir=model.base_dir)
+        if prepared.options is options:
+            checker = prepared.get()
+        else:
+            prepared.discard()
+            checker = Checker(original, options, base_dir=model.base_dir)
         stage.progress("check", runs, 2 * runs)
         if foreign_block:
             checker = ForeignBlockChecker(checker, context.nchwc_block)

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -831,6 +832,43 @@ class Checker:
                     verdict.outputs[verdict.outputs.index(previous)] = check
             progress("check", done, len(self.feeds))
         return verdict
+
+
+class PreparedChecker:
+    """A Checker built in a thread of its own while the caller goes on (the rewrite runs).
+
+    Most of the work, onnxruntime building the original's session and running it, is done
+    without holding the GIL, so on a machine of two cores or more it costs the rewrite little
+    and the check after it only the optimized model's part. `options` is what it was built
+    with: a caller whose options changed since builds a new Checker instead.
+    """
+
+    def __init__(self, original: onnx.ModelProto, options: CheckOptions, base_dir=None):
+        self.options = options
+        self._checker: Checker | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._build, args=(original, options, base_dir), name="fuser-check-original"
+        )
+        self._thread.start()
+
+    def _build(self, original, options, base_dir) -> None:
+        try:
+            self._checker = Checker(original, options, base_dir=base_dir)
+        except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
+            self._error = error
+
+    def get(self) -> Checker:
+        """The Checker, once built; what building it raised is raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._checker
+
+    def discard(self) -> None:
+        """Wait for the thread and drop what it built, errors included: no check is needed."""
+        self._thread.join()
+        self._checker = self._error = None
 
 
 def _is_float(value: np.ndarray) -> bool:

@@ -134,6 +134,25 @@ def test_rewrites_inside_subgraphs_are_checked_with_more_inputs_and_said_so():
     assert report.verdict.passed
 
 
+def test_a_branch_only_the_added_input_sets_reach_is_checked():
+    """The original's side of the check is prepared while the rewrite runs, with one input set;
+    rewrites inside a branch call for three, so it is built again with them: a wrong rewrite in
+    the branch the first set does not take is caught."""
+    from fuser.errors import NumericsMismatch
+    from fuser.verify import session, synthesize_inputs
+
+    @fuser.rule("double-relu-wrong-else", pattern=fuser.op.Relu(fuser.op.Relu(fuser.var("x"), name="inner")))
+    def double_relu(m, b):
+        """Relu(Relu(x)) => Relu(x), but Abs(x) in the else branch."""
+        return b.Abs(m["x"]) if m.root.name.startswith("else") else b.Relu(m["x"])
+
+    model = _if_model()
+    conds = [bool(synthesize_inputs(session(model), seed=s)["cond"]) for s in range(20)]
+    seed = next(s for s in range(18) if conds[s] and not all(conds[s : s + 3]))
+    with pytest.raises(NumericsMismatch):
+        fuser.optimize(model, rules=[double_relu], seed=seed)
+
+
 def test_a_rule_that_does_not_claim_to_stabilize_cannot_hide_behind_nan():
     """Sqrt(x) => Sqrt(Abs(x)) agrees wherever x >= 0 and is finite where the original is NaN.
     Only rules declared with stabilizes=True may turn inf/NaN into finite values."""

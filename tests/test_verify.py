@@ -366,6 +366,43 @@ def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
     json.dumps(verdict.to_dict())
 
 
+def test_a_prepared_checker_raises_what_building_it_raised_when_asked_for_it():
+    from fuser.verify import PreparedChecker
+
+    model = make_model(
+        [helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
+    )
+    misfit = CheckOptions(inputs={"x": np.zeros(5, np.float32)})
+    prepared = PreparedChecker(model, misfit)
+    with pytest.raises(InputError, match="cannot run on these inputs"):
+        prepared.get()
+    PreparedChecker(model, misfit).discard()  # not needed: nothing raised
+    assert PreparedChecker(model, CheckOptions()).get().check(model, exact=True).passed
+
+
+def test_the_original_is_run_only_when_there_is_a_rewrite_to_check():
+    """The original's side of the check is built during the rewrite; a model nothing rewrote
+    needs no check, so inputs it cannot run on are no error then, as without the head start."""
+    import fuser
+
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
+    )
+    misfit = {"x": np.zeros(5, np.float32)}
+
+    @fuser.rule("double-relu", pattern=fuser.op.Relu(fuser.op.Relu(fuser.var("x"), name="inner")), exact=True)
+    def double_relu(m, b):
+        """Relu(Relu(x)) => Relu(x)."""
+        return b.Relu(m["x"])
+
+    _, report = fuser.optimize(model, rules=[], inputs=misfit)
+    assert report.rewrites == [] and report.verdict is None
+    with pytest.raises(InputError, match="cannot run on these inputs"):
+        fuser.optimize(model, rules=[double_relu], inputs=misfit)
+
+
 def add_chain(count: int, changed: int | None = None) -> onnx.ModelProto:
     """x + c0 + c1 + ... with `count` small constants; `changed` names one to alter."""
     nodes, constants, current = [], {}, "x"
