@@ -15,7 +15,7 @@ pick the shapes of the numerics check).
 
 from __future__ import annotations
 
-from onnx import ModelProto, ValueInfoProto
+from onnx import ValueInfoProto
 
 from fuser.errors import UsageError
 from fuser.graph import all_graph_protos
@@ -30,7 +30,8 @@ def fix_shapes(
     if not dims and not shapes:
         raise UsageError("--fix-shapes fixes the sizes that --dim and --input-shape give; give at least one")
     proto = model.to_proto()
-    inputs = _feedable_inputs(proto)
+    fed = {value.name for value in model.interface().graph.input}
+    inputs = {value.name: value for value in proto.graph.input if value.name in fed}
     symbols = dict(dims)
     positional: dict[str, dict[int, int]] = {}
     for name, sizes in shapes.items():
@@ -57,12 +58,6 @@ def fix_shapes(
             _dims(inputs[name])[index].dim_value = size
     fixed = {name: _text(value) for name, value in inputs.items() if _text(value) != before[name]}
     return Model(proto, base_dir=model.base_dir, path=model.path), fixed, symbols
-
-
-def _feedable_inputs(proto: ModelProto) -> dict[str, ValueInfoProto]:
-    """Inputs a caller feeds; from IR 4 an initializer listed as an input is one too (a default)."""
-    weights = {t.name for t in proto.graph.initializer} if proto.ir_version < 4 else set()
-    return {value.name: value for value in proto.graph.input if value.name not in weights}
 
 
 def _dims(value: ValueInfoProto):

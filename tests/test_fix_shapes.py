@@ -79,6 +79,23 @@ def test_sizes_that_cannot_be_fixed_are_usage_errors(dims, shapes, message):
         fuser.optimize(_ones_like_model(), dims=dims, shapes=shapes, fix_shapes=True)
 
 
+def test_an_input_with_a_default_weight_is_not_one_whose_shape_can_be_fixed(cli, tmp_path):
+    """Since IR 4 an initializer may also be listed as an input, a default a caller could
+    replace; the check feeds only the inputs without one, and so do the settings: both the
+    settings check and --fix-shapes, with the check or without, refuse to fix its shape."""
+    model = _ones_like_model()
+    model.graph.input.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, ["n"]))
+    model.graph.initializer.append(helper.make_tensor("w", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]))
+    with pytest.raises(UsageError, match=r"no input w \(its inputs: x\)"):
+        fuser.optimize(model, shapes={"w": (2,)}, fix_shapes=True, check=False)
+    with pytest.raises(UsageError, match="no symbolic dimension n"):
+        fuser.optimize(model, dims={"n": 2}, fix_shapes=True, check=False)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    result = cli(tmp_path, "optimize", "m.onnx", "--fix-shapes", "--input-shape", "w:2")
+    assert result.returncode == 2 and "no input w" in result.stderr, result.stderr
+
+
 def test_the_command_line_states_the_fixed_shapes(cli, tmp_path):
     source = tmp_path / "m.onnx"
     onnx.save(_ones_like_model(), str(source))
