@@ -158,6 +158,18 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, w
         skeleton, feeds = weights.split(model, base_dir)
         if feeds:
             return FedSession(session(skeleton, base_dir), feeds)
+    if keeps_initializers(model):
+        try:
+            with tempfile.TemporaryDirectory(prefix="fuser-session-") as folder:
+                options = _session_options()
+                options.optimized_model_filepath = os.path.join(folder, "model.onnx")
+                return open_session(model, options, base_dir)
+        except (OSError, InputError):
+            pass  # no temporary folder onnxruntime could save to: start the usual, slower way
+    return open_session(model, _session_options(), base_dir)
+
+
+def _session_options():
     import onnxruntime as ort
 
     ort.set_default_logger_severity(LOG_SEVERITY)
@@ -165,11 +177,7 @@ def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, w
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = LOG_SEVERITY
     options.intra_op_num_threads = SESSION_THREADS
-    if not keeps_initializers(model):
-        return open_session(model, options, base_dir)
-    with tempfile.TemporaryDirectory(prefix="fuser-session-") as folder:
-        options.optimized_model_filepath = os.path.join(folder, "model.onnx")
-        return open_session(model, options, base_dir)
+    return options
 
 
 # onnxruntime hands each initializer to the session and then removes it from its graph one at a

@@ -432,6 +432,15 @@ def test_a_session_of_many_small_initializers_keeps_them_and_leaves_no_file(tmp_
     assert list(scratch.iterdir()) == []  # the file onnxruntime saved went with its folder
 
 
+def test_without_a_temporary_folder_a_session_of_many_initializers_starts_the_usual_way(tmp_path, monkeypatch):
+    from fuser.verify import MANY_INITIALIZERS
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    original = add_chain(MANY_INITIALIZERS)
+    assert Checker(original).check(add_chain(MANY_INITIALIZERS), exact=True).passed
+    assert not (tmp_path / "missing").exists()
+
+
 def test_a_session_keeps_neither_external_nor_large_initializers():
     from fuser.verify import KEPT_INITIALIZER_BYTES, MANY_INITIALIZERS, keeps_initializers
 
