@@ -107,7 +107,10 @@ def optimize(
     original = None
     if check:
         with stage("check", announce=False):
-            original = model.to_proto()
+            # The file's own model when nothing changed it yet: a copy would double its weights.
+            original = model.unchanged_proto()
+            if original is None:
+                original = model.to_proto()
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
     op_types_before = model.op_counts()

@@ -36,6 +36,7 @@ class Model:
     ):
         self.path = path
         self.base_dir = base_dir
+        self._source = proto
         self._shell = ModelProto()
         copy_fields_except(proto, self._shell, {"graph"})
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
@@ -84,6 +85,14 @@ class Model:
         model.CopyFrom(self._shell)
         self.graph.fill_proto(model.graph, weights)
         return model
+
+    def unchanged_proto(self) -> ModelProto | None:
+        """The ModelProto this model was built from, while nothing has changed the model since:
+        the model to_proto() gives (up to node order and stale annotations) without a copy of
+        its weights. None once anything changed."""
+        if self.graph.is_modified() or list(self._shell.opset_import) != list(self._source.opset_import):
+            return None
+        return self._source
 
     def interface(self) -> ModelProto:
         """The model's main-graph inputs a caller feeds and its outputs, without nodes or weights

@@ -230,3 +230,34 @@ def test_an_ir3_model_whose_weight_is_not_an_input_is_still_refused(tmp_path):
     onnx.save(model, tmp_path / "m.onnx")
     with pytest.raises(InputError, match="W in initializer but not in graph input"):
         read_model(tmp_path / "m.onnx")
+
+
+def test_the_check_reads_the_original_from_the_loaded_model_not_from_a_copy(monkeypatch):
+    """to_proto copies every weight (protobuf copies what it adds to a message): taken before
+    the rewrite for the check, it doubled a large model's weights. The model as loaded is the
+    original while nothing has changed it; after a change it must be built anew."""
+    import fuser.api
+    from fuser.engine import Engine
+
+    rng = np.random.default_rng(0)
+    proto = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
+        [("x", np.float32, [4, WIDE])],
+        [("y", np.float32, [4, WIDE])],
+        {"w": rng.standard_normal((WIDE, WIDE)).astype(np.float32), "b": np.ones(WIDE, np.float32)},
+    )
+    model = Model(proto)
+    assert model.unchanged_proto() is proto
+    copies = []
+    real_to_proto = Model.to_proto
+    monkeypatch.setattr(
+        Model, "to_proto", lambda self, weights=True: copies.append(weights) or real_to_proto(self, weights)
+    )
+    optimized, report = fuser.api.optimize(Model(proto))
+    assert report.counts and report.verdict.passed
+    assert copies.count(True) == 1  # the optimized model's, not the original's as well
+    Engine(model, fuser.api.resolve_rules(None, "onnx")).run()
+    assert model.unchanged_proto() is None
+    unchanged = Model(proto)
+    unchanged.require_opset("com.microsoft", 1)
+    assert unchanged.unchanged_proto() is None
