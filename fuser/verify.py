@@ -184,10 +184,13 @@ def _session_options():
 # time, searching the graph's list by name: starting a session takes time quadratic in their
 # number (bench/ort_sessions.py: 20 s for 80k). A session that is to save its model keeps them,
 # so a model of many small initializers is given a file in a temporary folder to save to. They
-# then stay in memory twice, hence the cap on their size; their being external would have
-# onnxruntime copy the data beside the saved model, so those models start as usual.
+# then stay in memory twice, hence the cap on their size, lifted where the wait would be longest
+# (a million-node stack's 330 MB of them would take most of an hour to remove); their being
+# external would have onnxruntime copy the data beside the saved model, so those models start
+# as usual.
 MANY_INITIALIZERS = 4096
 KEPT_INITIALIZER_BYTES = 64 << 20
+TOO_MANY_TO_REMOVE = 65536  # about 12 s of removing them (bench/ort_sessions.py)
 
 
 def keeps_initializers(model: onnx.ModelProto) -> bool:
@@ -195,6 +198,8 @@ def keeps_initializers(model: onnx.ModelProto) -> bool:
     initializers = model.graph.initializer
     if len(initializers) < MANY_INITIALIZERS or any(uses_external_data(t) for t in initializers):
         return False
+    if len(initializers) >= TOO_MANY_TO_REMOVE:
+        return True
     return sum(nbytes(t) for t in initializers) <= KEPT_INITIALIZER_BYTES
 
 

@@ -442,7 +442,7 @@ def test_without_a_temporary_folder_a_session_of_many_initializers_starts_the_us
 
 
 def test_a_session_keeps_neither_external_nor_large_initializers():
-    from fuser.verify import KEPT_INITIALIZER_BYTES, MANY_INITIALIZERS, keeps_initializers
+    from fuser.verify import KEPT_INITIALIZER_BYTES, MANY_INITIALIZERS, TOO_MANY_TO_REMOVE, keeps_initializers
 
     def model_of(tensors):
         model = onnx.ModelProto()
@@ -458,6 +458,9 @@ def test_a_session_keeps_neither_external_nor_large_initializers():
     # dims only: the size is read from them, and no test should hold 64 MiB
     large = onnx.TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[KEPT_INITIALIZER_BYTES // 4])
     assert not keeps_initializers(model_of([*many, large]))
+    # unless there are so many that removing them one by one would take longer than keeping them
+    more = [onnx.TensorProto(name=f"d{i}", data_type=TensorProto.FLOAT, dims=[4]) for i in range(TOO_MANY_TO_REMOVE)]
+    assert keeps_initializers(model_of([*more, large]))
 
 
 def test_compare_with_infinities_emits_no_runtime_warnings():
