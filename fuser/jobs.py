@@ -355,8 +355,8 @@ def keep_evidence(error: NumericsMismatch, source: Path) -> Path:
 # A worker's resident memory before its model: Python, onnx, onnxruntime and fuser imported.
 WORKER_BASE_BYTES = 200 << 20
 # Peak memory per byte of model (file and external data), rewrite and check included: weight-heavy
-# models peak at 4.5 to 5.2 times their size with the check (bench/scale.py: a 498 MB GPT-2 export
-# at 2.24 GB), rounded up for the exporters' larger graphs. Models of many small nodes peak far
+# models peak at 3.3 to 3.6 times their size with the check (bench/scale.py: a 498 MB GPT-2 export
+# at 1.79 GB), rounded up for the exporters' larger graphs. Models of many small nodes peak far
 # higher per byte (a 41 MB file of 100k nodes at 1.9 GB), which a size alone cannot tell.
 PEAK_PER_MODEL_BYTE = 7
 # Files smaller than this are read to find their external data; a larger one holds its weights itself.
