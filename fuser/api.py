@@ -132,118 +132,116 @@ def optimize(
             measured = _measure_phases(model, chosen, measure, measure_threads, options, stage.say, context)
         chosen, measure_notes, unoptimized, feeds = measured
     # The original's side of the check is prepared while the rewrite runs (after any --measure,
-    # which a busy core would disturb); it is thrown away if nothing needs checking.
-    prepared = PreparedChecker(original, options, base_dir=model.base_dir) if check else None
+    # which a busy core would disturb), from a copy taken before any rule runs; it is thrown
+    # away if nothing needs checking.
+    prepared = [PreparedChecker(original, options, base_dir=model.base_dir)] if check else []
     try:
         with stage("rewrite"):
             result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
         with stage("write", announce=False):
             optimized = model.to_proto()
-    except BaseException:
-        if prepared is not None:
-            prepared.discard()
-        raise
-    report = Report(
-        target=target,
-        rules=[r.name for r in chosen],
-        nodes_before=nodes_before,
-        nodes_after=model.node_count(),
-        op_types_before=op_types_before,
-        op_types_after=model.op_counts(),
-        engine=result,
-        timings=stage.timings,
-        input_path=str(model.path) if model.path else None,
-        context=context,
-        fixed_shapes=fixed,
-    )
-    report.notes.extend(_rule_notes(chosen, report.counts))
-    if upgraded:
-        report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
-    if fixed is not None:
-        report.notes.append(_fixed_shapes_note(fixed))
-    if measured is not None:
-        report.notes.extend(measure_notes)
-
-    def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
-        """`written` and its report, timed against the original when --measure asks: the model
-        returned, after any rewrites the check dropped, is the one timed."""
-        if measured is not None and report.rewrites:
-            with stage("measure"):
-                report.latency = compare_latency(
-                    unoptimized, written, feeds, level=measure, threads=measure_threads, base_dir=model.base_dir
-                )
-            report.notes.append(f"--measure: {report.latency.summary()}")
-        return written, report
-
-    if not (check and (result.rewrites or upgraded or fixed)):
-        if prepared is not None:
-            prepared.discard()
-        return finished(optimized)
-    if any(r.scope != "main" for r in result.rewrites):
-        # A branch the check inputs never take is not verified: widen the inputs, and say so.
-        if options.inputs is None and options.runs == 1:
-            options = options.replace(runs=3)
-        report.notes.append(
-            "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
-            f"iterations its inputs reach ({_input_sets(options.runs)}): "
-            "use --check-runs or --inputs to cover the others"
+        report = Report(
+            target=target,
+            rules=[r.name for r in chosen],
+            nodes_before=nodes_before,
+            nodes_after=model.node_count(),
+            op_types_before=op_types_before,
+            op_types_after=model.op_counts(),
+            engine=result,
+            timings=stage.timings,
+            input_path=str(model.path) if model.path else None,
+            context=context,
+            fixed_shapes=fixed,
         )
-    with stage("check"):
-        # Progress in model runs: the original's input sets, then the optimized model's.
-        runs = 1 if options.inputs is not None else options.runs
-        stage.progress("check", 0, 2 * runs)
-        if prepared.options is options:
-            checker = prepared.get()
-        else:
-            prepared.discard()
-            checker = Checker(original, options, base_dir=model.base_dir)
-        stage.progress("check", runs, 2 * runs)
-        if foreign_block:
-            checker = ForeignBlockChecker(checker, context.nchwc_block)
-            if has_nchwc(optimized):
-                report.notes.append(
-                    f"the model is written for NCHWc block {context.nchwc_block}, this machine's is "
-                    f"{machine_nchwc_block() or 'none'}: the check ran its NCHWc operators as standard ones "
-                    "(fuser/nchwc.py)"
-                )
+        report.notes.extend(_rule_notes(chosen, report.counts))
         if upgraded:
-            # Checked on its own first, so a converter error is not blamed on a rewrite.
-            converted = checker.check(base, exact=False)
-            if not converted.passed:
-                raise NumericsMismatch(
-                    f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
-                    evidence={"original": original, "optimized": base, "report": report},
-                )
-        applied = set(report.counts)
-        exact = all(r.exact for r in chosen if r.name in applied)
-        stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
-        report.verdict = checker.check(
-            optimized,
-            exact,
-            stabilizing,
-            progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
+            report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
+        if fixed is not None:
+            report.notes.append(_fixed_shapes_note(fixed))
+        if measured is not None:
+            report.notes.extend(measure_notes)
+
+        def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+            """`written` and its report, timed against the original when --measure asks: the model
+            returned, after any rewrites the check dropped, is the one timed."""
+            if measured is not None and report.rewrites:
+                with stage("measure"):
+                    report.latency = compare_latency(
+                        unoptimized, written, feeds, level=measure, threads=measure_threads, base_dir=model.base_dir
+                    )
+                report.notes.append(f"--measure: {report.latency.summary()}")
+            return written, report
+
+        if not (check and (result.rewrites or upgraded or fixed)):
+            return finished(optimized)
+        if any(r.scope != "main" for r in result.rewrites):
+            # A branch the check inputs never take is not verified: widen the inputs, and say so.
+            if options.inputs is None and options.runs == 1:
+                options = options.replace(runs=3)
+            report.notes.append(
+                "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
+                f"iterations its inputs reach ({_input_sets(options.runs)}): "
+                "use --check-runs or --inputs to cover the others"
+            )
+        with stage("check"):
+            # Progress in model runs: the original's input sets, then the optimized model's.
+            runs = 1 if options.inputs is not None else options.runs
+            stage.progress("check", 0, 2 * runs)
+            if prepared and prepared[0].options is options:
+                checker = prepared[0].get()
+            else:
+                checker = Checker(original, options, base_dir=model.base_dir)
+            stage.progress("check", runs, 2 * runs)
+            if foreign_block:
+                checker = ForeignBlockChecker(checker, context.nchwc_block)
+                if has_nchwc(optimized):
+                    report.notes.append(
+                        f"the model is written for NCHWc block {context.nchwc_block}, this machine's is "
+                        f"{machine_nchwc_block() or 'none'}: the check ran its NCHWc operators as standard ones "
+                        "(fuser/nchwc.py)"
+                    )
+            if upgraded:
+                # Checked on its own first, so a converter error is not blamed on a rewrite.
+                converted = checker.check(base, exact=False)
+                if not converted.passed:
+                    raise NumericsMismatch(
+                        f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
+                        evidence={"original": original, "optimized": base, "report": report},
+                    )
+            applied = set(report.counts)
+            exact = all(r.exact for r in chosen if r.name in applied)
+            stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
+            report.verdict = checker.check(
+                optimized,
+                exact,
+                stabilizing,
+                progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
+            )
+        if report.verdict.passed:
+            return finished(optimized)
+        first = Attempt(optimized, result, report.verdict)
+        with stage("blame"):
+            blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=stage.progress, context=context)
+        report.blamed = blame.guilty
+        report.blame_checks = blame.checks
+        final = blame.final
+        if on_mismatch == "drop" and final.verdict.passed:
+            stale = set(_rule_notes(chosen, report.counts))
+            report.engine = final.result
+            report.notes = [n for n in report.notes if n not in stale] + _rule_notes(chosen, report.counts)
+            report.dropped = blame.guilty
+            report.verdict = final.verdict
+            report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
+            report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
+            return finished(final.model)
+        raise NumericsMismatch(
+            _mismatch_message(report.verdict, blame.guilty),
+            evidence={"original": original, "optimized": optimized, "report": report},
         )
-    if report.verdict.passed:
-        return finished(optimized)
-    first = Attempt(optimized, result, report.verdict)
-    with stage("blame"):
-        blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=stage.progress, context=context)
-    report.blamed = blame.guilty
-    report.blame_checks = blame.checks
-    final = blame.final
-    if on_mismatch == "drop" and final.verdict.passed:
-        stale = set(_rule_notes(chosen, report.counts))
-        report.engine = final.result
-        report.notes = [n for n in report.notes if n not in stale] + _rule_notes(chosen, report.counts)
-        report.dropped = blame.guilty
-        report.verdict = final.verdict
-        report.nodes_after = sum(len(g.node) for g in all_graph_protos(final.model.graph))
-        report.op_types_after = count_op_types(n for g in all_graph_protos(final.model.graph) for n in g.node)
-        return finished(final.model)
-    raise NumericsMismatch(
-        _mismatch_message(report.verdict, blame.guilty),
-        evidence={"original": original, "optimized": optimized, "report": report},
-    )
+
+    finally:
+        for unused in prepared:
+            unused.discard()  # the thread is done by now, unless an error cut the run short
 
 
 class ForeignBlockChecker:

@@ -522,7 +522,7 @@ class Engine:
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
-        self._types.invalidate()
+        self._types.invalidate(produced=[o for node in builder.nodes for o in node.output])
         rewrite = Rewrite(
             index=len(self.result.rewrites),
             rule=candidate.name,

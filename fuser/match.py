@@ -462,9 +462,12 @@ class TypeInfo:
         # Tensors the last inference saw produced and could not type.
         self._untyped: set[str] = set()
 
-    def invalidate(self) -> None:
-        """The graph changed: tensors created since the last inference are looked up anew."""
+    def invalidate(self, produced=()) -> None:
+        """The graph changed: tensors created since the last inference are looked up anew, and so
+        are those of `produced`, the outputs of the nodes the change added (a replacement keeps
+        the names of what it replaces, which inference may now be able to type)."""
         self._stale = True
+        self._untyped.difference_update(produced)
 
     def refresh(self) -> None:
         """Infer every shape again at the next query: rewrites (folded Reshape targets, say)

@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,26 +148,33 @@ LOG_SEVERITY = QUIET
 SESSION_THREADS = 0
 
 
-def session(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, weights: WeightFeeds | None = None):
+def session(
+    model: onnx.ModelProto,
+    base_dir: str | os.PathLike | None = None,
+    weights: WeightFeeds | None = None,
+    on_serialized: Callable[[], None] | None = None,
+):
     """A CPU session with onnxruntime's graph optimizations off.
 
     External data is resolved against `base_dir` (the model's folder), whatever the
     current directory is: onnxruntime otherwise resolves it against the working directory
     for a model given as bytes. With `weights`, large weights are fed as inputs (WeightFeeds).
+    `on_serialized` is called once the session's copy of the model is made: from then on,
+    changes to `model` do not reach the session.
     """
     if weights is not None:
         skeleton, feeds = weights.split(model, base_dir)
         if feeds:
-            return FedSession(session(skeleton, base_dir), feeds)
+            return FedSession(session(skeleton, base_dir, on_serialized=on_serialized), feeds)
     if keeps_initializers(model):
         try:
-            with tempfile.TemporaryDirectory(prefix="fuser-session-") as folder:
+            with tempfile.TemporaryDirectory(prefix="fuser-session-", ignore_cleanup_errors=True) as folder:
                 options = _session_options()
                 options.optimized_model_filepath = os.path.join(folder, "model.onnx")
-                return open_session(model, options, base_dir)
+                return open_session(model, options, base_dir, on_serialized)
         except (OSError, InputError):
             pass  # no temporary folder onnxruntime could save to: start the usual, slower way
-    return open_session(model, _session_options(), base_dir)
+    return open_session(model, _session_options(), base_dir, on_serialized)
 
 
 def _session_options():
@@ -203,17 +211,25 @@ def keeps_initializers(model: onnx.ModelProto) -> bool:
     return sum(nbytes(t) for t in initializers) <= KEPT_INITIALIZER_BYTES
 
 
-def open_session(model: onnx.ModelProto, options, base_dir: str | os.PathLike | None = None):
+def open_session(
+    model: onnx.ModelProto,
+    options,
+    base_dir: str | os.PathLike | None = None,
+    on_serialized: Callable[[], None] | None = None,
+):
     """An onnxruntime CPU session of `model` with `options`, its external data resolved against
-    `base_dir`; a model onnxruntime cannot load is an InputError."""
+    `base_dir`; a model onnxruntime cannot load is an InputError. `on_serialized`: see session()."""
     import onnxruntime as ort
 
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(Path(base_dir).resolve())
         )
+    data = model.SerializeToString()
+    if on_serialized is not None:
+        on_serialized()
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises several unrelated types
         if base_dir is not None and any(uses_external_data(t) for t in model.graph.initializer):
             # An onnxruntime without the folder option looks in the working directory: hand it the bytes.
@@ -726,14 +742,16 @@ class Checker:
         options: CheckOptions = CheckOptions(),
         *,
         base_dir: str | os.PathLike | None = None,
+        on_serialized: Callable[[], None] | None = None,
     ):
+        """on_serialized: called once the original's session has its own copy of `original`."""
         seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
         dims, shapes, ranges = options.dims, options.shapes, options.ranges
         self.rtol, self.atol = rtol, atol
         self.base_dir = base_dir
         check_names(original, options)
         self.weights = WeightFeeds()
-        self.session = session(original, base_dir, self.weights)
+        self.session = session(original, base_dir, self.weights, on_serialized)
         if inputs is not None:
             self.feeds = [self._named(inputs)]
             self.expected = [self._run_original(self.feeds[0])]
@@ -852,24 +870,30 @@ class PreparedChecker:
 
     Most of the work, onnxruntime building the original's session and running it, is done
     without holding the GIL, so on a machine of two cores or more it costs the rewrite little
-    and the check after it only the optimized model's part. `options` is what it was built
-    with: a caller whose options changed since builds a new Checker instead.
+    and the check after it only the optimized model's part. The constructor returns once the
+    session has its own copy of `original`: whatever happens to it afterwards, the check
+    compares against the model as it was. `options` is what it was built with: a caller whose
+    options changed since builds a new Checker instead.
     """
 
     def __init__(self, original: onnx.ModelProto, options: CheckOptions, base_dir=None):
         self.options = options
         self._checker: Checker | None = None
         self._error: BaseException | None = None
+        self._copied = threading.Event()
         self._thread = threading.Thread(
             target=self._build, args=(original, options, base_dir), name="fuser-check-original"
         )
         self._thread.start()
+        self._copied.wait()
 
     def _build(self, original, options, base_dir) -> None:
         try:
-            self._checker = Checker(original, options, base_dir=base_dir)
+            self._checker = Checker(original, options, base_dir=base_dir, on_serialized=self._copied.set)
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
+        finally:
+            self._copied.set()
 
     def get(self) -> Checker:
         """The Checker, once built; what building it raised is raised here."""

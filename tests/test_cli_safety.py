@@ -153,6 +153,32 @@ def test_a_branch_only_the_added_input_sets_reach_is_checked():
         fuser.optimize(model, rules=[double_relu], seed=seed)
 
 
+def test_a_rule_that_edits_the_loaded_model_in_place_is_still_caught():
+    """Rules must build new nodes, never edit the model's own protos; one that does edits the
+    model the check's original is read from. The check copies it before any rule runs, so the
+    edit is still a difference it sees."""
+    from fuser.errors import NumericsMismatch
+
+    done = []
+
+    @fuser.rule("relu-that-edits-a-weight", pattern=fuser.op.Relu(fuser.var("x")))
+    def relu_that_edits_a_weight(m, b):
+        """Relu(x) => Relu(Identity(x)), once, after doubling the scale weight in place."""
+        m.require(not done, "done already")
+        done.append(True)
+        m.graph.initializer("scale").raw_data = np.full(4, 2.0, np.float32).tobytes()
+        return b.Relu(b.Identity(m["x"]))
+
+    model = make_model(
+        [helper.make_node("Mul", ["x", "scale"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+        [("x", np.float32, [4])],
+        [("y", np.float32, [4])],
+        {"scale": np.ones(4, np.float32)},
+    )
+    with pytest.raises(NumericsMismatch):
+        fuser.optimize(model, rules=[relu_that_edits_a_weight], ranges={"x": (1.0, 2.0)})
+
+
 def test_a_rule_that_does_not_claim_to_stabilize_cannot_hide_behind_nan():
     """Sqrt(x) => Sqrt(Abs(x)) agrees wherever x >= 0 and is finite where the original is NaN.
     Only rules declared with stabilizes=True may turn inf/NaN into finite values."""

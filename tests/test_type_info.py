@@ -204,3 +204,8 @@ def test_a_tensor_inference_could_not_type_is_not_inferred_again_at_every_rewrit
     assert types.shape("new") == (2, 4) and types._runs == 2
     types.refresh()  # the engine's refresh between phases still infers everything again
     assert types.shape("t") is None and types._runs == 3
+    # A rewrite that gives t a producer inference knows (a replacement keeps the names of what it
+    # replaces) says so, and t is looked up anew.
+    nodes[0] = helper.make_node("Neg", ["x"], ["t"])
+    types.invalidate(produced=["t"])
+    assert types.shape("t") == (2, 4) and types._runs == 4
