@@ -193,7 +193,7 @@ def _session_options():
 # number (bench/ort_sessions.py: 20 s for 80k). A session that is to save its model keeps them,
 # so a model of many small initializers is given a file in a temporary folder to save to. They
 # then stay in memory twice, hence the cap on their size, lifted where the wait would be longest
-# (a million-node stack's 330 MB of them would take most of an hour to remove); their being
+# (a million-node stack's 330 MB of them would take some 20 minutes, extrapolated); their being
 # external would have onnxruntime copy the data beside the saved model, so those models start
 # as usual.
 MANY_INITIALIZERS = 4096
