@@ -134,7 +134,7 @@ def optimize(
     # The original's side of the check is prepared while the rewrite runs (after any --measure,
     # which a busy core would disturb), from a copy taken before any rule runs; it is thrown
     # away if nothing needs checking.
-    prepared = [PreparedChecker(original, options, base_dir=model.base_dir)] if check else []
+    prepared = PreparedChecker(original, options, base_dir=model.base_dir) if check else None
     try:
         with stage("rewrite"):
             result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
@@ -187,8 +187,8 @@ def optimize(
             # Progress in model runs: the original's input sets, then the optimized model's.
             runs = 1 if options.inputs is not None else options.runs
             stage.progress("check", 0, 2 * runs)
-            if prepared and prepared[0].options is options:
-                checker = prepared[0].get()
+            if prepared is not None and prepared.options is options:
+                checker = prepared.get()
             else:
                 checker = Checker(original, options, base_dir=model.base_dir)
             stage.progress("check", runs, 2 * runs)
@@ -240,8 +240,8 @@ def optimize(
         )
 
     finally:
-        for unused in prepared:
-            unused.discard()  # the thread is done by now, unless an error cut the run short
+        if prepared is not None:
+            prepared.discard()  # the thread is done by now, unless an error cut the run short
 
 
 class ForeignBlockChecker:

@@ -523,16 +523,19 @@ class TypeInfo:
                 if dim.dim_param
             } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
             table: dict[str, Entry] = {}
-            produced: list[str] = []
             for graph in all_graph_protos(model.graph):
                 for value in itertools.chain(graph.value_info, graph.input, graph.output):
                     if value.type.HasField("tensor_type"):
                         table[value.name] = _entry_of(value.type)
                 for tensor in graph.initializer:
                     table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
-                for node in graph.node:
-                    produced.extend(node.output)
-            self._untyped = {name for name in produced if name not in table}
+            self._untyped = {
+                name
+                for graph in all_graph_protos(model.graph)
+                for node in graph.node
+                for name in node.output
+                if name not in table
+            }
             del model
             self._runs += 1
             self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
