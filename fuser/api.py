@@ -14,7 +14,7 @@ from fuser.blame import Attempt, find_guilty
 from fuser.context import machine_nchwc_block, resolve_context
 from fuser.engine import Engine, Rewrite
 from fuser.errors import NumericsMismatch, UsageError
-from fuser.graph import all_graph_protos
+from fuser.graph import ModelParts, all_graph_protos, as_proto
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.nchwc import has_nchwc
@@ -62,8 +62,9 @@ def optimize(
     measure_threads: int = 1,
     nchwc_block: str | int = "auto",
     fix_shapes: bool = False,
+    weights_apart: bool = False,
     **check_settings,
-) -> tuple[onnx.ModelProto, Report]:
+) -> tuple[onnx.ModelProto | ModelParts, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
     `rules` defaults to every registered rule for `target`; pass a list to use exactly those.
@@ -87,6 +88,9 @@ def optimize(
     those sizes, and `report.fixed_shapes` lists them.
     progress: `progress(stage, done, total)` (fuser/progress.py) as the stages go;
     `report.timings` has the seconds each stage took.
+    weights_apart: return the model as a fuser.graph.ModelParts, whose main-graph weights are the
+    loaded model's own tensors rather than a copy of them in the returned ModelProto: for
+    writing it (fuser.model.write_model) or checking it without that copy.
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
@@ -139,7 +143,7 @@ def optimize(
         with stage("rewrite"):
             result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
         with stage("write", announce=False):
-            optimized = model.to_proto()
+            optimized = model.parts()
         report = Report(
             target=target,
             rules=[r.name for r in chosen],
@@ -167,10 +171,15 @@ def optimize(
             if measured is not None and report.rewrites:
                 with stage("measure"):
                     report.latency = compare_latency(
-                        unoptimized, written, feeds, level=measure, threads=measure_threads, base_dir=model.base_dir
+                        unoptimized,
+                        as_proto(written),
+                        feeds,
+                        level=measure,
+                        threads=measure_threads,
+                        base_dir=model.base_dir,
                     )
                 report.notes.append(f"--measure: {report.latency.summary()}")
-            return written, report
+            return (written if weights_apart else as_proto(written)), report
 
         if not (check and (result.rewrites or upgraded or fixed)):
             return finished(optimized)
@@ -194,7 +203,7 @@ def optimize(
             stage.progress("check", runs, 2 * runs)
             if foreign_block:
                 checker = ForeignBlockChecker(checker, context.nchwc_block)
-                if has_nchwc(optimized):
+                if has_nchwc(optimized.body):
                     report.notes.append(
                         f"the model is written for NCHWc block {context.nchwc_block}, this machine's is "
                         f"{machine_nchwc_block() or 'none'}: the check ran its NCHWc operators as standard ones "
@@ -219,6 +228,7 @@ def optimize(
             )
         if report.verdict.passed:
             return finished(optimized)
+        optimized = as_proto(optimized)
         first = Attempt(optimized, result, report.verdict)
         with stage("blame"):
             blame = find_guilty(base, model.base_dir, chosen, checker, first, progress=stage.progress, context=context)
@@ -253,9 +263,15 @@ class ForeignBlockChecker:
         self.block = block
 
     def check(
-        self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None, progress=None
+        self,
+        candidate: onnx.ModelProto | ModelParts,
+        exact: bool,
+        stabilizing: bool = True,
+        base_dir=None,
+        progress=None,
     ) -> Verdict:
-        return self.checker.check(lower_nchwc(candidate, self.block), exact, stabilizing, base_dir, progress)
+        lowered = lower_nchwc(as_proto(candidate), self.block)
+        return self.checker.check(lowered, exact, stabilizing, base_dir, progress)
 
 
 class _Stages:

@@ -598,17 +598,18 @@ class Graph:
         self.fill_proto(graph, weights)
         return graph
 
-    def fill_proto(self, graph: GraphProto, weights: bool = True) -> None:
-        """Write the graph into the empty `graph` (building in place saves a copy of the weights)."""
+    def fill_proto(self, graph: GraphProto, weights: bool = True, apart: bool = False) -> None:
+        """Write the graph into the empty `graph` (building in place saves a copy of the weights).
+        apart: leave this graph's initializers out, for a ModelParts to hold."""
         with paused_gc():
             graph.MergeFrom(self._shell)
             graph.input.extend(self._inputs.values())
             graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
-            if weights or self.outer is not None:
+            if not weights and self.outer is None:
+                add_weightless(graph, self._initializers.values(), self._inputs)
+            elif not apart:
                 # A body's inputs are fixed by its If/Loop/Scan: it keeps its weights, as it must.
                 graph.initializer.extend(self._initializers.values())
-            else:
-                add_weightless(graph, self._initializers.values(), self._inputs)
             live = set(self._producer)
             graph.value_info.extend(v for v in self._value_info if v.name in live)
 
@@ -635,6 +636,35 @@ class Graph:
             for graphs in info.subgraphs.values():
                 for g in graphs:
                     yield from g.all_graphs()
+
+
+@dataclass
+class ModelParts:
+    """A model as ONNX with its main graph's initializers held apart: the loaded model's own
+    tensors, where a ModelProto holding them would hold a copy of every weight. Writing it
+    (fuser.model.write_model) streams them and checking it feeds them (fuser.verify)."""
+
+    body: ModelProto  # the model without its main graph's initializers
+    initializers: list[TensorProto]
+
+    def joined(self) -> ModelProto:
+        """The whole model as one ModelProto (a copy of the weights)."""
+        model = ModelProto()
+        model.CopyFrom(self.body)
+        model.graph.initializer.extend(self.initializers)
+        return model
+
+
+def as_proto(model: ModelProto | ModelParts) -> ModelProto:
+    return model.joined() if isinstance(model, ModelParts) else model
+
+
+def split_parts(model: ModelProto | ModelParts) -> tuple[ModelProto, list[TensorProto] | Iterable[TensorProto]]:
+    """The model without its main graph's initializers (for a ModelProto, the model itself, whose
+    own initializers the caller skips), and those initializers."""
+    if isinstance(model, ModelParts):
+        return model.body, model.initializers
+    return model, model.graph.initializer
 
 
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:

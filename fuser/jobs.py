@@ -151,6 +151,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             nchwc_block=job.nchwc_block,
             fix_shapes=job.fix_shapes,
             check_options=options,
+            weights_apart=True,  # written from the loaded model's own weights, not a copy
         )
         progress("write", 0, None)
         writing = time.perf_counter()

@@ -18,7 +18,16 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
 from fuser.errors import InputError, OutputPathError, UsageError
-from fuser.graph import Graph, Names, all_graph_protos, copy_fields_except, weightless_model
+from fuser.graph import (
+    Graph,
+    ModelParts,
+    Names,
+    all_graph_protos,
+    as_proto,
+    copy_fields_except,
+    split_parts,
+    weightless_model,
+)
 from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -86,6 +95,13 @@ class Model:
         self.graph.fill_proto(model.graph, weights)
         return model
 
+    def parts(self) -> ModelParts:
+        """The model as ONNX with its main graph's initializers held apart, not copied (ModelParts)."""
+        body = ModelProto()
+        body.CopyFrom(self._shell)
+        self.graph.fill_proto(body.graph, apart=True)
+        return ModelParts(body, self.graph.initializers())
+
     def unchanged_proto(self) -> ModelProto | None:
         """The ModelProto this model was built from, while nothing has changed the model since:
         the model to_proto() gives (up to node order and stale annotations) without a copy of
@@ -122,7 +138,7 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
-        write_model(self.to_proto(), Path(path), source_dir=self.base_dir, external_data=external_data)
+        write_model(self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data)
 
 
 def count_op_types(nodes) -> dict[str, int]:
@@ -228,7 +244,7 @@ def external_data_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.data")
 
 
-def writes_external_data(model: ModelProto | Model, mode: str) -> bool:
+def writes_external_data(model: ModelProto | ModelParts | Model, mode: str) -> bool:
     """Whether `mode` ("auto", "always", "never") writes `model`'s weights to a file beside it.
 
     auto: when the input kept its weights outside, or when the model is too large for protobuf.
@@ -238,7 +254,8 @@ def writes_external_data(model: ModelProto | Model, mode: str) -> bool:
     if isinstance(model, Model):
         tensors = list(model.initializers())
     else:
-        tensors = [t for g in all_graph_protos(model.graph) for t in g.initializer]
+        body, main = split_parts(model)
+        tensors = [*main, *(t for g in list(all_graph_protos(body.graph))[1:] for t in g.initializer)]
     if mode == "always":
         return True
     too_large = sum(nbytes(t) for t in tensors) > PROTOBUF_LIMIT
@@ -250,7 +267,7 @@ def writes_external_data(model: ModelProto | Model, mode: str) -> bool:
 
 
 def write_model(
-    model: ModelProto,
+    model: ModelProto | ModelParts,
     path: Path,
     source_dir: Path | None,
     external_data: str = "auto",
@@ -269,10 +286,11 @@ def write_model(
     external = writes_external_data(model, external_data)
     store = TensorStore(source_dir)
     _make_parent(path)
-    nested = [t for g in list(all_graph_protos(model.graph))[1:] for t in g.initializer]
+    body, main = split_parts(model)
+    nested = [t for g in list(all_graph_protos(body.graph))[1:] for t in g.initializer]
     if any(uses_external_data(t) for t in nested) or (external and nested):
-        return _write_copy(model, path, store, external)  # weights inside If/Loop/Scan bodies: rare and small
-    main = model.graph.initializer
+        # weights inside If/Loop/Scan bodies: rare and small
+        return _write_copy(as_proto(model), path, store, external)
     if not external:
         emitted = (
             [_inlined(t, store) if uses_external_data(t) else t for t in main]
@@ -280,7 +298,7 @@ def write_model(
             else main
         )
         ticker = Ticker(progress, "write", total=len(main))
-        _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream, ticker))
+        _write_atomically(path, lambda stream: _write_streaming(body, emitted, stream, ticker))
         return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, list(main), store)
@@ -305,7 +323,7 @@ def write_model(
     if outside:
         _write_atomically(data_path, write_data)
     emitted = _LazyList(main, pointers)
-    _write_atomically(path, lambda stream: _write_streaming(model, emitted, stream, ticker))
+    _write_atomically(path, lambda stream: _write_streaming(body, emitted, stream, ticker))
     return [path, data_path] if outside else [path]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from fuser.errors import InputError, UsageError
-from fuser.graph import all_graph_protos, copy_fields_except
+from fuser.graph import ModelParts, all_graph_protos, as_proto, copy_fields_except, split_parts
 from fuser.progress import silent
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -149,7 +149,7 @@ SESSION_THREADS = 0
 
 
 def session(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | ModelParts,
     base_dir: str | os.PathLike | None = None,
     weights: WeightFeeds | None = None,
     on_serialized: Callable[[], None] | None = None,
@@ -166,6 +166,7 @@ def session(
         skeleton, feeds = weights.split(model, base_dir)
         if feeds:
             return FedSession(session(skeleton, base_dir, on_serialized=on_serialized), feeds)
+    model = as_proto(model)
     if keeps_initializers(model):
         try:
             with tempfile.TemporaryDirectory(prefix="fuser-session-", ignore_cleanup_errors=True) as folder:
@@ -273,10 +274,13 @@ class WeightFeeds:
     def __init__(self) -> None:
         self._arrays: dict[tuple, tuple[object, np.ndarray]] = {}
 
-    def split(self, model: onnx.ModelProto, base_dir) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    def split(
+        self, model: onnx.ModelProto | ModelParts, base_dir
+    ) -> tuple[onnx.ModelProto | ModelParts, dict[str, np.ndarray]]:
         """The model with its feedable weights turned into inputs, and their values."""
-        graph = model.graph
-        large = {t.name for t in graph.initializer if t.data_type in _FEEDABLE and nbytes(t) >= FEED_BYTES}
+        body, initializers = split_parts(model)
+        graph = body.graph
+        large = {t.name for t in initializers if t.data_type in _FEEDABLE and nbytes(t) >= FEED_BYTES}
         if not large:
             return model, {}
         read_by_other_domains = {
@@ -291,7 +295,7 @@ class WeightFeeds:
         store = TensorStore(Path(base_dir)) if base_dir is not None else None
         feeds: dict[str, np.ndarray] = {}
         kept = []
-        for tensor in graph.initializer:
+        for tensor in initializers:
             array = None
             if tensor.name in large and tensor.name not in read_by_other_domains:
                 array = self._array(tensor, store)
@@ -302,7 +306,7 @@ class WeightFeeds:
         if not feeds:
             return model, {}
         skeleton = onnx.ModelProto()
-        copy_fields_except(model, skeleton, {"graph"})
+        copy_fields_except(body, skeleton, {"graph"})
         copy_fields_except(graph, skeleton.graph, {"initializer"})
         skeleton.graph.initializer.extend(kept)
         skeleton.graph.input.extend(
@@ -823,7 +827,12 @@ class Checker:
         return feeds
 
     def check(
-        self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool = True, base_dir=None, progress=None
+        self,
+        candidate: onnx.ModelProto | ModelParts,
+        exact: bool,
+        stabilizing: bool = True,
+        base_dir=None,
+        progress=None,
     ) -> Verdict:
         """Compare `candidate` (external data beside `base_dir`, default the original's folder);
         `progress` (fuser.progress) is told each input set run."""
@@ -832,7 +841,9 @@ class Checker:
         verdict.warnings = list(self.warnings)
         return verdict
 
-    def _check(self, candidate: onnx.ModelProto, exact: bool, stabilizing: bool, base_dir, progress) -> Verdict:
+    def _check(
+        self, candidate: onnx.ModelProto | ModelParts, exact: bool, stabilizing: bool, base_dir, progress
+    ) -> Verdict:
         try:
             after = session(candidate, base_dir, self.weights)
         except InputError as error:
