@@ -114,7 +114,7 @@ def optimize(
             # The file's own model when nothing changed it yet: a copy would double its weights.
             original = model.unchanged_proto()
             if original is None:
-                original = model.to_proto()
+                original = model.to_proto(in_place=True)
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
     op_types_before = model.op_counts()
@@ -129,7 +129,7 @@ def optimize(
             model, fixed, bound = specialize(model, options.dims, options.shapes)
         # the check feeds the original the sizes the output is fixed at
         options = options.replace(dims={**bound, **options.dims})
-    base = model.to_proto() if check and (upgraded or fixed is not None) else original
+    base = model.to_proto(in_place=True) if check and (upgraded or fixed is not None) else original
     measured = None
     if measure:
         with stage("measure"):
@@ -179,7 +179,7 @@ def optimize(
                         base_dir=model.base_dir,
                     )
                 report.notes.append(f"--measure: {report.latency.summary()}")
-            return (written if weights_apart else as_proto(written)), report
+            return (written if weights_apart else model.self_contained(as_proto(written))), report
 
         if not (check and (result.rewrites or upgraded or fixed)):
             return finished(optimized)
@@ -322,7 +322,7 @@ def _measure_phases(model: Model, chosen, level, threads, options: CheckOptions,
     from fuser.measure import paying_rules, session
     from fuser.verify import synthesize_inputs
 
-    unoptimized = model.to_proto()
+    unoptimized = model.to_proto(in_place=True)
     feeds = options.inputs
     if feeds is None:
         feeds = synthesize_inputs(

@@ -47,7 +47,7 @@ def rewrite_and_check(
 ) -> Attempt:
     model = Model(original, base_dir=base_dir)
     result = Engine(model, rules, limit=limit, vetoed=vetoed, context=context).run()
-    candidate = model.to_proto()
+    candidate = model.to_proto(in_place=True)
     applied = set(result.counts())
     exact = all(r.exact for r in rules if r.name in applied)
     stabilizing = any(r.stabilizes for r in rules if r.name in applied)

@@ -646,8 +646,10 @@ def compare(
         _check_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        options = jobs_module.options_for(a.to_proto(), options, _from_config())
-        verdict = Checker(a.to_proto(), options, base_dir=a.base_dir).check(b.to_proto(), exact, base_dir=b.base_dir)
+        options = jobs_module.options_for(a.interface(), options, _from_config())
+        verdict = Checker(a.to_proto(in_place=True), options, base_dir=a.base_dir).check(
+            b.to_proto(in_place=True), exact, base_dir=b.base_dir
+        )
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(

@@ -39,7 +39,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.progress import STAGES, Progress, silent
-from fuser.tensors import external_data_fields, uses_external_data
+from fuser.tensors import TensorStore, external_data_fields, uses_external_data
 from fuser.verify import CheckOptions, check_names, input_names
 
 FUSED_SUFFIX = ".fused.onnx"
@@ -156,7 +156,12 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
         progress("write", 0, None)
         writing = time.perf_counter()
         written = write_model(
-            optimized, destination, source_dir=source.parent, external_data=external_data, progress=progress
+            optimized,
+            destination,
+            source_dir=source.parent,
+            external_data=external_data,
+            progress=progress,
+            tensors=loaded.tensors,
         )
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
         result.output_path = str(destination)
@@ -178,7 +183,7 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome
             seconds=time.perf_counter() - started,
         )
     except NumericsMismatch as error:
-        folder = keep_evidence(error, source)
+        folder = keep_evidence(error, source, loaded.tensors)
         told = NumericsMismatch(f"{error}; nothing written, evidence kept in {folder}")
         code, messages = describe_error(told, job.debug)
         body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
@@ -337,7 +342,9 @@ def _referenced_files(path: Path) -> set[Path]:
     return {(path.parent / location).resolve() for location in referenced}
 
 
-def keep_evidence(error: NumericsMismatch, source: Path) -> Path:
+def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -> Path:
+    """The models of a mismatch, written into a new temporary folder (returned); `tensors`: the
+    store their weights are read from (the input Model's)."""
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix=f"fuser-mismatch-{source.stem}-"))
@@ -345,7 +352,7 @@ def keep_evidence(error: NumericsMismatch, source: Path) -> Path:
         if name not in error.evidence:
             continue
         try:
-            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent)
+            write_model(error.evidence[name], folder / f"{name}.onnx", source_dir=source.parent, tensors=tensors)
         except FuserError as reason:  # evidence is a courtesy: a model that cannot be copied must not hide the mismatch
             (folder / f"{name}.onnx.txt").write_text(f"not copied: {reason}\n")
     return folder

@@ -167,7 +167,7 @@ def paying_rules(
         if not applied:
             kept.append(phase)
             continue
-        candidate = model.to_proto()
+        candidate = model.to_proto(in_place=True)
         timing = compare(
             previous,
             candidate,

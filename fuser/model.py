@@ -7,6 +7,7 @@ ir_version is never bumped, because runtimes accept only the IR versions they kn
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
-from fuser.errors import InputError, OutputPathError, UsageError
+from fuser.errors import FuserError, InputError, OutputPathError, UsageError
 from fuser.graph import (
     Graph,
     ModelParts,
@@ -29,7 +30,19 @@ from fuser.graph import (
     weightless_model,
 )
 from fuser.progress import Progress, Ticker
-from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
+from fuser.tensors import (
+    GRAPH_INITIALIZER_FIELD,
+    IN_PLACE_BYTES,
+    MODEL_GRAPH_FIELD,
+    TensorStore,
+    encode_varint,
+    external_data_fields,
+    field_key,
+    nbytes,
+    raw_size,
+    read_in_place,
+    uses_external_data,
+)
 
 
 class Model:
@@ -42,7 +55,9 @@ class Model:
         path: Path | None = None,
         progress: Progress | None = None,
         initializers_checked: bool = False,
+        stated_default: frozenset[str] = frozenset(),
     ):
+        """stated_default: see TensorStore (Model.load passes what the file said)."""
         self.path = path
         self.base_dir = base_dir
         self._source = proto
@@ -50,9 +65,10 @@ class Model:
         copy_fields_except(proto, self._shell, {"graph"})
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
-        self.tensors = TensorStore(base_dir)
+        self.tensors = TensorStore(base_dir, model_file=path, stated_default=stated_default)
+        # Weights read in place from the model's own file were inline in it, and stay so when written.
         self.had_external_data = any(
-            uses_external_data(t) for g in all_graph_protos(proto.graph) for t in g.initializer
+            self.tensors.kept_outside(t) for g in all_graph_protos(proto.graph) for t in g.initializer
         )
         self.graph = Graph(
             proto.graph,
@@ -69,7 +85,15 @@ class Model:
         """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        return cls(read_model(path), base_dir=path.parent, path=path, progress=progress, initializers_checked=True)
+        proto, stated = _read_model(path)
+        return cls(
+            proto,
+            base_dir=path.parent,
+            path=path,
+            progress=progress,
+            initializers_checked=True,
+            stated_default=stated,
+        )
 
     def initializers(self):
         for g in self.graph.all_graphs():
@@ -88,12 +112,14 @@ class Model:
                         if attribute.name == "value" and attribute.HasField("t"):
                             self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
 
-    def to_proto(self, weights: bool = True) -> ModelProto:
-        """The model as ONNX; weights=False gives its skeleton (Graph.to_proto)."""
+    def to_proto(self, weights: bool = True, in_place: bool = False) -> ModelProto:
+        """The model as ONNX; weights=False gives its skeleton (Graph.to_proto). Weights read in
+        place from the model's file are put back inline, unless `in_place`: then they stay
+        references to the file, for onnxruntime sessions told the model's folder."""
         model = ModelProto()
         model.CopyFrom(self._shell)
         self.graph.fill_proto(model.graph, weights)
-        return model
+        return model if in_place or not weights else self.self_contained(model)
 
     def parts(self) -> ModelParts:
         """The model as ONNX with its main graph's initializers held apart, not copied (ModelParts)."""
@@ -101,6 +127,16 @@ class Model:
         body.CopyFrom(self._shell)
         self.graph.fill_proto(body.graph, apart=True)
         return ModelParts(body, self.graph.initializers())
+
+    def self_contained(self, proto: ModelProto) -> ModelProto:
+        """`proto`, a model built from this one (changed in place), with the weights read in place
+        from this model's file put back inline, as the file held them: a ModelProto handed to a
+        caller must not depend on the file."""
+        for graph in all_graph_protos(proto.graph):
+            for tensor in graph.initializer:
+                if self.tensors.in_model_file(tensor):
+                    _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
+        return proto
 
     def unchanged_proto(self) -> ModelProto | None:
         """The ModelProto this model was built from, while nothing has changed the model since:
@@ -138,7 +174,9 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
-        write_model(self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data)
+        write_model(
+            self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data, tensors=self.tensors
+        )
 
 
 def count_op_types(nodes) -> dict[str, int]:
@@ -151,23 +189,31 @@ def count_op_types(nodes) -> dict[str, int]:
 
 
 def read_model(path: Path) -> ModelProto:
-    """Parse and validate an ONNX file, turning every failure into a one-line InputError."""
+    """Parse and validate an ONNX file, turning every failure into a one-line InputError. Its
+    large weights stay in the file, read in place (TensorStore.in_model_file)."""
+    return _read_model(path)[0]
+
+
+def _read_model(path: Path) -> tuple[ModelProto, frozenset[str]]:
+    """read_model, and the weights read in place that stated their data_location (TensorStore)."""
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not an ONNX model")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                raise InputError(f"{path}: file is empty, not an ONNX model")
+            try:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # not a regular file: read it whole, weights included
+                model, stated = _parse(path, handle.read(), in_place=False)
+            else:
+                with mapped:
+                    model, stated = _parse(path, mapped, in_place=True)
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from error
-    if not data:
-        raise InputError(f"{path}: file is empty, not an ONNX model")
-    model = ModelProto()
-    try:
-        model.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError) as error:
-        raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
-    del data  # the parsed model holds the weights now; the file's bytes would be a second copy
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or IR version in the file)")
     store = TensorStore(path.parent)
@@ -184,7 +230,23 @@ def read_model(path: Path) -> ModelProto:
         if not _valid_for_onnxruntime(model, error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
-    return model
+    return model, stated
+
+
+def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[str]]:
+    """The ModelProto in `data` (the file's bytes, or a memory map of them); with `in_place`, its
+    large weights left in the file (read_in_place): a memory-mapped file's are never read in."""
+    view = memoryview(data)
+    try:
+        referenced = read_in_place(view, path.name) if in_place and len(view) > IN_PLACE_BYTES else None
+        model = ModelProto()
+        try:
+            model.ParseFromString(view if referenced is None else referenced[0])
+        except (DecodeError, RuntimeError, ValueError) as error:
+            raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
+        return model, (frozenset() if referenced is None else referenced[1])
+    finally:
+        view.release()
 
 
 # A private domain for checking a copy of a model: onnx.checker skips domains it does not know.
@@ -202,8 +264,7 @@ def _valid_for_onnxruntime(model: ModelProto, error: Exception) -> bool:
 
     runtime_ops = onnxruntime_default_domain_ops()
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    copy = ModelProto()
-    copy.CopyFrom(model)
+    copy = weightless_model(model)  # as read_model checks it: external data is not the checker's to read
     moved = 0
     for graph in all_graph_protos(copy.graph):
         for node in graph.node:
@@ -244,14 +305,16 @@ def external_data_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.data")
 
 
-def writes_external_data(model: ModelProto | ModelParts | Model, mode: str) -> bool:
+def writes_external_data(model: ModelProto | ModelParts | Model, mode: str, store: TensorStore | None = None) -> bool:
     """Whether `mode` ("auto", "always", "never") writes `model`'s weights to a file beside it.
 
     auto: when the input kept its weights outside, or when the model is too large for protobuf.
+    Weights `store` finds in the model's own file (TensorStore.in_model_file) were inside it.
     """
     if mode not in EXTERNAL_DATA_MODES:
         raise UsageError(f"external data mode must be one of {', '.join(EXTERNAL_DATA_MODES)}, not '{mode}'")
     if isinstance(model, Model):
+        store = model.tensors
         tensors = list(model.initializers())
     else:
         body, main = split_parts(model)
@@ -263,7 +326,8 @@ def writes_external_data(model: ModelProto | ModelParts | Model, mode: str) -> b
         if too_large:
             raise UsageError("the model's weights exceed 2 GB, which ONNX can only store as external data")
         return False
-    return too_large or any(uses_external_data(t) for t in tensors)
+    store = store or TensorStore(None)
+    return too_large or any(store.kept_outside(t) for t in tensors)
 
 
 def write_model(
@@ -272,6 +336,7 @@ def write_model(
     source_dir: Path | None,
     external_data: str = "auto",
     progress: Progress | None = None,
+    tensors: TensorStore | None = None,
 ) -> list[Path]:
     """Serialize deterministically to temporary files beside `path`, then rename them into place.
 
@@ -281,10 +346,13 @@ def write_model(
     written one at a time (see _write_streaming): the model is never held twice in memory.
     Returns the files written: the model, and its data file if it has one. `progress("write",
     done, total)` counts the tensors written (those kept outside count twice: data, then pointer).
+    `tensors`: the store of the Model it comes from (Model.tensors), which knows the weights read
+    in place from its file: those are inline weights (TensorStore.in_model_file); by default, a
+    store of `source_dir`.
     """
     path = Path(path)
-    external = writes_external_data(model, external_data)
-    store = TensorStore(source_dir)
+    store = tensors or TensorStore(source_dir)
+    external = writes_external_data(model, external_data, store)
     _make_parent(path)
     body, main = split_parts(model)
     nested = [t for g in list(all_graph_protos(body.graph))[1:] for t in g.initializer]
@@ -292,13 +360,8 @@ def write_model(
         # weights inside If/Loop/Scan bodies: rare and small
         return _write_copy(as_proto(model), path, store, external)
     if not external:
-        emitted = (
-            [_inlined(t, store) if uses_external_data(t) else t for t in main]
-            if any(uses_external_data(t) for t in main)
-            else main
-        )
         ticker = Ticker(progress, "write", total=len(main))
-        _write_atomically(path, lambda stream: _write_streaming(body, emitted, stream, ticker))
+        _write_atomically(path, lambda stream: _write_streaming(body, main, stream, ticker, inline_from=store))
         return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, list(main), store)
@@ -314,10 +377,9 @@ def write_model(
     def write_data(stream) -> None:
         offset = 0
         for index in outside:
-            raw = store.raw_bytes(main[index])
-            stream.write(raw)
-            pointers[index] = _pointer(main[index], data_path.name, offset, len(raw))
-            offset += len(raw)
+            length = store.copy_raw(main[index], stream)
+            pointers[index] = _pointer(main[index], data_path.name, offset, length)
+            offset += length
             ticker.tick()
 
     if outside:
@@ -346,7 +408,7 @@ def _write_copy(model: ModelProto, path: Path, store: TensorStore, external: boo
     if not external:
         for tensor in tensors:
             if uses_external_data(tensor):
-                _inline(tensor, store.raw_bytes(tensor))
+                _inline(tensor, store.raw_bytes(tensor), store.states_location(tensor))
         _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
         return [path]
     data_path = external_data_path(path)
@@ -371,32 +433,35 @@ def _write_copy(model: ModelProto, path: Path, store: TensorStore, external: boo
     return [path, data_path] if outside else [path]
 
 
-# Field numbers in onnx.proto: ModelProto.graph, GraphProto.initializer.
-_MODEL_GRAPH_FIELD = 7
-_GRAPH_INITIALIZER_FIELD = 5
-
-
-def _write_streaming(model: ModelProto, initializers, stream, ticker: Ticker | None = None) -> None:
-    """Write `model` with `initializers` as its main graph's initializers, one tensor at a time.
+def _write_streaming(
+    model: ModelProto, initializers, stream, ticker: Ticker | None = None, inline_from: TensorStore | None = None
+) -> None:
+    """Write `model` with `initializers` as its main graph's initializers, one tensor at a time;
+    with `inline_from`, those in external data are written inline, read one at a time.
 
     The bytes equal model.SerializeToString(deterministic=True) of that model: protobuf writes
     fields in field-number order, so the parts before and after the initializers are serialized
     on their own and the initializers, each a length-delimited field, go between them.
     """
     graph = model.graph
-    model_head, model_tail = _split_fields(model, _MODEL_GRAPH_FIELD, skip={_MODEL_GRAPH_FIELD})
-    graph_head, graph_tail = _split_fields(graph, _GRAPH_INITIALIZER_FIELD, skip={_GRAPH_INITIALIZER_FIELD})
-    sizes = []
-    for tensor in initializers:
-        sizes.append(tensor.ByteSize())
+    model_head, model_tail = _split_fields(model, MODEL_GRAPH_FIELD, skip={MODEL_GRAPH_FIELD})
+    graph_head, graph_tail = _split_fields(graph, GRAPH_INITIALIZER_FIELD, skip={GRAPH_INITIALIZER_FIELD})
+
+    def read_in(tensor: TensorProto) -> bool:
+        return inline_from is not None and uses_external_data(tensor)
+
+    sizes = [_inline_parts(t, inline_from)[2] if read_in(t) else t.ByteSize() for t in initializers]
     graph_size = graph_head.ByteSize() + graph_tail.ByteSize()
-    graph_size += sum(1 + _varint_size(size) + size for size in sizes)
+    graph_size += sum(1 + len(encode_varint(size)) + size for size in sizes)
     stream.write(model_head.SerializeToString(deterministic=True))
-    stream.write(_key(_MODEL_GRAPH_FIELD) + _varint(graph_size))
+    stream.write(field_key(MODEL_GRAPH_FIELD) + encode_varint(graph_size))
     stream.write(graph_head.SerializeToString(deterministic=True))
     for tensor, size in zip(initializers, sizes):
-        stream.write(_key(_GRAPH_INITIALIZER_FIELD) + _varint(size))
-        stream.write(tensor.SerializeToString(deterministic=True))
+        stream.write(field_key(GRAPH_INITIALIZER_FIELD) + encode_varint(size))
+        if read_in(tensor):
+            _write_inline(tensor, inline_from, stream)
+        else:
+            stream.write(tensor.SerializeToString(deterministic=True))
         if ticker is not None:
             ticker.tick()
     stream.write(graph_tail.SerializeToString(deterministic=True))
@@ -414,31 +479,32 @@ def _split_fields(message, boundary: int, skip: set[int]):
     return head, tail
 
 
-def _key(field: int) -> bytes:
-    return _varint(field << 3 | 2)  # wire type 2: length-delimited
+_TENSOR_RAW_DATA_FIELD = 9
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+def _inline_parts(tensor: TensorProto, store: TensorStore) -> tuple[bytes, bytes, int]:
+    """What `tensor` with its data inline (as _inline puts it) serializes to before the data and
+    after it, and its whole size, without reading the data (TensorStore.check has made sure it
+    is as long as its dtype and dims say)."""
+    meta = TensorProto()
+    copy_fields_except(tensor, meta, {"external_data", "data_location", "raw_data"})
+    if store.states_location(tensor):
+        meta.data_location = TensorProto.DEFAULT
+    head, tail = _split_fields(meta, _TENSOR_RAW_DATA_FIELD, skip={_TENSOR_RAW_DATA_FIELD})
+    head_bytes, tail_bytes = head.SerializeToString(deterministic=True), tail.SerializeToString(deterministic=True)
+    length = raw_size(tensor) or 0
+    key = field_key(_TENSOR_RAW_DATA_FIELD) + encode_varint(length)
+    return head_bytes + key, tail_bytes, len(head_bytes) + len(key) + length + len(tail_bytes)
 
 
-def _varint_size(value: int) -> int:
-    return len(_varint(value))
-
-
-def _inlined(tensor: TensorProto, store: TensorStore) -> TensorProto:
-    inline = TensorProto()
-    inline.CopyFrom(tensor)
-    _inline(inline, store.raw_bytes(tensor))
-    return inline
+def _write_inline(tensor: TensorProto, store: TensorStore, stream) -> None:
+    """Write `tensor` with its data inline (as _inline puts it), the data copied from its file in chunks."""
+    head, tail, size = _inline_parts(tensor, store)
+    stream.write(head)
+    copied = store.copy_raw(tensor, stream)
+    if len(head) + copied + len(tail) != size:  # the length is already written: the file would be corrupt
+        raise FuserError(f"the external data of initializer '{tensor.name}' changed while it was copied")
+    stream.write(tail)
 
 
 def _pointer(tensor: TensorProto, location: str, offset: int, length: int) -> TensorProto:
@@ -464,9 +530,11 @@ def refuse_input_data_file(data_path: Path, tensors, store: TensorStore) -> None
         )
 
 
-def _inline(tensor: TensorProto, raw: bytes) -> None:
+def _inline(tensor: TensorProto, raw: bytes, states_location: bool = True) -> None:
     del tensor.external_data[:]
     tensor.data_location = TensorProto.DEFAULT
+    if not states_location:
+        tensor.ClearField("data_location")
     tensor.raw_data = raw
 
 

@@ -25,7 +25,7 @@ def upgrade(model: Model, version: int) -> Model:
         raise UsageError(f"--opset {version} is beyond the newest opset this onnx knows ({latest})")
     if version == current:
         return model
-    original = model.to_proto()
+    original = model.to_proto(in_place=True)
     try:
         converted = version_converter.convert_version(original, version)
     except Exception as error:  # noqa: BLE001 - the converter raises bare RuntimeErrors

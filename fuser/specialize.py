@@ -29,7 +29,7 @@ def fix_shapes(
     and {symbol: size} for every symbol bound (the numerics check must feed those sizes too)."""
     if not dims and not shapes:
         raise UsageError("--fix-shapes fixes the sizes that --dim and --input-shape give; give at least one")
-    proto = model.to_proto()
+    proto = model.to_proto(in_place=True)
     fed = {value.name for value in model.interface().graph.input}
     inputs = {value.name: value for value in proto.graph.input if value.name in fed}
     symbols = dict(dims)

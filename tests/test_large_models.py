@@ -277,9 +277,7 @@ def _if_model() -> onnx.ModelProto:
         )
         branches.append(branch)
     model.graph.input.append(helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []))
-    model.graph.node.append(
-        helper.make_node("If", ["flag"], ["z"], then_branch=branches[0], else_branch=branches[1])
-    )
+    model.graph.node.append(helper.make_node("If", ["flag"], ["z"], then_branch=branches[0], else_branch=branches[1]))
     del model.graph.output[:]
     model.graph.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None))
     return model
