@@ -363,9 +363,9 @@ def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -
 # A worker's resident memory before its model: Python, onnx, onnxruntime and fuser imported.
 WORKER_BASE_BYTES = 200 << 20
 # Peak memory per byte of model (file and external data), rewrite and check included: weight-heavy
-# models peak at 3.3 to 3.6 times their size with the check (bench/scale.py: a 498 MB GPT-2 export
-# at 1.79 GB), rounded up for the exporters' larger graphs. Models of many small nodes peak far
-# higher per byte (a 41 MB file of 100k nodes at 1.9 GB), which a size alone cannot tell.
+# models peak at 1.1 to 1.3 times their size with the check (a 498 MB GPT-2 export at 0.57 GB,
+# bench/scale.py), graph-heavy ones far higher (a 350 MB ViT export with the onnxruntime target
+# at 1.5 times, a 41 MB file of 100k nodes at 2 GB), which a size alone cannot tell: rounded up.
 PEAK_PER_MODEL_BYTE = 7
 # Files smaller than this are read to find their external data; a larger one holds its weights itself.
 EXTERNAL_DATA_PROBE_LIMIT = 64 << 20

@@ -96,6 +96,17 @@ def test_skeleton_keeps_the_values_inference_reads_and_only_those():
     assert inferred(skeleton) == full
 
 
+def matmul_add() -> onnx.ModelProto:
+    """MatMul by a large weight and Add of a bias: one matmul-add-gemm rewrite."""
+    rng = np.random.default_rng(0)
+    return make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
+        [("x", np.float32, [4, WIDE])],
+        [("y", np.float32, [4, WIDE])],
+        {"w": rng.standard_normal((WIDE, WIDE)).astype(np.float32), "b": np.ones(WIDE, np.float32)},
+    )
+
+
 def test_to_proto_without_weights_matches_with_weights_except_the_weights():
     model = Model(mlp())
     with_weights, without = model.to_proto(), model.to_proto(weights=False)
@@ -239,13 +250,7 @@ def test_the_check_reads_the_original_from_the_loaded_model_not_from_a_copy(monk
     import fuser.api
     from fuser.engine import Engine
 
-    rng = np.random.default_rng(0)
-    proto = make_model(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
-        [("x", np.float32, [4, WIDE])],
-        [("y", np.float32, [4, WIDE])],
-        {"w": rng.standard_normal((WIDE, WIDE)).astype(np.float32), "b": np.ones(WIDE, np.float32)},
-    )
+    proto = matmul_add()
     model = Model(proto)
     assert model.unchanged_proto() is proto
     copies = []
@@ -309,13 +314,7 @@ def test_optimize_with_weights_apart_returns_the_loaded_weights_and_checks_them(
     import fuser.api
     from fuser.graph import ModelParts
 
-    rng = np.random.default_rng(0)
-    proto = make_model(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
-        [("x", np.float32, [4, WIDE])],
-        [("y", np.float32, [4, WIDE])],
-        {"w": rng.standard_normal((WIDE, WIDE)).astype(np.float32), "b": np.ones(WIDE, np.float32)},
-    )
+    proto = matmul_add()
     model = Model(proto)
     parts, report = fuser.api.optimize(model, weights_apart=True)
     assert isinstance(parts, ModelParts)
