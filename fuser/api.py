@@ -25,7 +25,8 @@ from fuser.registry import all_rules, select
 from fuser.report import Report
 from fuser.rule import Rule
 from fuser.specialize import fix_shapes as specialize
-from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict
+from fuser.tensors import uses_external_data
+from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict, with_inline_weights
 
 
 def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:
@@ -165,7 +166,16 @@ def optimize(
         if measured is not None:
             report.notes.extend(measure_notes)
 
-        def finished(written: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
+        def handed_out(proto: onnx.ModelProto) -> onnx.ModelProto:
+            """A model the caller gets: without weights_apart, one that holds its weights inline
+            rather than references into the input file (a copy, `proto` left as it was)."""
+            if weights_apart or not any(model.tensors.in_model_file(t) for t in proto.graph.initializer):
+                return proto
+            copy = onnx.ModelProto()
+            copy.CopyFrom(proto)
+            return model.self_contained(copy)
+
+        def finished(written: onnx.ModelProto | ModelParts) -> tuple[onnx.ModelProto | ModelParts, Report]:
             """`written` and its report, timed against the original when --measure asks: the model
             returned, after any rewrites the check dropped, is the one timed."""
             if measured is not None and report.rewrites:
@@ -203,7 +213,7 @@ def optimize(
             stage.progress("check", runs, 2 * runs)
             if foreign_block:
                 checker = ForeignBlockChecker(checker, context.nchwc_block)
-                if has_nchwc(optimized.body):
+                if has_nchwc(optimized.proto):
                     report.notes.append(
                         f"the model is written for NCHWc block {context.nchwc_block}, this machine's is "
                         f"{machine_nchwc_block() or 'none'}: the check ran its NCHWc operators as standard ones "
@@ -215,7 +225,7 @@ def optimize(
                 if not converted.passed:
                     raise NumericsMismatch(
                         f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
-                        evidence={"original": original, "optimized": base, "report": report},
+                        evidence={"original": handed_out(original), "optimized": handed_out(base), "report": report},
                     )
             applied = set(report.counts)
             exact = all(r.exact for r in chosen if r.name in applied)
@@ -246,7 +256,7 @@ def optimize(
             return finished(final.model)
         raise NumericsMismatch(
             _mismatch_message(report.verdict, blame.guilty),
-            evidence={"original": original, "optimized": optimized, "report": report},
+            evidence={"original": handed_out(original), "optimized": handed_out(optimized), "report": report},
         )
 
     finally:
@@ -270,8 +280,11 @@ class ForeignBlockChecker:
         base_dir=None,
         progress=None,
     ) -> Verdict:
-        lowered = lower_nchwc(as_proto(candidate), self.block)
-        return self.checker.check(lowered, exact, stabilizing, base_dir, progress)
+        model = as_proto(candidate)
+        folder = base_dir or self.checker.base_dir
+        if folder is not None and any(uses_external_data(t) for t in model.graph.initializer):
+            model = with_inline_weights(model, folder)  # the lowering reads NCHWc filters as arrays
+        return self.checker.check(lower_nchwc(model, self.block), exact, stabilizing, base_dir, progress)
 
 
 class _Stages:

@@ -809,6 +809,7 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
             trace=True,
             opset=opset,
             nchwc_block=nchwc_block,
+            weights_apart=True,  # the model is not needed: no copy of its weights
         )
         explained = explain.explain(result.engine, chosen)
         if only:

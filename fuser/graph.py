@@ -605,10 +605,11 @@ class Graph:
             graph.MergeFrom(self._shell)
             graph.input.extend(self._inputs.values())
             graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
+            # A skeleton's main graph lists its weights as typed inputs; an If/Loop/Scan body's
+            # inputs are fixed by its node, so a body keeps its weights, as it must.
             if not weights and self.outer is None:
                 add_weightless(graph, self._initializers.values(), self._inputs)
             elif not apart:
-                # A body's inputs are fixed by its If/Loop/Scan: it keeps its weights, as it must.
                 graph.initializer.extend(self._initializers.values())
             live = set(self._producer)
             graph.value_info.extend(v for v in self._value_info if v.name in live)
@@ -644,13 +645,17 @@ class ModelParts:
     tensors, where a ModelProto holding them would hold a copy of every weight. Writing it
     (fuser.model.write_model) streams them and checking it feeds them (fuser.verify)."""
 
-    body: ModelProto  # the model without its main graph's initializers
+    proto: ModelProto  # the model without its main graph's initializers
     initializers: list[TensorProto]
+    # Where the initializers' data is read from (Model.tensors): weights read in place from the
+    # model's file are external data to onnxruntime, inline weights to write_model.
+    tensors: TensorStore | None = None
 
     def joined(self) -> ModelProto:
-        """The whole model as one ModelProto (a copy of the weights)."""
+        """The whole model as one ModelProto (a copy of the weights; those read in place from the
+        model's file stay references to it)."""
         model = ModelProto()
-        model.CopyFrom(self.body)
+        model.CopyFrom(self.proto)
         model.graph.initializer.extend(self.initializers)
         return model
 
@@ -663,7 +668,7 @@ def split_parts(model: ModelProto | ModelParts) -> tuple[ModelProto, list[Tensor
     """The model without its main graph's initializers (for a ModelProto, the model itself, whose
     own initializers the caller skips), and those initializers."""
     if isinstance(model, ModelParts):
-        return model.body, model.initializers
+        return model.proto, model.initializers
     return model, model.graph.initializer
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,18 +31,15 @@ from fuser.graph import (
     weightless_model,
 )
 from fuser.progress import Progress, Ticker
-from fuser.tensors import (
+from fuser.tensors import TensorStore, external_data_fields, nbytes, raw_size, uses_external_data
+from fuser.wire import (
     GRAPH_INITIALIZER_FIELD,
     IN_PLACE_BYTES,
     MODEL_GRAPH_FIELD,
-    TensorStore,
+    TENSOR_RAW_DATA_FIELD,
     encode_varint,
-    external_data_fields,
     field_key,
-    nbytes,
-    raw_size,
     read_in_place,
-    uses_external_data,
 )
 
 
@@ -55,9 +53,11 @@ class Model:
         path: Path | None = None,
         progress: Progress | None = None,
         initializers_checked: bool = False,
-        stated_default: frozenset[str] = frozenset(),
+        tensors: TensorStore | None = None,
     ):
-        """stated_default: see TensorStore (Model.load passes what the file said)."""
+        """tensors: where the weights' data is read from (default: external data beside
+        `base_dir`); Model.load gives the one that knows the weights read in place from the
+        file, and a model derived from another (opset, fix-shapes) shares its store."""
         self.path = path
         self.base_dir = base_dir
         self._source = proto
@@ -65,7 +65,7 @@ class Model:
         copy_fields_except(proto, self._shell, {"graph"})
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
-        self.tensors = TensorStore(base_dir, model_file=path, stated_default=stated_default)
+        self.tensors = tensors if tensors is not None else TensorStore(base_dir)
         # Weights read in place from the model's own file were inline in it, and stay so when written.
         self.had_external_data = any(
             self.tensors.kept_outside(t) for g in all_graph_protos(proto.graph) for t in g.initializer
@@ -86,13 +86,15 @@ class Model:
         path = Path(path)
         # read_model has checked the initializers before anything could read them
         proto, stated = _read_model(path)
+        # The folder resolved: weights are read from it later, whatever the working directory is by then.
+        folder = path.parent.resolve()
         return cls(
             proto,
-            base_dir=path.parent,
+            base_dir=folder,
             path=path,
             progress=progress,
             initializers_checked=True,
-            stated_default=stated,
+            tensors=TensorStore(folder, model_file=path, stated_default=stated),
         )
 
     def initializers(self):
@@ -123,10 +125,10 @@ class Model:
 
     def parts(self) -> ModelParts:
         """The model as ONNX with its main graph's initializers held apart, not copied (ModelParts)."""
-        body = ModelProto()
-        body.CopyFrom(self._shell)
-        self.graph.fill_proto(body.graph, apart=True)
-        return ModelParts(body, self.graph.initializers())
+        proto = ModelProto()
+        proto.CopyFrom(self._shell)
+        self.graph.fill_proto(proto.graph, apart=True)
+        return ModelParts(proto, self.graph.initializers(), self.tensors)
 
     def self_contained(self, proto: ModelProto) -> ModelProto:
         """`proto`, a model built from this one (changed in place), with the weights read in place
@@ -174,6 +176,11 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
+        if self.path is not None and Path(path).exists() and Path(path).resolve() == self.path.resolve():
+            # Over the file its weights are read from: they come into memory first.
+            for tensor in self.graph.initializers():
+                if self.tensors.in_model_file(tensor):
+                    _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
         write_model(
             self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data, tensors=self.tensors
         )
@@ -194,24 +201,33 @@ def read_model(path: Path) -> ModelProto:
     return _read_model(path)[0]
 
 
-def _read_model(path: Path) -> tuple[ModelProto, frozenset[str]]:
-    """read_model, and the weights read in place that stated their data_location (TensorStore)."""
+def _read_model(path: Path) -> tuple[ModelProto, frozenset[int]]:
+    """read_model, and the offsets of the weights read in place that stated their data_location
+    (TensorStore's stated_default)."""
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not an ONNX model")
     try:
         with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size == 0:
-                raise InputError(f"{path}: file is empty, not an ONNX model")
-            try:
-                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):  # not a regular file: read it whole, weights included
-                model, stated = _parse(path, handle.read(), in_place=False)
-            else:
+            status = os.fstat(handle.fileno())
+            mapped = None
+            if stat.S_ISREG(status.st_mode) and status.st_size and _named_where_it_is(path):
+                try:
+                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):
+                    pass  # a file system that cannot map files: read it whole
+            if mapped is not None:
                 with mapped:
                     model, stated = _parse(path, mapped, in_place=True)
+            else:
+                # A pipe, a link into another folder, or an unmappable file: its weights could not
+                # be read again from beside the model later, so they are read now.
+                data = handle.read()
+                if not data:
+                    raise InputError(f"{path}: file is empty, not an ONNX model")
+                model, stated = _parse(path, data, in_place=False)
+                del data
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from error
     if not model.HasField("graph") or model.ir_version <= 0:
@@ -233,7 +249,13 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[str]]:
     return model, stated
 
 
-def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[str]]:
+def _named_where_it_is(path: Path) -> bool:
+    """Whether the file is found by its own name in its folder, as external data is looked up:
+    not through a symbolic link to a file elsewhere (a Hugging Face cache's snapshots)."""
+    return os.path.realpath(path) == os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int]]:
     """The ModelProto in `data` (the file's bytes, or a memory map of them); with `in_place`, its
     large weights left in the file (read_in_place): a memory-mapped file's are never read in."""
     view = memoryview(data)
@@ -309,7 +331,8 @@ def writes_external_data(model: ModelProto | ModelParts | Model, mode: str, stor
     """Whether `mode` ("auto", "always", "never") writes `model`'s weights to a file beside it.
 
     auto: when the input kept its weights outside, or when the model is too large for protobuf.
-    Weights `store` finds in the model's own file (TensorStore.in_model_file) were inside it.
+    Weights the store (a Model's or ModelParts' own, else `store`) finds in the model's own file
+    (TensorStore.in_model_file) were inside it.
     """
     if mode not in EXTERNAL_DATA_MODES:
         raise UsageError(f"external data mode must be one of {', '.join(EXTERNAL_DATA_MODES)}, not '{mode}'")
@@ -317,8 +340,9 @@ def writes_external_data(model: ModelProto | ModelParts | Model, mode: str, stor
         store = model.tensors
         tensors = list(model.initializers())
     else:
-        body, main = split_parts(model)
-        tensors = [*main, *(t for g in list(all_graph_protos(body.graph))[1:] for t in g.initializer)]
+        store = _store_of(model, store)
+        proto, main = split_parts(model)
+        tensors = [*main, *(t for g in list(all_graph_protos(proto.graph))[1:] for t in g.initializer)]
     if mode == "always":
         return True
     too_large = sum(nbytes(t) for t in tensors) > PROTOBUF_LIMIT
@@ -326,8 +350,14 @@ def writes_external_data(model: ModelProto | ModelParts | Model, mode: str, stor
         if too_large:
             raise UsageError("the model's weights exceed 2 GB, which ONNX can only store as external data")
         return False
-    store = store or TensorStore(None)
     return too_large or any(store.kept_outside(t) for t in tensors)
+
+
+def _store_of(model: ModelProto | ModelParts, store: TensorStore | None, source_dir: Path | None = None) -> TensorStore:
+    """The store `model`'s weights are read from: `store`, a ModelParts' own, or one of `source_dir`."""
+    if store is None and isinstance(model, ModelParts):
+        store = model.tensors
+    return store if store is not None else TensorStore(source_dir)
 
 
 def write_model(
@@ -347,21 +377,21 @@ def write_model(
     Returns the files written: the model, and its data file if it has one. `progress("write",
     done, total)` counts the tensors written (those kept outside count twice: data, then pointer).
     `tensors`: the store of the Model it comes from (Model.tensors), which knows the weights read
-    in place from its file: those are inline weights (TensorStore.in_model_file); by default, a
-    store of `source_dir`.
+    in place from its file: those are inline weights (TensorStore.in_model_file); by default,
+    a ModelParts' own, or a store of `source_dir`.
     """
     path = Path(path)
-    store = tensors or TensorStore(source_dir)
+    store = _store_of(model, tensors, source_dir)
     external = writes_external_data(model, external_data, store)
     _make_parent(path)
-    body, main = split_parts(model)
-    nested = [t for g in list(all_graph_protos(body.graph))[1:] for t in g.initializer]
+    proto, main = split_parts(model)
+    nested = [t for g in list(all_graph_protos(proto.graph))[1:] for t in g.initializer]
     if any(uses_external_data(t) for t in nested) or (external and nested):
         # weights inside If/Loop/Scan bodies: rare and small
         return _write_copy(as_proto(model), path, store, external)
     if not external:
         ticker = Ticker(progress, "write", total=len(main))
-        _write_atomically(path, lambda stream: _write_streaming(body, main, stream, ticker, inline_from=store))
+        _write_atomically(path, lambda stream: _write_streaming(proto, main, stream, ticker, inline_from=store))
         return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, list(main), store)
@@ -385,7 +415,7 @@ def write_model(
     if outside:
         _write_atomically(data_path, write_data)
     emitted = _LazyList(main, pointers)
-    _write_atomically(path, lambda stream: _write_streaming(body, emitted, stream, ticker))
+    _write_atomically(path, lambda stream: _write_streaming(proto, emitted, stream, ticker))
     return [path, data_path] if outside else [path]
 
 
@@ -447,19 +477,21 @@ def _write_streaming(
     model_head, model_tail = _split_fields(model, MODEL_GRAPH_FIELD, skip={MODEL_GRAPH_FIELD})
     graph_head, graph_tail = _split_fields(graph, GRAPH_INITIALIZER_FIELD, skip={GRAPH_INITIALIZER_FIELD})
 
-    def read_in(tensor: TensorProto) -> bool:
-        return inline_from is not None and uses_external_data(tensor)
-
-    sizes = [_inline_parts(t, inline_from)[2] if read_in(t) else t.ByteSize() for t in initializers]
+    # For each tensor whose data is read in: what comes before and after the data, and its size.
+    inlined = [
+        _inline_parts(t, inline_from) if inline_from is not None and uses_external_data(t) else None
+        for t in initializers
+    ]
+    sizes = [t.ByteSize() if parts is None else parts[2] for t, parts in zip(initializers, inlined)]
     graph_size = graph_head.ByteSize() + graph_tail.ByteSize()
     graph_size += sum(1 + len(encode_varint(size)) + size for size in sizes)
     stream.write(model_head.SerializeToString(deterministic=True))
     stream.write(field_key(MODEL_GRAPH_FIELD) + encode_varint(graph_size))
     stream.write(graph_head.SerializeToString(deterministic=True))
-    for tensor, size in zip(initializers, sizes):
+    for tensor, size, parts in zip(initializers, sizes, inlined):
         stream.write(field_key(GRAPH_INITIALIZER_FIELD) + encode_varint(size))
-        if read_in(tensor):
-            _write_inline(tensor, inline_from, stream)
+        if parts is not None:
+            _write_inline(tensor, parts, inline_from, stream)
         else:
             stream.write(tensor.SerializeToString(deterministic=True))
         if ticker is not None:
@@ -479,9 +511,6 @@ def _split_fields(message, boundary: int, skip: set[int]):
     return head, tail
 
 
-_TENSOR_RAW_DATA_FIELD = 9
-
-
 def _inline_parts(tensor: TensorProto, store: TensorStore) -> tuple[bytes, bytes, int]:
     """What `tensor` with its data inline (as _inline puts it) serializes to before the data and
     after it, and its whole size, without reading the data (TensorStore.check has made sure it
@@ -490,16 +519,17 @@ def _inline_parts(tensor: TensorProto, store: TensorStore) -> tuple[bytes, bytes
     copy_fields_except(tensor, meta, {"external_data", "data_location", "raw_data"})
     if store.states_location(tensor):
         meta.data_location = TensorProto.DEFAULT
-    head, tail = _split_fields(meta, _TENSOR_RAW_DATA_FIELD, skip={_TENSOR_RAW_DATA_FIELD})
+    head, tail = _split_fields(meta, TENSOR_RAW_DATA_FIELD, skip={TENSOR_RAW_DATA_FIELD})
     head_bytes, tail_bytes = head.SerializeToString(deterministic=True), tail.SerializeToString(deterministic=True)
     length = raw_size(tensor) or 0
-    key = field_key(_TENSOR_RAW_DATA_FIELD) + encode_varint(length)
+    key = field_key(TENSOR_RAW_DATA_FIELD) + encode_varint(length)
     return head_bytes + key, tail_bytes, len(head_bytes) + len(key) + length + len(tail_bytes)
 
 
-def _write_inline(tensor: TensorProto, store: TensorStore, stream) -> None:
-    """Write `tensor` with its data inline (as _inline puts it), the data copied from its file in chunks."""
-    head, tail, size = _inline_parts(tensor, store)
+def _write_inline(tensor: TensorProto, parts: tuple[bytes, bytes, int], store: TensorStore, stream) -> None:
+    """Write `tensor` with its data inline (as _inline puts it, `parts` from _inline_parts), the
+    data copied from its file in chunks."""
+    head, tail, size = parts
     stream.write(head)
     copied = store.copy_raw(tensor, stream)
     if len(head) + copied + len(tail) != size:  # the length is already written: the file would be corrupt

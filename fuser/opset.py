@@ -32,7 +32,7 @@ def upgrade(model: Model, version: int) -> Model:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"onnx's version converter cannot bring this model from opset {current} to {version}: {detail}") from error
     _keep_annotations(original, converted)
-    return Model(converted, base_dir=model.base_dir, path=model.path)
+    return Model(converted, base_dir=model.base_dir, path=model.path, tensors=model.tensors)
 
 
 def _keep_annotations(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:

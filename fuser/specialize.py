@@ -57,7 +57,7 @@ def fix_shapes(
         for index, size in sizes.items():
             _dims(inputs[name])[index].dim_value = size
     fixed = {name: _text(value) for name, value in inputs.items() if _text(value) != before[name]}
-    return Model(proto, base_dir=model.base_dir, path=model.path), fixed, symbols
+    return Model(proto, base_dir=model.base_dir, path=model.path, tensors=model.tensors), fixed, symbols
 
 
 def _dims(value: ValueInfoProto):

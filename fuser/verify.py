@@ -278,8 +278,8 @@ class WeightFeeds:
         self, model: onnx.ModelProto | ModelParts, base_dir
     ) -> tuple[onnx.ModelProto | ModelParts, dict[str, np.ndarray]]:
         """The model with its feedable weights turned into inputs, and their values."""
-        body, initializers = split_parts(model)
-        graph = body.graph
+        proto, initializers = split_parts(model)
+        graph = proto.graph
         large = {t.name for t in initializers if t.data_type in _FEEDABLE and nbytes(t) >= FEED_BYTES}
         if not large:
             return model, {}
@@ -306,7 +306,7 @@ class WeightFeeds:
         if not feeds:
             return model, {}
         skeleton = onnx.ModelProto()
-        copy_fields_except(body, skeleton, {"graph"})
+        copy_fields_except(proto, skeleton, {"graph"})
         copy_fields_except(graph, skeleton.graph, {"initializer"})
         skeleton.graph.initializer.extend(kept)
         skeleton.graph.input.extend(

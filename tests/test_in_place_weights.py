@@ -8,6 +8,12 @@ ModelProto handed to a caller holds its weights inline, and the check reads them
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -16,9 +22,13 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import fuser
+import fuser.api
+import fuser.errors
 from fuser.errors import InputError
+from fuser.graph import ModelParts
 from fuser.model import Model, read_model, write_model
-from fuser.tensors import IN_PLACE_BYTES, read_in_place, uses_external_data
+from fuser.tensors import uses_external_data
+from fuser.wire import IN_PLACE_BYTES, read_in_place
 from tests.helpers import in_process_cli, make_model
 
 LARGE = IN_PLACE_BYTES // 4 + 64  # float32 elements: just over the threshold
@@ -27,6 +37,11 @@ LARGE = IN_PLACE_BYTES // 4 + 64  # float32 elements: just over the threshold
 @pytest.fixture
 def cli(monkeypatch, capfd):
     return in_process_cli(monkeypatch, capfd)
+
+
+def in_place(model: Model) -> list[bool]:
+    """Which of the model's main-graph initializers are read in place (as the model was read)."""
+    return [uses_external_data(t) for t in model.unchanged_proto().graph.initializer]
 
 
 def matmul_add(seed: int = 0) -> onnx.ModelProto:
@@ -72,6 +87,7 @@ def test_the_model_given_back_is_the_file_exactly(tmp_path, states_location):
             tensor.data_location = TensorProto.DEFAULT
     onnx.save(proto, tmp_path / "m.onnx")
     model = Model.load(tmp_path / "m.onnx")
+    assert in_place(model) == [True, False]
     assert model.to_proto() == onnx.load(tmp_path / "m.onnx")
     assert not any(uses_external_data(t) for t in model.to_proto().graph.initializer)
     written = write_model(model.parts(), tmp_path / "out.onnx", source_dir=tmp_path, tensors=model.tensors)
@@ -104,6 +120,7 @@ def test_the_check_reads_the_weights_in_place_and_catches_a_changed_one(tmp_path
 
     onnx.save(matmul_add(), tmp_path / "m.onnx")
     model = Model.load(tmp_path / "m.onnx")
+    assert in_place(model) == [True, False]
     checker = Checker(model.unchanged_proto(), base_dir=tmp_path)
     assert checker.check(model.parts(), exact=True).passed
     changed = onnx.load(tmp_path / "m.onnx")
@@ -129,6 +146,13 @@ def test_tensors_it_cannot_follow_are_parsed_as_they_are():
     ir3 = matmul_add()
     ir3.ir_version = 3
     assert read_in_place(memoryview(_raw(ir3)), "m.onnx") is None
+    external = matmul_add()
+    external.graph.initializer[0].data_location = TensorProto.EXTERNAL
+    external.graph.initializer[0].external_data.add(key="location", value="w.bin")
+    assert read_in_place(memoryview(_raw(external)), "m.onnx") is None
+    segmented = matmul_add()
+    segmented.graph.initializer[0].segment.begin = 0
+    assert read_in_place(memoryview(_raw(segmented)), "m.onnx") is None
     strings = matmul_add()
     strings.graph.initializer.append(helper.make_tensor("s", TensorProto.STRING, [LARGE], [b"x"] * LARGE))
     rewritten, _ = read_in_place(memoryview(_raw(strings)), "m.onnx")
@@ -172,3 +196,116 @@ def test_reading_in_place_changes_nothing_a_parse_would_see(tmp_path_factory, si
     in_place = [uses_external_data(t) for t in model.graph.initializers()]
     assert in_place == [t.ByteSize() > IN_PLACE_BYTES and len(t.raw_data) > IN_PLACE_BYTES for t in initializers]
     assert model.to_proto() == onnx.load(folder / "m.onnx")
+
+
+def test_a_linked_model_file_is_read_whole(tmp_path):
+    """A model reached through a link into another folder (a Hugging Face cache's snapshots): its
+    weights cannot be looked up beside it as external data, so they are parsed as before."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshot").mkdir()
+    onnx.save(matmul_add(), tmp_path / "blobs" / "sha")
+    (tmp_path / "snapshot" / "model.onnx").symlink_to(tmp_path / "blobs" / "sha")
+    model = Model.load(tmp_path / "snapshot" / "model.onnx")
+    assert in_place(model) == [False, False]
+    report = fuser.optimize(tmp_path / "snapshot" / "model.onnx")[1]
+    assert report.verdict.passed
+
+
+def test_a_pipe_is_read_whole(tmp_path):
+    data = _raw(matmul_add())
+    os.mkfifo(tmp_path / "pipe.onnx")
+    writer = threading.Thread(target=lambda: (tmp_path / "pipe.onnx").write_bytes(data))
+    writer.start()
+    try:
+        model = Model.load(tmp_path / "pipe.onnx")
+    finally:
+        writer.join()
+    assert in_place(model) == [False, False]
+    assert model.to_proto() == onnx.ModelProto.FromString(data)
+
+
+def test_weights_are_read_from_the_models_folder_whatever_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    onnx.save(matmul_add(), tmp_path / "m" / "m.onnx")
+    monkeypatch.chdir(tmp_path)
+    model = Model.load(Path("m") / "m.onnx")
+    monkeypatch.chdir("/")
+    optimized, report = fuser.optimize(model)
+    assert report.verdict.passed and not any(uses_external_data(t) for t in optimized.graph.initializer)
+
+
+def test_saving_over_its_own_file_keeps_the_weights(tmp_path):
+    onnx.save(matmul_add(), tmp_path / "m.onnx")
+    expected = onnx.load(tmp_path / "m.onnx")
+    model = Model.load(tmp_path / "m.onnx")
+    model.save(tmp_path / "m.onnx")
+    assert onnx.load(tmp_path / "m.onnx") == expected
+    assert model.to_proto() == expected  # the weights came into memory before the file was replaced
+
+
+def test_a_file_changed_since_it_was_read_is_refused_not_misread(tmp_path):
+    onnx.save(matmul_add(seed=0), tmp_path / "m.onnx")
+    model = Model.load(tmp_path / "m.onnx")
+    onnx.save(matmul_add(seed=1), tmp_path / "other.onnx")
+    shutil.move(tmp_path / "other.onnx", tmp_path / "m.onnx")  # same size, other weights
+    with pytest.raises(InputError, match="changed since the model was read"):
+        model.to_proto()
+
+
+@pytest.mark.parametrize("flag", [["--opset", "18"], ["--fix-shapes", "--dim", "batch=2"]])
+def test_derived_models_write_the_weights_as_the_file_had_them(cli, tmp_path, flag):
+    """--opset and --fix-shapes build a new model from the loaded one: it reads the same file, and
+    writes the weight read in place as the file had it (onnx's converter rewrites the others)."""
+    proto = matmul_add()
+    for tensor in proto.graph.initializer:
+        tensor.data_location = TensorProto.DEFAULT
+    onnx.save(proto, tmp_path / "m.onnx")
+    done = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx", "--disable", "matmul-add-gemm", *flag)
+    assert done.returncode == 0, done.stderr
+    written = onnx.load(tmp_path / "out.onnx")
+    assert written.graph.initializer[0].HasField("data_location")
+    assert written.graph.initializer[0].raw_data == proto.graph.initializer[0].raw_data
+
+
+NEGATING_RULE = '''
+from fuser import op, rule, var
+
+
+@rule("add-to-sub-wrong", pattern=op.Add(var("x"), var("b"), name="add"))
+def add_to_sub_wrong(m, b):
+    """Add(x, b) => Sub(x, b): deliberately wrong."""
+    return b.Sub(m["x"], m["b"])
+'''
+
+
+def test_a_mismatch_keeps_self_contained_evidence(cli, tmp_path):
+    onnx.save(matmul_add(), tmp_path / "m.onnx")
+    (tmp_path / "bad_rule.py").write_text(NEGATING_RULE)
+    done = cli(tmp_path, "optimize", "m.onnx", "--rules", "bad_rule.py", "--disable", "matmul-add-gemm")
+    assert done.returncode == 3, done.stderr
+    evidence = Path(re.search(r"evidence kept in (\S+)", done.stderr).group(1))
+    assert sorted(p.name for p in evidence.iterdir()) == ["optimized.onnx", "original.onnx", "report.json"]
+    original = onnx.load(evidence / "original.onnx")
+    assert original == onnx.load(tmp_path / "m.onnx")
+    rules = fuser.api.resolve_rules(None, "onnx", rule_files=[tmp_path / "bad_rule.py"], disable=["matmul-add-gemm"])
+    with pytest.raises(fuser.errors.NumericsMismatch) as raised:
+        fuser.optimize(tmp_path / "m.onnx", rules=rules)
+    for name in ("original", "optimized"):
+        assert not any(uses_external_data(t) for t in raised.value.evidence[name].graph.initializer)
+
+
+def test_the_command_writes_from_the_loaded_weights_without_joining_them(cli, tmp_path, monkeypatch):
+    """A ModelProto of the whole model is a copy of every weight: the command never makes one."""
+    onnx.save(matmul_add(), tmp_path / "m.onnx")
+
+    def joined(self):
+        raise AssertionError("the weights were copied into one ModelProto")
+
+    monkeypatch.setattr(ModelParts, "joined", joined)
+    for check in ([], ["--no-check"]):
+        done = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx", "--force", *check)
+        assert done.returncode == 0, done.stderr
+    parts, _ = fuser.optimize(tmp_path / "m.onnx", weights_apart=True)
+    written = write_model(parts, tmp_path / "apart.onnx", source_dir=None)
+    assert written == [tmp_path / "apart.onnx"]  # the parts know the weights came from one file
+    assert (tmp_path / "apart.onnx").read_bytes() == (tmp_path / "out.onnx").read_bytes()
