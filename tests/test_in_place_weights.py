@@ -28,10 +28,12 @@ from fuser.errors import InputError
 from fuser.graph import ModelParts
 from fuser.model import Model, read_model, write_model
 from fuser.tensors import uses_external_data
+from fuser.verify import FEED_BYTES
 from fuser.wire import IN_PLACE_BYTES, read_in_place
 from tests.helpers import in_process_cli, make_model
 
-LARGE = IN_PLACE_BYTES // 4 + 64  # float32 elements: just over the threshold
+# float32 elements: just over the threshold, and large enough for the check to feed it (FEED_BYTES)
+LARGE = max(IN_PLACE_BYTES, FEED_BYTES) // 4 + 64
 
 
 @pytest.fixture
