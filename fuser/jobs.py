@@ -363,7 +363,7 @@ def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -
 # A worker's resident memory before its model: Python, onnx, onnxruntime and fuser imported.
 WORKER_BASE_BYTES = 200 << 20
 # Peak memory per byte of model (file and external data), rewrite and check included: weight-heavy
-# models peak at 1.1 to 1.3 times their size with the check (a 498 MB GPT-2 export at 0.57 GB,
+# models peak at 1.1 to 1.3 times their size with the check (a 498 MB GPT-2 export at 0.55 to 0.61 GB,
 # bench/scale.py), graph-heavy ones far higher (a 350 MB ViT export with the onnxruntime target
 # at 1.5 times, a 41 MB file of 100k nodes at 2 GB), which a size alone cannot tell: rounded up.
 PEAK_PER_MODEL_BYTE = 7
