@@ -134,11 +134,14 @@ class Model:
         """`proto`, a model built from this one (changed in place), with the weights read in place
         from this model's file put back inline, as the file held them: a ModelProto handed to a
         caller must not depend on the file."""
-        for graph in all_graph_protos(proto.graph):
-            for tensor in graph.initializer:
-                if self.tensors.in_model_file(tensor):
-                    _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
+        self._read_in(t for graph in all_graph_protos(proto.graph) for t in graph.initializer)
         return proto
+
+    def _read_in(self, tensors) -> None:
+        """Put the data of those `tensors` read in place from the model's file inline in them."""
+        for tensor in tensors:
+            if self.tensors.in_model_file(tensor):
+                _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
 
     def unchanged_proto(self) -> ModelProto | None:
         """The ModelProto this model was built from, while nothing has changed the model since:
@@ -176,11 +179,8 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
-        if self.path is not None and Path(path).exists() and Path(path).resolve() == self.path.resolve():
-            # Over the file its weights are read from: they come into memory first.
-            for tensor in self.graph.initializers():
-                if self.tensors.in_model_file(tensor):
-                    _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
+        if self.path is not None and self.path.exists() and Path(path).exists() and os.path.samefile(path, self.path):
+            self._read_in(self.graph.initializers())  # over the file they are read from: into memory first
         write_model(
             self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data, tensors=self.tensors
         )
@@ -232,7 +232,7 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int]]:
         raise InputError(f"{path}: cannot read ({error.strerror})") from error
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or IR version in the file)")
-    store = TensorStore(path.parent)
+    store = TensorStore(path.parent, model_file=path)
     for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them

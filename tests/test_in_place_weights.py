@@ -164,6 +164,14 @@ def test_tensors_it_cannot_follow_are_parsed_as_they_are():
     assert read_in_place(memoryview(_raw(matmul_add())[:-7]), "m.onnx") is None
 
 
+def test_a_weight_of_the_wrong_length_is_refused_as_inline_data_is(tmp_path):
+    proto = matmul_add()
+    proto.graph.initializer[0].raw_data += b"\0\0\0\0"
+    onnx.save(proto, tmp_path / "m.onnx")
+    with pytest.raises(InputError, match=r"initializer 'w' holds \d+ bytes but its dtype float"):
+        read_model(tmp_path / "m.onnx")
+
+
 def test_a_truncated_file_is_still_refused_with_a_message(tmp_path):
     data = _raw(matmul_add())
     (tmp_path / "cut.onnx").write_bytes(data[: len(data) // 2])
