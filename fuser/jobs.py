@@ -328,7 +328,14 @@ def size_on_disk(path: Path, model: Model) -> int:
         for t in model.initializers()
         if uses_external_data(t)
     }
-    return sum(f.stat().st_size for f in files)
+    return sum(_size(f) for f in files)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # a pipe: it has no size on disk
+        return 0
 
 
 def _referenced_files(path: Path) -> set[Path]:

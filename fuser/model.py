@@ -31,7 +31,7 @@ from fuser.graph import (
     weightless_model,
 )
 from fuser.progress import Progress, Ticker
-from fuser.tensors import TensorStore, external_data_fields, nbytes, raw_size, uses_external_data
+from fuser.tensors import TensorStore, external_data_fields, file_identity, nbytes, raw_size, uses_external_data
 from fuser.wire import (
     GRAPH_INITIALIZER_FIELD,
     IN_PLACE_BYTES,
@@ -85,7 +85,7 @@ class Model:
         """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        proto, stated = _read_model(path)
+        proto, stated, identity = _read_model(path)
         # The folder resolved: weights are read from it later, whatever the working directory is by then.
         folder = path.parent.resolve()
         return cls(
@@ -94,7 +94,7 @@ class Model:
             path=path,
             progress=progress,
             initializers_checked=True,
-            tensors=TensorStore(folder, model_file=path, stated_default=stated),
+            tensors=TensorStore(folder, model_file=path, stated_default=stated, identity=identity),
         )
 
     def initializers(self):
@@ -179,7 +179,8 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
-        if self.path is not None and self.path.exists() and Path(path).exists() and os.path.samefile(path, self.path):
+        own = self.tensors.model_file
+        if own is not None and own.exists() and Path(path).exists() and os.path.samefile(path, own):
             self._read_in(self.graph.initializers())  # over the file they are read from: into memory first
         write_model(
             self.parts(), Path(path), source_dir=self.base_dir, external_data=external_data, tensors=self.tensors
@@ -201,9 +202,10 @@ def read_model(path: Path) -> ModelProto:
     return _read_model(path)[0]
 
 
-def _read_model(path: Path) -> tuple[ModelProto, frozenset[int]]:
-    """read_model, and the offsets of the weights read in place that stated their data_location
-    (TensorStore's stated_default)."""
+def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None]:
+    """read_model, the offsets of the weights read in place that stated their data_location
+    (TensorStore's stated_default), and the identity of the file they were read in place from
+    (None when none were)."""
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
@@ -211,13 +213,15 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int]]:
     try:
         with open(path, "rb") as handle:
             status = os.fstat(handle.fileno())
+            identity = None  # of the file whose weights are read in place, whatever the path names later
             mapped = None
-            if stat.S_ISREG(status.st_mode) and status.st_size and _named_where_it_is(path):
+            if stat.S_ISREG(status.st_mode) and status.st_size and _found_as_external_data(path):
                 try:
                     mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
                 except (OSError, ValueError):
                     pass  # a file system that cannot map files: read it whole
             if mapped is not None:
+                identity = file_identity(status)
                 with mapped:
                     model, stated = _parse(path, mapped, in_place=True)
             else:
@@ -246,13 +250,16 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int]]:
         if not _valid_for_onnxruntime(model, error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
-    return model, stated
+    return model, stated, identity
 
 
-def _named_where_it_is(path: Path) -> bool:
-    """Whether the file is found by its own name in its folder, as external data is looked up:
-    not through a symbolic link to a file elsewhere (a Hugging Face cache's snapshots)."""
-    return os.path.realpath(path) == os.path.join(os.path.realpath(path.parent), path.name)
+def _found_as_external_data(path: Path) -> bool:
+    """Whether the file's name, as external data of its own folder, finds the file again: not
+    through a symbolic link to a file elsewhere (a Hugging Face cache's snapshots), and not a
+    name TensorStore refuses as a location."""
+    return not path.name.startswith("\\") and os.path.realpath(path) == os.path.join(
+        os.path.realpath(path.parent), path.name
+    )
 
 
 def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int]]:

@@ -48,16 +48,21 @@ class TensorStore:
     """Reads initializer values, resolving external data against `base_dir` only."""
 
     def __init__(
-        self, base_dir: Path | None, model_file: Path | None = None, stated_default: frozenset[int] = frozenset()
+        self,
+        base_dir: Path | None,
+        model_file: Path | None = None,
+        stated_default: frozenset[int] = frozenset(),
+        identity: tuple | None = None,
     ):
         """model_file: the .onnx file the model was read from, whose large weights are read where
-        they lie in it (fuser.wire.read_in_place), and must not change while they are;
-        stated_default: the offsets of those weights whose TensorProto in the file stated its
-        data_location (DEFAULT), which they state again when written inline."""
+        they lie in it (fuser.wire.read_in_place); identity: the file's (file_identity) when it
+        was read, which it must keep while they are; stated_default: the offsets of those weights
+        whose TensorProto in the file stated its data_location (DEFAULT), which they state again
+        when written inline."""
         self.base_dir = base_dir.resolve() if base_dir is not None else None
         self.model_file_name = Path(model_file).name if model_file is not None else None
-        self._model_file = Path(os.path.realpath(model_file)) if model_file is not None else None
-        self._model_file_identity = _identity(self._model_file) if model_file is not None else None
+        self.model_file = Path(os.path.realpath(model_file)) if model_file is not None else None
+        self._model_file_identity = identity
         self._stated_default = stated_default
         self._fingerprints: dict[tuple[int, bool], tuple[TensorProto, bytes]] = {}
 
@@ -87,7 +92,11 @@ class TensorStore:
         was read (its weights would no longer be where they were)."""
         fields = external_data_fields(tensor)
         path = self.resolve(fields.get("location", ""))
-        if path == self._model_file and _identity(path) != self._model_file_identity:
+        if (
+            self._model_file_identity is not None
+            and path == self.model_file
+            and file_identity(os.stat(path)) != self._model_file_identity
+        ):
             raise InputError(
                 f"{path}: the file changed since the model was read from it, and its weights are read "
                 "from it where they lay; load the model again"
@@ -249,8 +258,8 @@ def nbytes(tensor: TensorProto) -> int:
     return count * (8 if itemsize is None else itemsize)
 
 
-def _identity(path: Path) -> tuple[int, int, int, int]:
-    status = path.stat()
+def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file from the same path rewritten: device, inode, size, modification time."""
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 

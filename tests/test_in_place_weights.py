@@ -244,13 +244,54 @@ def test_weights_are_read_from_the_models_folder_whatever_the_working_directory(
     assert report.verdict.passed and not any(uses_external_data(t) for t in optimized.graph.initializer)
 
 
-def test_saving_over_its_own_file_keeps_the_weights(tmp_path):
+def test_a_file_replaced_while_it_is_checked_is_refused(tmp_path, monkeypatch):
+    """The file is known as it was when its weights were located, not as it is after the
+    loader's checks: a file replaced in between is refused, not misread."""
+    import fuser.model
+
+    onnx.save(matmul_add(seed=0), tmp_path / "m.onnx")
+    onnx.save(matmul_add(seed=1), tmp_path / "other.onnx")
+    real_check = fuser.model.onnx.checker.check_model
+
+    def replaced_meanwhile(*args, **kwargs):
+        shutil.move(tmp_path / "other.onnx", tmp_path / "m.onnx")
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(fuser.model.onnx.checker, "check_model", replaced_meanwhile)
+    model = Model.load(tmp_path / "m.onnx")
+    monkeypatch.undo()
+    with pytest.raises(InputError, match="changed since the model was read"):
+        model.graph.constant_value("w")
+
+
+def test_an_anonymous_pipe_and_a_backslashed_name_load(tmp_path):
+    onnx.save(matmul_add(), tmp_path / "m.onnx")
+    reader, writer = os.pipe()
+    data = (tmp_path / "m.onnx").read_bytes()
+    feeder = threading.Thread(target=lambda: (os.write(writer, data), os.close(writer)))
+    feeder.start()
+    try:
+        model = Model.load(Path(f"/dev/fd/{reader}"))
+    finally:
+        feeder.join()
+        os.close(reader)
+    assert in_place(model) == [False, False]
+    shutil.copy(tmp_path / "m.onnx", tmp_path / "\\m.onnx")
+    assert in_place(Model.load(tmp_path / "\\m.onnx")) == [False, False]
+
+
+def test_saving_over_its_own_file_keeps_the_weights(tmp_path, monkeypatch):
     onnx.save(matmul_add(), tmp_path / "m.onnx")
     expected = onnx.load(tmp_path / "m.onnx")
     model = Model.load(tmp_path / "m.onnx")
     model.save(tmp_path / "m.onnx")
     assert onnx.load(tmp_path / "m.onnx") == expected
     assert model.to_proto() == expected  # the weights came into memory before the file was replaced
+    monkeypatch.chdir(tmp_path)  # loaded by a relative path, saved from another working directory
+    relative = Model.load(Path("m.onnx"))
+    monkeypatch.chdir("/")
+    relative.save(tmp_path / "m.onnx")
+    assert relative.to_proto() == expected
 
 
 def test_a_file_changed_since_it_was_read_is_refused_not_misread(tmp_path):
@@ -262,18 +303,20 @@ def test_a_file_changed_since_it_was_read_is_refused_not_misread(tmp_path):
         model.to_proto()
 
 
+@pytest.mark.parametrize("states_location", [True, False])
 @pytest.mark.parametrize("flag", [["--opset", "18"], ["--fix-shapes", "--dim", "batch=2"]])
-def test_derived_models_write_the_weights_as_the_file_had_them(cli, tmp_path, flag):
+def test_derived_models_write_the_weights_as_the_file_had_them(cli, tmp_path, flag, states_location):
     """--opset and --fix-shapes build a new model from the loaded one: it reads the same file, and
     writes the weight read in place as the file had it (onnx's converter rewrites the others)."""
     proto = matmul_add()
-    for tensor in proto.graph.initializer:
-        tensor.data_location = TensorProto.DEFAULT
+    if states_location:
+        for tensor in proto.graph.initializer:
+            tensor.data_location = TensorProto.DEFAULT
     onnx.save(proto, tmp_path / "m.onnx")
     done = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx", "--disable", "matmul-add-gemm", *flag)
     assert done.returncode == 0, done.stderr
     written = onnx.load(tmp_path / "out.onnx")
-    assert written.graph.initializer[0].HasField("data_location")
+    assert written.graph.initializer[0].HasField("data_location") == states_location
     assert written.graph.initializer[0].raw_data == proto.graph.initializer[0].raw_data
 
 
