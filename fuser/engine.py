@@ -165,6 +165,7 @@ class Engine:
         self._depth = 1  # the deepest pattern of the phase running: how far below a change to look
         self._types = TypeInfo(lambda: model.to_proto(weights=False))
         self._max_rewrites = max_rewrites
+        self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
 
     # ------------------------------------------------------------------ driving
 
@@ -328,7 +329,7 @@ class Engine:
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
-            for pattern, bindings in _guarded_matches(graph, candidate, node_id):
+            for pattern, bindings in _guarded_matches(graph, candidate, node_id, self._present):
                 match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):
                     continue
@@ -535,6 +536,7 @@ class Engine:
         return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
 
     def _log(self, rewrite: Rewrite) -> None:
+        self._present.clear()
         self.result.rewrites.append(rewrite)
         if len(self.result.rewrites) > self._max_rewrites:
             recent = Counter(r.rule for r in self.result.rewrites[-50:])
@@ -589,10 +591,14 @@ def _signature(nodes) -> list:
     )
 
 
-def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
+def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict):
     """(pattern, bindings) for every match of each of the rule's patterns, with a crash in
-    its attribute predicates reported as the rule's bug."""
-    for pattern in candidate.alternatives:
+    its attribute predicates reported as the rule's bug. `present` caches which op types the
+    graph has: a pattern needing one it lacks is not tried (the node that would complete it
+    is new when it comes, and the engine revisits the nodes below a new node)."""
+    for pattern, needs in zip(candidate.alternatives, candidate.needs):
+        if needs and not all(_present(graph, need, present) for need in needs):
+            continue
         matches = find_matches(graph, pattern, node_id)
         while True:
             try:
@@ -601,6 +607,14 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int):
                 break
             except Exception as error:  # noqa: BLE001
                 raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
+
+
+def _present(graph: Graph, need: tuple[tuple[str, ...], str], present: dict) -> bool:
+    key = (id(graph), need)
+    found = present.get(key)
+    if found is None:
+        found = present[key] = graph.has_op(*need)
+    return found
 
 
 def _change_problem(graph: Graph, change: Change) -> str | None:

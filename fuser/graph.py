@@ -328,6 +328,11 @@ class Graph:
             found.extend(self._by_op.get((d, op_type), ()))
         return found
 
+    def has_op(self, op_types: Iterable[str], domain: str = "") -> bool:
+        """True when some node of this scope is of one of `op_types` in `domain`."""
+        domains = _DEFAULT_DOMAINS if domain in _DEFAULT_DOMAINS else (domain,)
+        return any(self._by_op.get((d, t)) for d in domains for t in op_types)
+
     def sort_key(self, node_id: int) -> tuple:
         return self._attrs[node_id]["key"]
 

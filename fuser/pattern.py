@@ -61,6 +61,16 @@ class OpPattern:
     def depth(self) -> int:
         return 1 + max((i.depth for i in self.inputs if isinstance(i, OpPattern)), default=0)
 
+    def needs(self) -> tuple[tuple[tuple[str, ...], str], ...]:
+        """(op types, domain) of each node below the root a match must have: a graph with no
+        node of one of them cannot match the pattern anywhere."""
+        found = []
+        for child in self.inputs:
+            if isinstance(child, OpPattern) and not child.optional:
+                found.append((child.op_types, child.domain))
+                found.extend(child.needs())
+        return tuple(dict.fromkeys(found))
+
     def walk(self):
         yield self
         for child in self.inputs:

@@ -133,6 +133,11 @@ class Rule:
     def depth(self) -> int:
         return max((p.depth for p in self.alternatives), default=0)
 
+    @functools.cached_property
+    def needs(self) -> tuple[tuple[tuple[tuple[str, ...], str], ...], ...]:
+        """Per pattern, the op types it needs below its root (OpPattern.needs)."""
+        return tuple(p.needs() for p in self.alternatives)
+
     def note_text(self) -> str | None:
         return self.note() if callable(self.note) else self.note
 

@@ -50,12 +50,18 @@ def common_subexpression(m: Match, b: Builder):
     m.only_if(bool(inputs))
     graph = m.graph
     signature = _signature(node)
+    position = graph.sort_key(node.id)
+    # Op type and inputs first: a tensor read by many nodes (a mask, a position) would otherwise
+    # cost each of its readers the attributes of all the others.
     twins = [
         other
         for other in graph.op_consumers(inputs[0])
-        if other != node.id and graph.sort_key(other) < graph.sort_key(node.id)
+        if other != node.id
+        and graph.node(other).op_type == node.op_type
+        and graph.node(other).proto.input == node.proto.input
+        and graph.sort_key(other) < position
+        and _signature(graph.node(other)) == signature
     ]
-    twins = [other for other in twins if _signature(graph.node(other)) == signature]
     # Nearly every node has no twin: that is no decline worth a line in the report.
     m.only_if(bool(twins))
     m.require(
