@@ -405,7 +405,7 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
 
 def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fmt, verbose, quiet) -> int:
     started = time.perf_counter()
-    workers = min(jobs or jobs_module.default_jobs([job.source for job in planned]), len(planned))
+    workers = min(jobs or jobs_module.default_jobs(planned), len(planned))
     _say(f"fuser: {len(planned)} models, {workers} at a time", quiet)
     terminal = _terminal_progress(quiet)
     say = terminal.echo if terminal is not None else (lambda line: click.echo(line, err=True))

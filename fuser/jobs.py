@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib
+import mmap
 import multiprocessing
 import os
 import pkgutil
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -29,10 +31,10 @@ import onnx
 from fuser import api, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, NumericsMismatch, UsageError
-from fuser.graph import all_graph_protos
 from fuser.model import (
     Model,
     external_data_path,
+    found_as_external_data,
     refuse_input_data_file,
     write_bytes_atomically,
     write_model,
@@ -41,6 +43,8 @@ from fuser.model import (
 from fuser.progress import STAGES, Progress, silent
 from fuser.tensors import TensorStore, external_data_fields, uses_external_data
 from fuser.verify import CheckOptions, check_names, input_names
+from fuser.wire import Census
+from fuser.wire import census as wire_census
 
 FUSED_SUFFIX = ".fused.onnx"
 
@@ -338,17 +342,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _referenced_files(path: Path) -> set[Path]:
-    written = onnx.load(path, load_external_data=False)
-    referenced = {
-        external_data_fields(t).get("location", "")
-        for g in all_graph_protos(written.graph)
-        for t in g.initializer
-        if uses_external_data(t)
-    }
-    return {(path.parent / location).resolve() for location in referenced}
-
-
 def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -> Path:
     """The models of a mismatch, written into a new temporary folder (returned); `tensors`: the
     store their weights are read from (the input Model's)."""
@@ -367,27 +360,39 @@ def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -
 
 # ------------------------------------------------------------------------ many models at once
 
-# A worker's resident memory before its model: Python, onnx, onnxruntime and fuser imported.
-WORKER_BASE_BYTES = 200 << 20
-# Peak memory per byte of model (file and external data), rewrite and check included: weight-heavy
-# models peak at 1.1 to 1.3 times their size with the check (a 498 MB GPT-2 export at 0.55 to 0.61 GB,
-# bench/scale.py), graph-heavy ones far higher (a 350 MB ViT export with the onnxruntime target
-# at 1.5 times, a 41 MB file of 100k nodes at 2 GB), which a size alone cannot tell: rounded up.
-PEAK_PER_MODEL_BYTE = 7
-# Files smaller than this are read to find their external data; a larger one holds its weights itself.
-EXTERNAL_DATA_PROBE_LIMIT = 64 << 20
+
+# A worker's peak memory, from what its model holds (fuser.wire.Census), fitted to the peaks
+# `python bench/peaks.py` measured on this machine for 40 models (real exports, the light model
+# zoo, stacks of 1k to 100k nodes), both targets, with and without the check, and rounded up: the
+# estimate is above every one of them, by 1.0 to 2.5 times. The check's share is onnxruntime's:
+# two sessions, their activations and any weights made at run time.
+@dataclass(frozen=True)
+class PeakModel:
+    base: int  # Python, onnx, onnxruntime and fuser imported; the check's activations
+    per_node: int
+    per_weight_byte: float  # weights read in place or from external data (memory-mapped)
+    per_weight_byte_read_whole: float  # more, when they are parsed into memory (before IR 4, links)
+    per_filter_byte: float  # convolution filters, more with --target onnxruntime (NCHWc reorders them)
+    per_filter_byte_nchwc: float
+    per_computed_byte: float  # ConstantOfShape results: onnxruntime makes them in each session
 
 
-def default_jobs(sources: list[Path], cores: int | None = None, memory: int | None = None) -> int:
+PEAKS = {
+    True: PeakModel(250 << 20, 28 << 10, 1.3, 2.5, 0.5, 5.0, 2.3),  # with the check
+    False: PeakModel(150 << 20, 12 << 10, 0.3, 2.5, 0.3, 1.5, 0.5),
+}
+
+
+def default_jobs(planned: list[OptimizeJob], cores: int | None = None, memory: int | None = None) -> int:
     """How many models to optimize at once: one per core, no more than the available memory holds
     at the estimated peak of the largest models, and at least one. `cores` and `memory` (bytes)
     default to this machine's."""
     cores = cores or available_cores()
     memory = memory or available_memory()
-    count = max(1, min(cores, len(sources)))
-    if memory is None:
+    count = max(1, min(cores, len(planned)))
+    if memory is None or count == 1:
         return count
-    peaks = sorted((estimated_peak(source) for source in sources), reverse=True)[:count]
+    peaks = sorted((estimated_peak(job) for job in planned), reverse=True)[:count]
     fitting, total = 0, 0
     for peak in peaks:
         total += peak
@@ -397,22 +402,52 @@ def default_jobs(sources: list[Path], cores: int | None = None, memory: int | No
     return max(1, fitting)
 
 
-def estimated_peak(source: Path) -> int:
-    return WORKER_BASE_BYTES + PEAK_PER_MODEL_BYTE * model_bytes(source)
+def estimated_peak(job: OptimizeJob) -> int:
+    """The memory optimizing the job's model is expected to take at its peak, in bytes, from its
+    census; a file that is no model this reader follows weighs its size (its own run says why)."""
+    fit = PEAKS[job.check]
+    found = model_census(job.source)
+    if found is None:
+        return fit.base + int(fit.per_weight_byte_read_whole * model_bytes(job.source))
+    census, whole = found
+    weights = census.weight_bytes + sum(_size(job.source.parent / name) for name in census.unsized if name)
+    per_filter_byte = fit.per_filter_byte_nchwc if job.target == "onnxruntime" else fit.per_filter_byte
+    return int(
+        fit.base
+        + fit.per_node * census.nodes
+        + (fit.per_weight_byte_read_whole if whole else fit.per_weight_byte) * weights
+        + per_filter_byte * census.filter_bytes
+        + fit.per_computed_byte * census.computed_bytes
+    )
+
+
+def model_census(source: Path) -> tuple[Census, bool] | None:
+    """What the model file holds, and whether loading it reads its weights whole (they are read
+    in place otherwise); None if it cannot be read as a model."""
+    try:
+        if not stat.S_ISREG(source.stat().st_mode):
+            return None  # a pipe's bytes are its model's run's to read
+        with (
+            open(source, "rb") as handle,
+            mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+            memoryview(mapped) as view,
+        ):
+            census = wire_census(view)
+    except (OSError, ValueError, BufferError):  # an empty or unmappable file
+        return None
+    if census is None:
+        return None
+    return census, census.ir_version < 4 or not found_as_external_data(source)
 
 
 def model_bytes(source: Path) -> int:
     """The model file's size plus the external data files it references (0 for a missing file)."""
-    try:
-        size = source.stat().st_size
-    except OSError:
-        return 0
-    if size >= EXTERNAL_DATA_PROBE_LIMIT:
+    found = model_census(source)
+    size = _size(source)
+    if found is None:
         return size
-    try:
-        return size + sum(f.stat().st_size for f in _referenced_files(source) if f.is_file())
-    except Exception:  # noqa: BLE001 - not a readable model: its own run says so; it weighs its size
-        return size
+    census, _ = found
+    return size + sum(_size(source.parent / name) for name in census.locations if name)
 
 
 def available_cores() -> int:

@@ -215,7 +215,7 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None]:
             status = os.fstat(handle.fileno())
             identity = None  # of the file whose weights are read in place, whatever the path names later
             mapped = None
-            if stat.S_ISREG(status.st_mode) and status.st_size and _found_as_external_data(path):
+            if stat.S_ISREG(status.st_mode) and status.st_size and found_as_external_data(path):
                 try:
                     mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
                 except (OSError, ValueError):
@@ -253,7 +253,7 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None]:
     return model, stated, identity
 
 
-def _found_as_external_data(path: Path) -> bool:
+def found_as_external_data(path: Path) -> bool:
     """Whether the file's name, as external data of its own folder, finds the file again: not
     through a symbolic link to a file elsewhere (a Hugging Face cache's snapshots), and not a
     name TensorStore refuses as a location."""

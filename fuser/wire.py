@@ -8,7 +8,12 @@ scanned for them, and protobuf parses the rest.
 
 from __future__ import annotations
 
-from onnx import TensorProto
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from onnx import NodeProto, TensorProto, helper
 
 # Weights of more than this many bytes inside a .onnx file are read where they lie in the file
 # (as external data whose location is the file itself) instead of being parsed into memory:
@@ -19,7 +24,14 @@ IN_PLACE_BYTES = 64 << 10
 # Field numbers in onnx.proto.
 MODEL_IR_VERSION_FIELD = 1
 MODEL_GRAPH_FIELD = 7
+GRAPH_NODE_FIELD = 1
 GRAPH_INITIALIZER_FIELD = 5
+GRAPH_SPARSE_INITIALIZER_FIELD = 15
+NODE_ATTRIBUTE_FIELD = 5
+ATTRIBUTE_TENSOR_FIELD = 5
+ATTRIBUTE_GRAPH_FIELD = 6
+ATTRIBUTE_TENSORS_FIELD = 10
+ATTRIBUTE_GRAPHS_FIELD = 11
 TENSOR_DATA_TYPE_FIELD = 2
 TENSOR_SEGMENT_FIELD = 3
 TENSOR_RAW_DATA_FIELD = 9
@@ -174,3 +186,135 @@ def _string_entry(key: bytes, value: bytes) -> bytes:
     """A StringStringEntryProto (key = 1, value = 2) as a TensorProto.external_data field."""
     entry = field_key(1) + encode_varint(len(key)) + key + field_key(2) + encode_varint(len(value)) + value
     return field_key(TENSOR_EXTERNAL_DATA_FIELD) + encode_varint(len(entry)) + entry
+
+
+# ------------------------------------------------------------------------------------ census
+
+# A node longer than this may hold a subgraph or a tensor: its attributes are looked into.
+PLAIN_NODE_BYTES = 512
+# The shape a ConstantOfShape reads is a handful of int64s, and a tensor whose data is in another
+# file is a few names and numbers: initializers up to this size are parsed to see which they are.
+SMALL_TENSOR_BYTES = 1024
+TENSOR_DIMS_FIELD = 1
+
+
+@dataclass
+class Census:
+    """What a model file holds, counted from its bytes without parsing the model: what it costs
+    to optimize one grows with these (fuser.jobs.estimated_peak)."""
+
+    ir_version: int = 0
+    nodes: int = 0  # in every graph, subgraphs included
+    weight_bytes: int = 0  # initializers and tensor attributes, in the file or in external data
+    filter_bytes: int = 0  # of which in initializers of 3 or more dimensions (convolution filters)
+    computed_bytes: int = 0  # ConstantOfShape results of a shape the file fixes: weights made at run time
+    locations: set[str] = field(default_factory=set)  # external data files, as the model names them
+    unsized: set[str] = field(default_factory=set)  # of which those a tensor names without its length
+
+
+def census(buffer: memoryview) -> Census | None:
+    """The Census of the serialized ModelProto in `buffer`, or None if it is not one this
+    reader follows."""
+    counts = Census()
+    try:
+        for number, wire, _, start, end in _fields(buffer, 0, len(buffer)):
+            if number == MODEL_GRAPH_FIELD and wire == LENGTH_DELIMITED:
+                _graph_census(buffer, start, end, counts)
+            elif number == MODEL_IR_VERSION_FIELD and wire == VARINT:
+                counts.ir_version = _read_varint(buffer, start)[0]
+    except (_Unreadable, IndexError, DecodeError):
+        return None
+    return counts
+
+
+def _graph_census(buffer: memoryview, start: int, end: int, counts: Census) -> None:
+    fills: list[tuple[str, int]] = []  # (shape tensor, bytes per element) of each ConstantOfShape
+    shapes: dict[str, int] = {}  # small initializer -> the element count it names as a shape
+    for number, wire, _, value_start, value_end in _fields(buffer, start, end):
+        if wire != LENGTH_DELIMITED:
+            continue
+        length = value_end - value_start
+        if number == GRAPH_NODE_FIELD:
+            counts.nodes += 1
+            if length > PLAIN_NODE_BYTES:
+                _attribute_census(buffer, value_start, value_end, counts)
+                continue
+            node = bytes(buffer[value_start:value_end])
+            if b"ConstantOfShape" in node:
+                fill = _fill(NodeProto.FromString(node))
+                if fill is not None:
+                    fills.append(fill)
+        elif number == GRAPH_SPARSE_INITIALIZER_FIELD:
+            counts.weight_bytes += length
+        elif number == GRAPH_INITIALIZER_FIELD:
+            if length > SMALL_TENSOR_BYTES:
+                counts.weight_bytes += length
+                if _rank(buffer, value_start, value_end) >= 3:
+                    counts.filter_bytes += length
+            else:
+                _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
+    counts.computed_bytes += sum(shapes[name] * size for name, size in fills if name in shapes)
+
+
+def _attribute_census(buffer: memoryview, start: int, end: int, counts: Census) -> None:
+    """The tensors and subgraphs in the attributes of the NodeProto in buffer[start:end]."""
+    for number, wire, _, attribute_start, attribute_end in _fields(buffer, start, end):
+        if number != NODE_ATTRIBUTE_FIELD or wire != LENGTH_DELIMITED:
+            continue
+        for inner, inner_wire, _, value_start, value_end in _fields(buffer, attribute_start, attribute_end):
+            if inner_wire != LENGTH_DELIMITED:
+                continue
+            if inner in (ATTRIBUTE_TENSOR_FIELD, ATTRIBUTE_TENSORS_FIELD):
+                counts.weight_bytes += value_end - value_start
+            elif inner in (ATTRIBUTE_GRAPH_FIELD, ATTRIBUTE_GRAPHS_FIELD):
+                _graph_census(buffer, value_start, value_end, counts)
+
+
+def _rank(buffer: memoryview, start: int, end: int) -> int:
+    """How many dims the TensorProto in buffer[start:end] lists (its data is stepped over)."""
+    rank = 0
+    for number, wire, _, value_start, value_end in _fields(buffer, start, end):
+        if number != TENSOR_DIMS_FIELD:
+            continue
+        if wire == VARINT:
+            rank += 1
+        elif wire == LENGTH_DELIMITED:  # packed
+            position = value_start
+            while position < value_end:
+                position = _read_varint(buffer, position)[1]
+                rank += 1
+    return rank
+
+
+def _fill(node: NodeProto) -> tuple[str, int] | None:
+    """(the shape it reads, bytes per element) of a ConstantOfShape node, else None."""
+    if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx") or not node.input:
+        return None
+    element_type = next((a.t.data_type for a in node.attribute if a.name == "value"), TensorProto.FLOAT)
+    try:
+        size = np.dtype(helper.tensor_dtype_to_np_dtype(element_type)).itemsize
+    except (KeyError, TypeError):
+        size = 4
+    return node.input[0], size
+
+
+def _small_tensor(tensor: TensorProto, length: int, counts: Census, shapes: dict[str, int]) -> None:
+    if tensor.data_location != TensorProto.EXTERNAL:
+        counts.weight_bytes += length
+        if len(tensor.dims) >= 3:
+            counts.filter_bytes += length
+        if tensor.data_type == TensorProto.INT64 and len(tensor.dims) == 1:
+            values = np.frombuffer(tensor.raw_data, dtype="<i8") if tensor.raw_data else tensor.int64_data
+            if len(values) == tensor.dims[0] and all(v >= 0 for v in values):
+                shapes[tensor.name] = math.prod(int(v) for v in values)
+        return
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    counts.locations.add(entries.get("location", ""))
+    try:
+        size = int(entries["length"])
+    except (KeyError, ValueError):
+        counts.unsized.add(entries.get("location", ""))
+        return
+    counts.weight_bytes += size
+    if len(tensor.dims) >= 3:
+        counts.filter_bytes += size

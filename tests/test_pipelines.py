@@ -21,9 +21,11 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
-from fuser import jobs
+from fuser import jobs, wire
 from fuser.report import REPORT_SCHEMA, SCHEMA_VERSION
 from tests.helpers import fuser_cli, in_process_cli, model_from_text, run
 
@@ -264,16 +266,128 @@ def test_check_takes_several_models_and_the_worst_code_wins(cli, zoo, tmp_path):
     assert f"{zoo / 'mlp.onnx'}: " in worse.stderr and "broken.onnx" in worse.stderr
 
 
+def planned(sources, **options) -> list[jobs.OptimizeJob]:
+    return [jobs.OptimizeJob(source, source.with_suffix(".out.onnx"), **options) for source in sources]
+
+
 def test_default_jobs_fit_cores_and_memory(zoo):
-    sources = sorted(zoo.iterdir())
+    sources = planned(sorted(zoo.iterdir()))
     assert jobs.default_jobs(sources) == max(1, min(jobs.available_cores(), 3))
     assert jobs.available_memory() > 0
-    assert jobs.estimated_peak(zoo / "mlp.onnx") > jobs.PEAK_PER_MODEL_BYTE * (zoo / "mlp.onnx").stat().st_size
     peaks = sorted((jobs.estimated_peak(source) for source in sources), reverse=True)
     assert jobs.default_jobs(sources, cores=8, memory=sum(peaks)) == 3
     assert jobs.default_jobs(sources, cores=8, memory=peaks[0] + peaks[1]) == 2  # the two largest fit
     assert jobs.default_jobs(sources, cores=8, memory=peaks[0] // 2) == 1  # at least one, however short
     assert jobs.default_jobs(sources, cores=2, memory=sum(peaks)) == 2
+
+
+def mlp_stack(blocks: int, width: int = 8) -> onnx.ModelProto:
+    nodes, weights, previous = [], [], "x"
+    for index in range(blocks):
+        weights += [
+            numpy_helper.from_array(np.ones((width, width), np.float32), f"w{index}"),
+            numpy_helper.from_array(np.ones(width, np.float32), f"b{index}"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [previous, f"w{index}"], [f"m{index}"]),
+            helper.make_node("Add", [f"m{index}", f"b{index}"], [f"a{index}"]),
+            helper.make_node("Relu", [f"a{index}"], [f"r{index}"]),
+        ]
+        previous = f"r{index}"
+    graph = helper.make_graph(
+        nodes,
+        "stack",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info(previous, onnx.TensorProto.FLOAT, [1, width])],
+        weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_peak_estimate_grows_with_what_the_model_holds(tmp_path):
+    onnx.save(mlp_stack(10), tmp_path / "small.onnx")
+    onnx.save(mlp_stack(1000), tmp_path / "many_nodes.onnx")
+    small, many = planned([tmp_path / "small.onnx", tmp_path / "many_nodes.onnx"])
+    assert jobs.estimated_peak(many) > jobs.estimated_peak(small) + 2900 * jobs.PEAKS[True].per_node
+    unchecked = planned([tmp_path / "many_nodes.onnx"], check=False)[0]
+    assert jobs.estimated_peak(unchecked) < jobs.estimated_peak(many)
+
+    filters = np.ones((64, 64, 3, 3), np.float32)
+    conv = model_from_text(
+        "agraph (float[1, 64, 8, 8] x) => (float[1, 64, 6, 6] y) { y = Conv(x, w) }", initializers={"w": filters}
+    )
+    onnx.save(conv, tmp_path / "conv.onnx")
+    on_onnx, on_ort = (planned([tmp_path / "conv.onnx"], target=target)[0] for target in ("onnx", "onnxruntime"))
+    census, whole = jobs.model_census(tmp_path / "conv.onnx")
+    assert (census.nodes, census.filter_bytes, whole) == (1, conv.graph.initializer[0].ByteSize(), False)
+    assert jobs.estimated_peak(on_ort) - jobs.estimated_peak(on_onnx) == int(
+        (jobs.PEAKS[True].per_filter_byte_nchwc - jobs.PEAKS[True].per_filter_byte) * conv.graph.initializer[0].ByteSize()
+    )
+    conv.ir_version = 3  # every weight is a graph input too: read whole
+    conv.graph.input.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [64, 64, 3, 3]))
+    onnx.save(conv, tmp_path / "conv_ir3.onnx")
+    assert jobs.model_census(tmp_path / "conv_ir3.onnx")[1] is True
+    assert jobs.estimated_peak(planned([tmp_path / "conv_ir3.onnx"])[0]) > jobs.estimated_peak(on_onnx)
+
+
+def test_census_counts_subgraphs_tensor_attributes_and_weights_made_at_run_time():
+    big = numpy_helper.from_array(np.arange(1000, dtype=np.float32), "value")
+    branch = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=big), helper.make_node("Add", ["x", "c"], ["y"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1000])],
+    )
+    shape = numpy_helper.from_array(np.array([16, 1024], np.int64), "shape")
+    graph = helper.make_graph(
+        [
+            helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=branch),
+            helper.make_node(
+                "ConstantOfShape", ["shape"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.float16))
+            ),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1000]),
+        ],
+        [
+            helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1000]),
+            helper.make_tensor_value_info("zeros", onnx.TensorProto.FLOAT16, [16, 1024]),
+        ],
+        [shape],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    census = wire.census(memoryview(model.SerializeToString()))
+    assert census.nodes == 6 and census.ir_version == model.ir_version
+    assert census.weight_bytes == 2 * big.ByteSize() + shape.ByteSize()
+    assert census.computed_bytes == 16 * 1024 * 2  # float16
+    assert wire.census(memoryview(b"\x0a\xff")) is None  # a length past the end
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 40), width=st.sampled_from([1, 8, 200]))
+def test_census_agrees_with_the_parsed_model(blocks, width):
+    model = mlp_stack(blocks, width)
+    census = wire.census(memoryview(model.SerializeToString()))
+    assert census.nodes == len(model.graph.node)
+    assert census.weight_bytes == sum(t.ByteSize() for t in model.graph.initializer)
+    assert census.filter_bytes == census.computed_bytes == 0
+
+
+def test_peak_estimate_of_what_is_not_a_model_file(tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "garbage.onnx").write_bytes(b"\xff" * 100)
+    os.mkfifo(tmp_path / "pipe.onnx")  # never opened: opening a pipe waits for a writer
+    for name in ("empty.onnx", "garbage.onnx", "pipe.onnx", "missing.onnx"):
+        assert jobs.model_census(tmp_path / name) is None
+        job = planned([tmp_path / name])[0]
+        assert jobs.estimated_peak(job) == jobs.PEAKS[True].base + int(
+            jobs.PEAKS[True].per_weight_byte_read_whole * jobs.model_bytes(tmp_path / name)
+        )
+    assert jobs.model_bytes(tmp_path / "garbage.onnx") == 100
+    sources = planned([tmp_path / "pipe.onnx", tmp_path / "missing.onnx", tmp_path / "garbage.onnx"])
+    assert jobs.default_jobs(sources, cores=2, memory=1 << 40) == 2
 
 
 def test_model_size_counts_external_data(tmp_path):
@@ -290,6 +404,8 @@ def test_model_size_counts_external_data(tmp_path):
     expected = (tmp_path / "m.onnx").stat().st_size + (tmp_path / "m.weights").stat().st_size
     assert jobs.model_bytes(tmp_path / "m.onnx") == expected
     assert jobs.model_bytes(tmp_path / "missing.onnx") == 0
+    census, whole = jobs.model_census(tmp_path / "m.onnx")
+    assert (census.weight_bytes, census.locations, census.unsized, whole) == (64 * 64 * 4, {"m.weights"}, set(), False)
 
 
 # ------------------------------------------------------------------------ progress
