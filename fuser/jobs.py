@@ -378,8 +378,8 @@ class PeakModel:
 
 
 PEAKS = {
-    True: PeakModel(250 << 20, 28 << 10, 1.3, 2.5, 0.5, 5.0, 2.3),  # with the check
-    False: PeakModel(150 << 20, 12 << 10, 0.3, 2.5, 0.3, 1.5, 0.5),
+    True: PeakModel(350 << 20, 28 << 10, 1.3, 2.5, 0.5, 5.0, 2.3),  # with the check
+    False: PeakModel(180 << 20, 12 << 10, 0.2, 2.5, 0.3, 1.5, 1.2),
 }
 
 
