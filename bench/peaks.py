@@ -42,7 +42,9 @@ def main() -> int:
     sources: list[Path] = []
     for given in args.models or [LIGHT, MODELS]:
         sources += sorted(given.glob("*.onnx")) if given.is_dir() else [given]
-    print(f"{'model':28} {'nodes':>8} {'weights MB':>10} {'target':11} {'check':5} {'peak MB':>8} {'estimate':>8} {'est/peak':>8}")
+    print(
+        f"{'model':28} {'nodes':>8} {'weights MB':>10} {'target':11} {'check':5} {'peak MB':>8} {'estimate':>8} {'est/peak':>8}"
+    )
     ratios = []
     with tempfile.TemporaryDirectory() as folder:
         for source in sources:

@@ -338,7 +338,7 @@ def size_on_disk(path: Path, model: Model) -> int:
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
-    except OSError:  # a pipe: it has no size on disk
+    except (OSError, ValueError):  # a pipe has no size on disk; a name with a NUL byte names no file
         return 0
 
 
@@ -370,8 +370,8 @@ def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -
 class PeakModel:
     base: int  # Python, onnx, onnxruntime and fuser imported; the check's activations
     per_node: int
-    per_weight_byte: float  # weights read in place or from external data (memory-mapped)
-    per_weight_byte_read_whole: float  # more, when they are parsed into memory (before IR 4, links)
+    per_weight_byte: float  # weights left in their file until read: read in place, or external data
+    per_weight_byte_read_whole: float  # weights parsed into memory: small ones, and all before IR 4 or through a link
     per_filter_byte: float  # convolution filters, more with --target onnxruntime (NCHWc reorders them)
     per_filter_byte_nchwc: float
     per_computed_byte: float  # ConstantOfShape results: onnxruntime makes them in each session
@@ -405,17 +405,20 @@ def default_jobs(planned: list[OptimizeJob], cores: int | None = None, memory: i
 def estimated_peak(job: OptimizeJob) -> int:
     """The memory optimizing the job's model is expected to take at its peak, in bytes, from its
     census; a file that is no model this reader follows weighs its size (its own run says why)."""
-    fit = PEAKS[job.check]
+    fit = PEAKS[job.check or job.measure is not None]  # measuring latency opens sessions too
     found = model_census(job.source)
     if found is None:
         return fit.base + int(fit.per_weight_byte_read_whole * model_bytes(job.source))
     census, whole = found
-    weights = census.weight_bytes + sum(_size(job.source.parent / name) for name in census.unsized if name)
+    unsized = sum(_size(job.source.parent / name) for name in census.unsized if name)
+    left_on_disk = 0 if whole else census.weight_bytes - census.held_bytes + unsized
+    read = census.weight_bytes + unsized - left_on_disk
     per_filter_byte = fit.per_filter_byte_nchwc if job.target == "onnxruntime" else fit.per_filter_byte
     return int(
         fit.base
         + fit.per_node * census.nodes
-        + (fit.per_weight_byte_read_whole if whole else fit.per_weight_byte) * weights
+        + fit.per_weight_byte * left_on_disk
+        + fit.per_weight_byte_read_whole * read
         + per_filter_byte * census.filter_bytes
         + fit.per_computed_byte * census.computed_bytes
     )
@@ -447,7 +450,8 @@ def model_bytes(source: Path) -> int:
     if found is None:
         return size
     census, _ = found
-    return size + sum(_size(source.parent / name) for name in census.locations if name)
+    files = {os.path.normpath(source.parent / name) for name in census.locations if name}
+    return size + sum(_size(Path(f)) for f in files)
 
 
 def available_cores() -> int:

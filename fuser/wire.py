@@ -152,6 +152,8 @@ def _fields(buffer: memoryview, start: int, end: int):
         key_start = position
         key, position = _read_varint(buffer, position)
         number, wire = key >> 3, key & 7
+        if number == 0:
+            raise _Unreadable  # no field has number 0: not protobuf (a file of zeros, say)
         if wire == LENGTH_DELIMITED:
             length, value_start = _read_varint(buffer, position)
             value_end = value_start + length
@@ -190,12 +192,16 @@ def _string_entry(key: bytes, value: bytes) -> bytes:
 
 # ------------------------------------------------------------------------------------ census
 
-# A node longer than this may hold a subgraph or a tensor: its attributes are looked into.
-PLAIN_NODE_BYTES = 512
 # The shape a ConstantOfShape reads is a handful of int64s, and a tensor whose data is in another
 # file is a few names and numbers: initializers up to this size are parsed to see which they are.
 SMALL_TENSOR_BYTES = 1024
+# protobuf refuses messages nested deeper than this; a file that nests graphs deeper is no model.
+MAX_NESTING = 100
+MODEL_FUNCTIONS_FIELD = 25
+FUNCTION_NODE_FIELD = 7
 TENSOR_DIMS_FIELD = 1
+# The key of NodeProto.attribute: a node without this byte has no attribute to look into.
+_ATTRIBUTE_KEY = bytes(field_key(NODE_ATTRIBUTE_FIELD))
 
 
 @dataclass
@@ -204,8 +210,9 @@ class Census:
     to optimize one grows with these (fuser.jobs.estimated_peak)."""
 
     ir_version: int = 0
-    nodes: int = 0  # in every graph, subgraphs included
+    nodes: int = 0  # in every graph and function, subgraphs included
     weight_bytes: int = 0  # initializers and tensor attributes, in the file or in external data
+    held_bytes: int = 0  # of which parsed into memory when loaded (not read in place, not external)
     filter_bytes: int = 0  # of which in initializers of 3 or more dimensions (convolution filters)
     computed_bytes: int = 0  # ConstantOfShape results of a shape the file fixes: weights made at run time
     locations: set[str] = field(default_factory=set)  # external data files, as the model names them
@@ -219,44 +226,60 @@ def census(buffer: memoryview) -> Census | None:
     try:
         for number, wire, _, start, end in _fields(buffer, 0, len(buffer)):
             if number == MODEL_GRAPH_FIELD and wire == LENGTH_DELIMITED:
-                _graph_census(buffer, start, end, counts)
+                _graph_census(buffer, start, end, counts, depth=0)
+            elif number == MODEL_FUNCTIONS_FIELD and wire == LENGTH_DELIMITED:
+                # onnxruntime inlines a function at each call; counted once, it is a lower bound
+                counts.nodes += sum(1 for f in _fields(buffer, start, end) if f[0] == FUNCTION_NODE_FIELD)
             elif number == MODEL_IR_VERSION_FIELD and wire == VARINT:
                 counts.ir_version = _read_varint(buffer, start)[0]
-    except (_Unreadable, IndexError, DecodeError):
+    except (_Unreadable, IndexError, DecodeError, ValueError):
         return None
     return counts
 
 
-def _graph_census(buffer: memoryview, start: int, end: int, counts: Census) -> None:
+def _graph_census(buffer: memoryview, start: int, end: int, counts: Census, depth: int) -> None:
+    if depth > MAX_NESTING:
+        raise _Unreadable
     fills: list[tuple[str, int]] = []  # (shape tensor, bytes per element) of each ConstantOfShape
-    shapes: dict[str, int] = {}  # small initializer -> the element count it names as a shape
+    shapes: dict[str, int] = {}  # small constant -> the element count it names as a shape
     for number, wire, _, value_start, value_end in _fields(buffer, start, end):
         if wire != LENGTH_DELIMITED:
             continue
         length = value_end - value_start
         if number == GRAPH_NODE_FIELD:
             counts.nodes += 1
-            if length > PLAIN_NODE_BYTES:
-                _attribute_census(buffer, value_start, value_end, counts)
-                continue
-            node = bytes(buffer[value_start:value_end])
-            if b"ConstantOfShape" in node:
-                fill = _fill(NodeProto.FromString(node))
-                if fill is not None:
-                    fills.append(fill)
+            if length <= SMALL_TENSOR_BYTES:
+                node_bytes = bytes(buffer[value_start:value_end])
+                if _ATTRIBUTE_KEY not in node_bytes:
+                    continue
+                node = NodeProto.FromString(node_bytes)  # a small node: parsing it is quicker than walking it
+                if not any(a.HasField("g") or a.graphs for a in node.attribute):
+                    held = sum(a.t.ByteSize() + sum(t.ByteSize() for t in a.tensors) for a in node.attribute)
+                    counts.weight_bytes += held
+                    counts.held_bytes += held
+                    _constant_node(node, fills, shapes)
+                    continue
+            _attribute_census(buffer, value_start, value_end, counts, depth)
         elif number == GRAPH_SPARSE_INITIALIZER_FIELD:
             counts.weight_bytes += length
+            counts.held_bytes += length
         elif number == GRAPH_INITIALIZER_FIELD:
-            if length > SMALL_TENSOR_BYTES:
-                counts.weight_bytes += length
-                if _rank(buffer, value_start, value_end) >= 3:
-                    counts.filter_bytes += length
-            else:
+            if length <= SMALL_TENSOR_BYTES:
                 _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
+                continue
+            rank, external = _tensor_layout(buffer, value_start, value_end)
+            if external:  # a long name, say: the tensor is still small without its data
+                _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
+                continue
+            counts.weight_bytes += length
+            if depth or length <= IN_PLACE_BYTES:
+                counts.held_bytes += length
+            if rank >= 3:
+                counts.filter_bytes += length
     counts.computed_bytes += sum(shapes[name] * size for name, size in fills if name in shapes)
 
 
-def _attribute_census(buffer: memoryview, start: int, end: int, counts: Census) -> None:
+def _attribute_census(buffer: memoryview, start: int, end: int, counts: Census, depth: int) -> None:
     """The tensors and subgraphs in the attributes of the NodeProto in buffer[start:end]."""
     for number, wire, _, attribute_start, attribute_end in _fields(buffer, start, end):
         if number != NODE_ATTRIBUTE_FIELD or wire != LENGTH_DELIMITED:
@@ -266,47 +289,68 @@ def _attribute_census(buffer: memoryview, start: int, end: int, counts: Census) 
                 continue
             if inner in (ATTRIBUTE_TENSOR_FIELD, ATTRIBUTE_TENSORS_FIELD):
                 counts.weight_bytes += value_end - value_start
+                counts.held_bytes += value_end - value_start
             elif inner in (ATTRIBUTE_GRAPH_FIELD, ATTRIBUTE_GRAPHS_FIELD):
-                _graph_census(buffer, value_start, value_end, counts)
+                _graph_census(buffer, value_start, value_end, counts, depth + 1)
 
 
-def _rank(buffer: memoryview, start: int, end: int) -> int:
-    """How many dims the TensorProto in buffer[start:end] lists (its data is stepped over)."""
-    rank = 0
+def _tensor_layout(buffer: memoryview, start: int, end: int) -> tuple[int, bool]:
+    """How many dims the TensorProto in buffer[start:end] lists, and whether its data is in
+    another file (its own data is stepped over, not read)."""
+    rank, external = 0, False
     for number, wire, _, value_start, value_end in _fields(buffer, start, end):
-        if number != TENSOR_DIMS_FIELD:
-            continue
-        if wire == VARINT:
+        if number == TENSOR_EXTERNAL_DATA_FIELD:
+            external = True
+        elif number == TENSOR_DATA_LOCATION_FIELD and wire == VARINT:
+            external = external or _read_varint(buffer, value_start)[0] == TensorProto.EXTERNAL
+        elif number == TENSOR_DIMS_FIELD and wire == VARINT:
             rank += 1
-        elif wire == LENGTH_DELIMITED:  # packed
+        elif number == TENSOR_DIMS_FIELD and wire == LENGTH_DELIMITED:  # packed
             position = value_start
             while position < value_end:
                 position = _read_varint(buffer, position)[1]
                 rank += 1
-    return rank
+    return rank, external
 
 
-def _fill(node: NodeProto) -> tuple[str, int] | None:
-    """(the shape it reads, bytes per element) of a ConstantOfShape node, else None."""
-    if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx") or not node.input:
-        return None
-    element_type = next((a.t.data_type for a in node.attribute if a.name == "value"), TensorProto.FLOAT)
-    try:
-        size = np.dtype(helper.tensor_dtype_to_np_dtype(element_type)).itemsize
-    except (KeyError, TypeError):
-        size = 4
-    return node.input[0], size
+def _constant_node(node: NodeProto, fills: list[tuple[str, int]], shapes: dict[str, int]) -> None:
+    """Note a ConstantOfShape's shape input and element size, or a Constant's value as a shape."""
+    if node.domain not in ("", "ai.onnx") or not node.output:
+        return
+    value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+    if node.op_type == "ConstantOfShape" and node.input:
+        element_type = value.data_type if value is not None else TensorProto.FLOAT
+        try:
+            size = np.dtype(helper.tensor_dtype_to_np_dtype(element_type)).itemsize
+        except (KeyError, TypeError):
+            size = 4
+        fills.append((node.input[0], size))
+    elif node.op_type == "Constant" and value is not None:
+        _note_shape(value, node.output[0], shapes)
+
+
+def _note_shape(tensor: TensorProto, name: str, shapes: dict[str, int]) -> None:
+    """Remember the element count a 1-D int64 tensor names, were it a shape."""
+    if tensor.data_type != TensorProto.INT64 or len(tensor.dims) != 1:
+        return
+    if tensor.raw_data:
+        if len(tensor.raw_data) != 8 * tensor.dims[0]:
+            return
+        values = np.frombuffer(tensor.raw_data, dtype="<i8")
+    else:
+        values = tensor.int64_data
+    if len(values) == tensor.dims[0] and all(v >= 0 for v in values):
+        shapes[name] = math.prod(int(v) for v in values)
 
 
 def _small_tensor(tensor: TensorProto, length: int, counts: Census, shapes: dict[str, int]) -> None:
+    """Count an initializer small enough to parse, or one whose data is in another file."""
     if tensor.data_location != TensorProto.EXTERNAL:
         counts.weight_bytes += length
+        counts.held_bytes += length
         if len(tensor.dims) >= 3:
             counts.filter_bytes += length
-        if tensor.data_type == TensorProto.INT64 and len(tensor.dims) == 1:
-            values = np.frombuffer(tensor.raw_data, dtype="<i8") if tensor.raw_data else tensor.int64_data
-            if len(values) == tensor.dims[0] and all(v >= 0 for v in values):
-                shapes[tensor.name] = math.prod(int(v) for v in values)
+        _note_shape(tensor, tensor.name, shapes)
         return
     entries = {entry.key: entry.value for entry in tensor.external_data}
     counts.locations.add(entries.get("location", ""))

@@ -1082,3 +1082,58 @@ def test_check_mode_lists_only_what_optimize_applies():
     assert fuser.find_opportunities(proto, rules=[clip_again]).opportunities == []
     _, report = fuser.optimize(proto, rules=[clip_again], check=False)
     assert report.counts == {}
+
+
+# -------------------------------------------------- patterns needing op types the graph lacks
+
+
+@rule("abs-to-sigmoid", pattern=op.Abs(var("x"), name="abs"))
+def abs_to_sigmoid(m: Match, b: Builder):
+    """Abs => Sigmoid (a test rule: it creates the op type another rule needs)."""
+    return b.Sigmoid(m["x"])
+
+
+@rule("neg-of-sigmoid", pattern=op.Neg(op.Sigmoid(var("x"), name="sigmoid"), name="neg"))
+def neg_of_sigmoid(m: Match, b: Builder):
+    """Neg(Sigmoid(x)) => Exp(x) (a test rule: its pattern needs a Sigmoid below its root)."""
+    return b.Exp(m["x"])
+
+
+def chain_model(nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in outputs],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_pattern_is_tried_again_once_a_rewrite_creates_the_op_type_it_needs():
+    # The first Neg is visited while the graph has no Sigmoid; the Abs rewrite then creates one
+    # below the second Neg, which must still be matched.
+    model = chain_model(
+        [
+            helper.make_node("Neg", ["a"], ["na"], name="early"),
+            helper.make_node("Abs", ["x"], ["t"], name="abs"),
+            helper.make_node("Neg", ["t"], ["y"], name="late"),
+        ],
+        ["a", "x"],
+        ["na", "y"],
+    )
+    loaded = Model(model)
+    result = Engine(loaded, [abs_to_sigmoid, neg_of_sigmoid]).run()
+    assert [r.rule for r in result.rewrites] == ["abs-to-sigmoid", "neg-of-sigmoid"]
+    assert op_types(loaded.to_proto()) == ["Neg", "Exp"]
+
+
+def test_a_needed_op_type_counts_in_either_spelling_of_the_default_domain():
+    model = chain_model(
+        [helper.make_node("Sigmoid", ["x"], ["s"], domain="ai.onnx"), helper.make_node("Neg", ["s"], ["y"])],
+        ["x"],
+        ["y"],
+    )
+    assert [r.rule for r in Engine(Model(model), [neg_of_sigmoid]).run().rewrites] == ["neg-of-sigmoid"]
+    without = chain_model([helper.make_node("Relu", ["x"], ["s"]), helper.make_node("Neg", ["s"], ["y"])], ["x"], ["y"])
+    assert Engine(Model(without), [neg_of_sigmoid]).run().rewrites == []
+    assert neg_of_sigmoid.needs == (((("Sigmoid",), ""),),)

@@ -321,7 +321,8 @@ def test_peak_estimate_grows_with_what_the_model_holds(tmp_path):
     census, whole = jobs.model_census(tmp_path / "conv.onnx")
     assert (census.nodes, census.filter_bytes, whole) == (1, conv.graph.initializer[0].ByteSize(), False)
     assert jobs.estimated_peak(on_ort) - jobs.estimated_peak(on_onnx) == int(
-        (jobs.PEAKS[True].per_filter_byte_nchwc - jobs.PEAKS[True].per_filter_byte) * conv.graph.initializer[0].ByteSize()
+        (jobs.PEAKS[True].per_filter_byte_nchwc - jobs.PEAKS[True].per_filter_byte)
+        * conv.graph.initializer[0].ByteSize()
     )
     conv.ir_version = 3  # every weight is a graph input too: read whole
     conv.graph.input.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [64, 64, 3, 3]))
@@ -339,12 +340,11 @@ def test_census_counts_subgraphs_tensor_attributes_and_weights_made_at_run_time(
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1000])],
     )
     shape = numpy_helper.from_array(np.array([16, 1024], np.int64), "shape")
+    fill = numpy_helper.from_array(np.zeros(1, np.float16))
     graph = helper.make_graph(
         [
             helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=branch),
-            helper.make_node(
-                "ConstantOfShape", ["shape"], ["zeros"], value=numpy_helper.from_array(np.zeros(1, np.float16))
-            ),
+            helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=fill),
         ],
         "g",
         [
@@ -360,7 +360,7 @@ def test_census_counts_subgraphs_tensor_attributes_and_weights_made_at_run_time(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     census = wire.census(memoryview(model.SerializeToString()))
     assert census.nodes == 6 and census.ir_version == model.ir_version
-    assert census.weight_bytes == 2 * big.ByteSize() + shape.ByteSize()
+    assert census.weight_bytes == 2 * big.ByteSize() + shape.ByteSize() + fill.ByteSize()
     assert census.computed_bytes == 16 * 1024 * 2  # float16
     assert wire.census(memoryview(b"\x0a\xff")) is None  # a length past the end
 
@@ -373,6 +373,97 @@ def test_census_agrees_with_the_parsed_model(blocks, width):
     assert census.nodes == len(model.graph.node)
     assert census.weight_bytes == sum(t.ByteSize() for t in model.graph.initializer)
     assert census.filter_bytes == census.computed_bytes == 0
+
+
+def test_census_looks_into_small_nodes_and_external_tensors_with_long_names(tmp_path):
+    branch = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Abs", ["n"], ["y"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    node = helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=branch)
+    assert node.ByteSize() < 200
+    name = "w" * 1100  # its TensorProto is longer than the small ones parsed outright
+    weights = numpy_helper.from_array(np.ones((16, 16, 2, 2), np.float32), name)
+    graph = helper.make_graph(
+        [node, helper.make_node("Conv", ["x4", name], ["c"])],
+        "g",
+        [
+            helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("x4", onnx.TensorProto.FLOAT, [1, 16, 4, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [1, 16, 3, 3]),
+        ],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin", size_threshold=0)
+    census, whole = jobs.model_census(tmp_path / "m.onnx")
+    assert census.nodes == 6 and not whole
+    assert (census.weight_bytes, census.filter_bytes, census.held_bytes) == (16 * 16 * 4 * 4, 16 * 16 * 4 * 4, 0)
+    assert census.locations == {"m.bin"} and census.unsized == set()
+    assert jobs.model_bytes(tmp_path / "m.onnx") == sum(os.path.getsize(tmp_path / f) for f in ("m.onnx", "m.bin"))
+
+    written = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    for entry in list(written.graph.initializer[0].external_data):
+        if entry.key in ("offset", "length"):
+            written.graph.initializer[0].external_data.remove(entry)
+    onnx.save(written, tmp_path / "unsized.onnx")
+    census, _ = jobs.model_census(tmp_path / "unsized.onnx")
+    assert census.unsized == {"m.bin"} and census.weight_bytes == 0
+    unsized, sized = planned([tmp_path / "unsized.onnx", tmp_path / "m.onnx"])
+    assert jobs.estimated_peak(unsized) >= jobs.estimated_peak(sized) - jobs.PEAKS[True].per_filter_byte * 4096 - 1
+
+
+def nested_ifs(depth: int) -> onnx.ModelProto:
+    leaf = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "b", [], [helper.make_tensor_value_info("y", 1, [1])]
+    )
+    body = leaf
+    for _ in range(depth):
+        body = helper.make_graph(
+            [helper.make_node("If", ["flag"], ["y"], then_branch=body, else_branch=leaf)],
+            "b",
+            [],
+            [helper.make_tensor_value_info("y", 1, [1])],
+        )
+    model = helper.make_model(body, opset_imports=[helper.make_opsetid("", 17)])
+    model.graph.input.extend([helper.make_tensor_value_info("flag", 9, []), helper.make_tensor_value_info("x", 1, [1])])
+    return model
+
+
+def nested_graphs(depth: int, padding: int = 0) -> bytes:
+    """A ModelProto's bytes whose graph nests `depth` graphs, each in a node's attribute (and a
+    `padding`-byte node name): protobuf's helpers refuse to build one that deep."""
+
+    def length_delimited(number: int, value: bytes) -> bytes:
+        return wire.field_key(number) + wire.encode_varint(len(value)) + value
+
+    graph = b""
+    for _ in range(depth):
+        node = length_delimited(3, b"n" * padding) + length_delimited(5, length_delimited(6, graph))
+        graph = length_delimited(1, node)
+    return length_delimited(7, graph)
+
+
+def test_census_refuses_what_protobuf_would():
+    assert wire.census(memoryview(nested_ifs(5).SerializeToString())).nodes == 5 + 5 + 1  # Ifs, Identities
+    assert wire.census(memoryview(nested_graphs(20))).nodes == 20
+    assert wire.census(memoryview(nested_graphs(150))) is None  # deeper than protobuf reads
+    assert wire.census(memoryview(nested_graphs(150, padding=2000))) is None  # nodes too long to parse outright
+    assert wire.census(memoryview(bytes(1 << 20))) is None  # zeros: field number 0 does not exist
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=400), cut=st.integers(0, 10_000))
+def test_census_of_any_bytes_is_a_census_or_none(data, cut):
+    valid = mlp_stack(3).SerializeToString()
+    for candidate in (data, valid[:cut], valid[:cut] + data, data + valid):
+        assert wire.census(memoryview(candidate)) is None or isinstance(wire.census(memoryview(candidate)), wire.Census)
 
 
 def test_peak_estimate_of_what_is_not_a_model_file(tmp_path):
