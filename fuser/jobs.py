@@ -362,10 +362,10 @@ def keep_evidence(error: NumericsMismatch, source: Path, tensors: TensorStore) -
 
 
 # A worker's peak memory, from what its model holds (fuser.wire.Census), fitted to the peaks
-# `python bench/peaks.py` measured on this machine for 40 models (real exports, the light model
-# zoo, stacks of 1k to 100k nodes), both targets, with and without the check, and rounded up: the
-# estimate is above every one of them, by 1.0 to 2.5 times. The check's share is onnxruntime's:
-# two sessions, their activations and any weights made at run time.
+# `python bench/peaks.py` measured on a 2-core machine for 35 models (real exports, the light model
+# zoo, stacks of 1k to 100k nodes), both targets, with and without the check (140 runs), and
+# rounded up: the estimate is at or above every one of them, by 1.01 to 3.84 times. The check's
+# share is onnxruntime's: two sessions, their activations and any weights made at run time.
 @dataclass(frozen=True)
 class PeakModel:
     base: int  # Python, onnx, onnxruntime and fuser imported; the check's activations
