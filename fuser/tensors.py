@@ -107,6 +107,8 @@ class TensorStore:
         """The file an external-data location names, refused if it escapes the model folder."""
         if self.base_dir is None:
             raise UnsafePathError(f"external data '{location}' cannot be read: the model was not loaded from a file")
+        if "\0" in location:
+            raise UnsafePathError(f"external data location {location!r} holds a NUL byte, which names no file")
         relative = Path(location)
         if relative.is_absolute() or ".." in relative.parts or location.startswith(("/", "\\")):
             raise UnsafePathError(

@@ -220,3 +220,13 @@ def test_weights_can_be_handed_to_onnxruntime_inline_from_any_folder(folders, mo
     x = np.random.default_rng(2).standard_normal((1, 3, 4, 4)).astype(np.float32)
     session = ort.InferenceSession(inline.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"x": x})[0], run(conv_bn(16), {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_location_with_a_nul_byte_is_an_input_error(cli, folders):
+    source, target, elsewhere = folders
+    model = onnx.load(source, load_external_data=False)
+    model.graph.initializer[0].external_data[0].value = "weights\0.bin"
+    onnx.save(model, source)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2 and "holds a NUL byte" in result.stderr, result.stderr
+    assert list(target.iterdir()) == []
