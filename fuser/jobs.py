@@ -371,7 +371,7 @@ class PeakModel:
     base: int  # Python, onnx, onnxruntime and fuser imported; the check's activations
     per_node: int
     per_weight_byte: float  # weights left in their file until read: read in place, or external data
-    per_weight_byte_read_whole: float  # weights parsed into memory: small ones, and all before IR 4 or through a link
+    per_weight_byte_read_whole: float  # weights parsed into memory (small ones; all before IR 4 or through a link)
     per_filter_byte: float  # convolution filters, more with --target onnxruntime (NCHWc reorders them)
     per_filter_byte_nchwc: float
     per_computed_byte: float  # ConstantOfShape results: onnxruntime makes them in each session
@@ -408,9 +408,9 @@ def estimated_peak(job: OptimizeJob) -> int:
     fit = PEAKS[job.check or job.measure is not None]  # measuring latency opens sessions too
     found = model_census(job.source)
     if found is None:
-        return fit.base + int(fit.per_weight_byte_read_whole * model_bytes(job.source))
+        return fit.base + int(fit.per_weight_byte_read_whole * _size(job.source))
     census, whole = found
-    unsized = sum(_size(job.source.parent / name) for name in census.unsized if name)
+    unsized = sum(_size(job.source.parent / name) for name in _beside(census.unsized))
     left_on_disk = 0 if whole else census.weight_bytes - census.held_bytes + unsized
     read = census.weight_bytes + unsized - left_on_disk
     per_filter_byte = fit.per_filter_byte_nchwc if job.target == "onnxruntime" else fit.per_filter_byte
@@ -443,15 +443,13 @@ def model_census(source: Path) -> tuple[Census, bool] | None:
     return census, census.ir_version < 4 or not found_as_external_data(source)
 
 
-def model_bytes(source: Path) -> int:
-    """The model file's size plus the external data files it references (0 for a missing file)."""
-    found = model_census(source)
-    size = _size(source)
-    if found is None:
-        return size
-    census, _ = found
-    files = {os.path.normpath(source.parent / name) for name in census.locations if name}
-    return size + sum(_size(Path(f)) for f in files)
+def _beside(locations: Iterable[str]) -> list[str]:
+    """The external-data locations TensorStore would read: inside the model's folder."""
+    return [
+        name
+        for name in locations
+        if name and not os.path.isabs(name) and ".." not in Path(name).parts and not name.startswith("\\")
+    ]
 
 
 def available_cores() -> int:

@@ -195,8 +195,10 @@ def _string_entry(key: bytes, value: bytes) -> bytes:
 # The shape a ConstantOfShape reads is a handful of int64s, and a tensor whose data is in another
 # file is a few names and numbers: initializers up to this size are parsed to see which they are.
 SMALL_TENSOR_BYTES = 1024
-# protobuf refuses messages nested deeper than this; a file that nests graphs deeper is no model.
+# protobuf refuses 100 levels of messages, some 33 of graphs in nodes; the scan stops well past that.
 MAX_NESTING = 100
+# A length or element count beyond this is no tensor a file holds or a machine makes.
+MAX_TENSOR_BYTES = 1 << 48
 MODEL_FUNCTIONS_FIELD = 25
 FUNCTION_NODE_FIELD = 7
 TENSOR_DIMS_FIELD = 1
@@ -250,7 +252,7 @@ def _graph_census(buffer: memoryview, start: int, end: int, counts: Census, dept
             counts.nodes += 1
             if length <= SMALL_TENSOR_BYTES:
                 node_bytes = bytes(buffer[value_start:value_end])
-                if _ATTRIBUTE_KEY not in node_bytes:
+                if _ATTRIBUTE_KEY not in node_bytes and b"ConstantOfShape" not in node_bytes:
                     continue
                 node = NodeProto.FromString(node_bytes)  # a small node: parsing it is quicker than walking it
                 if not any(a.HasField("g") or a.graphs for a in node.attribute):
@@ -272,7 +274,9 @@ def _graph_census(buffer: memoryview, start: int, end: int, counts: Census, dept
                 _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
                 continue
             counts.weight_bytes += length
-            if depth or length <= IN_PLACE_BYTES:
+            # What loading leaves in the file is what read_in_place takes: main-graph raw data
+            # over IN_PLACE_BYTES (not float_data, not strings); the rest is parsed into memory.
+            if depth or _tensor_in_place(buffer, value_start, value_end, b"") is None:
                 counts.held_bytes += length
             if rank >= 3:
                 counts.filter_bytes += length
@@ -340,7 +344,9 @@ def _note_shape(tensor: TensorProto, name: str, shapes: dict[str, int]) -> None:
     else:
         values = tensor.int64_data
     if len(values) == tensor.dims[0] and all(v >= 0 for v in values):
-        shapes[name] = math.prod(int(v) for v in values)
+        count = math.prod(int(v) for v in values)
+        if count <= MAX_TENSOR_BYTES:
+            shapes[name] = count
 
 
 def _small_tensor(tensor: TensorProto, length: int, counts: Census, shapes: dict[str, int]) -> None:
@@ -357,6 +363,8 @@ def _small_tensor(tensor: TensorProto, length: int, counts: Census, shapes: dict
     try:
         size = int(entries["length"])
     except (KeyError, ValueError):
+        size = -1
+    if not 0 <= size <= MAX_TENSOR_BYTES:
         counts.unsized.add(entries.get("location", ""))
         return
     counts.weight_bytes += size

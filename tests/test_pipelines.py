@@ -23,7 +23,7 @@ import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 
 from fuser import jobs, wire
 from fuser.report import REPORT_SCHEMA, SCHEMA_VERSION
@@ -406,7 +406,6 @@ def test_census_looks_into_small_nodes_and_external_tensors_with_long_names(tmp_
     assert census.nodes == 6 and not whole
     assert (census.weight_bytes, census.filter_bytes, census.held_bytes) == (16 * 16 * 4 * 4, 16 * 16 * 4 * 4, 0)
     assert census.locations == {"m.bin"} and census.unsized == set()
-    assert jobs.model_bytes(tmp_path / "m.onnx") == sum(os.path.getsize(tmp_path / f) for f in ("m.onnx", "m.bin"))
 
     written = onnx.load(tmp_path / "m.onnx", load_external_data=False)
     for entry in list(written.graph.initializer[0].external_data):
@@ -470,33 +469,88 @@ def test_peak_estimate_of_what_is_not_a_model_file(tmp_path):
     (tmp_path / "empty.onnx").write_bytes(b"")
     (tmp_path / "garbage.onnx").write_bytes(b"\xff" * 100)
     os.mkfifo(tmp_path / "pipe.onnx")  # never opened: opening a pipe waits for a writer
-    for name in ("empty.onnx", "garbage.onnx", "pipe.onnx", "missing.onnx"):
+    sizes = {"empty.onnx": 0, "garbage.onnx": 100, "pipe.onnx": 0, "missing.onnx": 0}
+    for name, size in sizes.items():
         assert jobs.model_census(tmp_path / name) is None
         job = planned([tmp_path / name])[0]
         assert jobs.estimated_peak(job) == jobs.PEAKS[True].base + int(
-            jobs.PEAKS[True].per_weight_byte_read_whole * jobs.model_bytes(tmp_path / name)
+            jobs.PEAKS[True].per_weight_byte_read_whole * size
         )
-    assert jobs.model_bytes(tmp_path / "garbage.onnx") == 100
     sources = planned([tmp_path / "pipe.onnx", tmp_path / "missing.onnx", tmp_path / "garbage.onnx"])
-    assert jobs.default_jobs(sources, cores=2, memory=1 << 40) == 2
+    assert jobs.default_jobs(sources, cores=2, memory=2 * jobs.PEAKS[True].base + 250) == 2
+    assert jobs.default_jobs(sources, cores=2, memory=2 * jobs.PEAKS[True].base + 249) == 1
 
 
-def test_model_size_counts_external_data(tmp_path):
-    weights = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
-        [weights],
+def test_census_finds_external_data_and_what_loading_holds_in_memory(tmp_path):
+    large = np.ones((256, 128), np.float32)  # 128 KiB: over IN_PLACE_BYTES
+    model = model_from_text(
+        "agraph (float[1, 256] x) => (float[1, 128] y, float[1, 128] z) { y = MatMul(x, w)  z = MatMul(x, v) }",
+        initializers={"w": large, "v": large},
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    as_floats = helper.make_tensor("v", onnx.TensorProto.FLOAT, [256, 128], large.ravel().tolist())
+    model.graph.initializer[1].CopyFrom(as_floats)  # float_data: parsed into memory, not read in place
+    census = wire.census(memoryview(model.SerializeToString()))
+    raw, floats = (t.ByteSize() for t in model.graph.initializer)
+    assert (census.weight_bytes, census.held_bytes) == (raw + floats, floats)
+
+    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(large, "v"))
     onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.weights", size_threshold=0)
-    expected = (tmp_path / "m.onnx").stat().st_size + (tmp_path / "m.weights").stat().st_size
-    assert jobs.model_bytes(tmp_path / "m.onnx") == expected
-    assert jobs.model_bytes(tmp_path / "missing.onnx") == 0
     census, whole = jobs.model_census(tmp_path / "m.onnx")
-    assert (census.weight_bytes, census.locations, census.unsized, whole) == (64 * 64 * 4, {"m.weights"}, set(), False)
+    assert (census.weight_bytes, census.held_bytes, whole) == (2 * large.nbytes, 0, False)
+    assert (census.locations, census.unsized) == ({"m.weights"}, set())
+
+
+def test_census_of_subgraphs_constants_functions_and_absurd_sizes():
+    large = numpy_helper.from_array(np.ones(20000, np.float32), "w")  # 80 KB, in a subgraph: parsed
+    body = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "body",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [20000])],
+        [large],
+    )
+    shape = numpy_helper.from_array(np.array([1024, 256], np.int64))
+    absurd = numpy_helper.from_array(np.array([1 << 40, 1 << 40], np.int64), "absurd")
+    graph = helper.make_graph(
+        [
+            helper.make_node("If", ["flag"], ["y"], then_branch=body, else_branch=body),
+            helper.make_node("Constant", [], ["shape"], value=shape),
+            helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),  # no value: float32 zeros
+            helper.make_node("ConstantOfShape", ["absurd"], ["huge"]),
+            helper.make_node("Twice", ["x"], ["t"], domain="local"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [20000]),
+        ],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("y", "zeros", "huge", "t")],
+        [absurd],
+    )
+    twice = helper.make_function(
+        "local", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])], [helper.make_opsetid("", 17)]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], functions=[twice])
+    census = wire.census(memoryview(model.SerializeToString()))
+    assert census.nodes == 5 + 2 + 1  # the graph's, both branches', the function's
+    assert census.held_bytes == census.weight_bytes == 2 * large.ByteSize() + shape.ByteSize() + absurd.ByteSize()
+    assert census.computed_bytes == 1024 * 256 * 4  # the absurd shape counts for nothing
+
+    external = numpy_helper.from_array(np.zeros(4, np.float32), "e")
+    external_data_helper.set_external_data(external, "e.bin", length=10**400)
+    external.ClearField("raw_data")
+    model.graph.initializer.append(external)
+    census = wire.census(memoryview(model.SerializeToString()))
+    assert census.unsized == {"e.bin"}
+
+
+def test_peak_estimate_with_the_latency_measurement_is_the_checks(tmp_path):
+    onnx.save(mlp_stack(100), tmp_path / "m.onnx")
+    unchecked, measured = (
+        planned([tmp_path / "m.onnx"], check=False, measure=measure)[0] for measure in (None, "onnxruntime")
+    )
+    assert jobs.estimated_peak(measured) == jobs.estimated_peak(planned([tmp_path / "m.onnx"])[0])
+    assert jobs.estimated_peak(unchecked) < jobs.estimated_peak(measured)
 
 
 # ------------------------------------------------------------------------ progress
