@@ -41,7 +41,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.progress import STAGES, Progress, silent
-from fuser.tensors import TensorStore, external_data_fields, uses_external_data
+from fuser.tensors import TensorStore, external_data_fields, names_a_file_inside, uses_external_data
 from fuser.verify import CheckOptions, check_names, input_names
 from fuser.wire import Census
 from fuser.wire import census as wire_census
@@ -410,7 +410,7 @@ def estimated_peak(job: OptimizeJob) -> int:
     if found is None:
         return fit.base + int(fit.per_weight_byte_read_whole * _size(job.source))
     census, whole = found
-    unsized = sum(_size(job.source.parent / name) for name in _beside(census.unsized))
+    unsized = sum(_size(job.source.parent / name) for name in census.unsized if name and names_a_file_inside(name))
     left_on_disk = 0 if whole else census.weight_bytes - census.held_bytes + unsized
     read = census.weight_bytes + unsized - left_on_disk
     per_filter_byte = fit.per_filter_byte_nchwc if job.target == "onnxruntime" else fit.per_filter_byte
@@ -441,15 +441,6 @@ def model_census(source: Path) -> tuple[Census, bool] | None:
     if census is None:
         return None
     return census, census.ir_version < 4 or not found_as_external_data(source)
-
-
-def _beside(locations: Iterable[str]) -> list[str]:
-    """The external-data locations TensorStore would read: inside the model's folder."""
-    return [
-        name
-        for name in locations
-        if name and not os.path.isabs(name) and ".." not in Path(name).parts and not name.startswith("\\")
-    ]
 
 
 def available_cores() -> int:

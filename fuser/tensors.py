@@ -44,6 +44,12 @@ def uses_external_data(tensor: TensorProto) -> bool:
     return tensor.HasField("data_location") and tensor.data_location == TensorProto.EXTERNAL
 
 
+def names_a_file_inside(location: str) -> bool:
+    """Whether an external-data location, read as written, stays inside the model's folder."""
+    relative = Path(location)
+    return not (relative.is_absolute() or ".." in relative.parts or location.startswith(("/", "\\")))
+
+
 class TensorStore:
     """Reads initializer values, resolving external data against `base_dir` only."""
 
@@ -110,7 +116,7 @@ class TensorStore:
         if "\0" in location:
             raise UnsafePathError(f"external data location {location!r} holds a NUL byte, which names no file")
         relative = Path(location)
-        if relative.is_absolute() or ".." in relative.parts or location.startswith(("/", "\\")):
+        if not names_a_file_inside(location):
             raise UnsafePathError(
                 f"external data location '{location}' points outside the model's folder; refusing to read it"
             )

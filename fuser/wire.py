@@ -266,11 +266,9 @@ def _graph_census(buffer: memoryview, start: int, end: int, counts: Census, dept
             counts.weight_bytes += length
             counts.held_bytes += length
         elif number == GRAPH_INITIALIZER_FIELD:
-            if length <= SMALL_TENSOR_BYTES:
-                _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
-                continue
-            rank, external = _tensor_layout(buffer, value_start, value_end)
-            if external:  # a long name, say: the tensor is still small without its data
+            small = length <= SMALL_TENSOR_BYTES
+            rank, external = (0, False) if small else _tensor_layout(buffer, value_start, value_end)
+            if small or external:  # external with a long name, say: still small without its data
                 _small_tensor(TensorProto.FromString(bytes(buffer[value_start:value_end])), length, counts, shapes)
                 continue
             counts.weight_bytes += length
