@@ -361,6 +361,12 @@ class Graph:
             if data["tensor"] == tensor
         ]
 
+    def readers_at_most(self, tensor: str) -> int:
+        """How many nodes read any output of `tensor`'s producer: a bound on the readers of
+        `tensor` itself, found without listing them."""
+        entry = self._producer.get(tensor)
+        return 0 if entry is None else len(self._succ[entry[0]])
+
     def op_consumers(self, tensor: str) -> list[int]:
         return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
 

@@ -49,19 +49,22 @@ def common_subexpression(m: Match, b: Builder):
     inputs = [name for name in node.inputs if name]
     m.only_if(bool(inputs))
     graph = m.graph
-    signature = _signature(node)
     position = graph.sort_key(node.id)
-    # Op type and inputs first: a tensor read by many nodes (a mask, a position) would otherwise
-    # cost each of its readers the attributes of all the others.
+    # Op type and inputs first, among the readers of its least-read input: a tensor read by
+    # many nodes (a mask, a shared constant) would otherwise cost each of its readers a scan of
+    # all the others, and their attributes.
+    rarest = min(dict.fromkeys(inputs), key=graph.readers_at_most)
     twins = [
         other
-        for other in graph.op_consumers(inputs[0])
+        for other in graph.op_consumers(rarest)
         if other != node.id
         and graph.node(other).op_type == node.op_type
         and graph.node(other).proto.input == node.proto.input
         and graph.sort_key(other) < position
-        and _signature(graph.node(other)) == signature
     ]
+    if twins:
+        signature = _signature(node)
+        twins = [other for other in twins if _signature(graph.node(other)) == signature]
     # Nearly every node has no twin: that is no decline worth a line in the report.
     m.only_if(bool(twins))
     m.require(

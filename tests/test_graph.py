@@ -64,6 +64,14 @@ def test_consumers_list_every_slot_including_a_tensor_read_twice(small):
     assert g.consumers("no-such-tensor") == []
 
 
+def test_readers_at_most_counts_distinct_readers_of_the_producer(small):
+    _, g, _ = small
+    assert g.readers_at_most("x") == 1  # Mul reads it twice: one reader
+    assert g.readers_at_most("m") == 2
+    assert g.readers_at_most("y") == 1  # the graph output's sink
+    assert g.readers_at_most("no-such-tensor") == 0
+
+
 def test_graph_outputs_are_sink_consumers_with_their_position(small):
     _, g, _ = small
     ((sink_y, slot_y),) = g.consumers("y")

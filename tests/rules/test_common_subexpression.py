@@ -47,3 +47,33 @@ def test_training_dropout_is_never_merged():
     inits = {"r": np.array(0.5, np.float32), "t": np.array(True)}
     model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], inits)
     assert_declined(model, common_subexpression, None, check=False)  # the Dropouts never even match
+
+
+def test_twins_are_found_among_the_readers_of_their_least_read_input():
+    # "w" is read by many nodes, "x" by the twins alone: the twins are found either way, and
+    # nodes reading "w" with another input, or the same inputs in another order, are not twins.
+    nodes = [helper.make_node("Mul", ["w", f"x{i}"], [f"m{i}"]) for i in range(4)]
+    nodes += [
+        helper.make_node("Mul", ["w", "x"], ["a"]),
+        helper.make_node("Mul", ["x", "w"], ["swapped"]),
+        helper.make_node("Mul", ["w", "x"], ["b"]),
+        helper.make_node("Sum", [*(f"m{i}" for i in range(4)), "a", "b", "swapped"], ["y"]),
+    ]
+    shape = [2, 3]
+    inputs = [("x", np.float32, shape)] + [(f"x{i}", np.float32, shape) for i in range(4)]
+    model = make_model(nodes, inputs, [("y", np.float32, shape)], {"w": np.full(shape, 1.5, np.float32)})
+    rng = np.random.default_rng(1)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, *_ in inputs}
+    after, _ = assert_rewritten(model, [common_subexpression], counts={RULE: 1}, feeds=feeds)
+    total = next(n for n in after.graph.node if n.op_type == "Sum")
+    assert list(total.input)[4:] == ["a", "a", "swapped"]
+
+
+def test_readers_of_the_same_inputs_with_other_op_types_are_not_twins():
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["a"]),
+        helper.make_node("Mul", ["x", "x"], ["b"]),
+        helper.make_node("Sub", ["a", "b"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", np.float32, ["n", 3])], [("y", np.float32, ["n", 3])])
+    assert_declined(model, common_subexpression, None, check=False)
