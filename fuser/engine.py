@@ -313,8 +313,20 @@ class Engine:
                         if root_type == op_type:
                             for node_id in graph.nodes_of_type(op_type, domain):
                                 push(node_id)
-        while heap and not self._limit_reached():
-            _, node_id = heapq.heappop(heap)
+        # A rewrite re-queues the readers of every tensor its replacement reads; in a deep model
+        # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
+        # the front of the queue after each layer's rewrite. Nodes behind the current one wait
+        # until the queue drains, so each is visited once however many rewrites re-queued it.
+        behind: set[int] = set()
+        while not self._limit_reached():
+            if not heap:
+                if not behind:
+                    break
+                for node_id in behind:
+                    push(node_id)
+                behind.clear()
+                continue
+            position, node_id = heapq.heappop(heap)
             queued.discard(node_id)
             if not graph.has_node(node_id):
                 continue
@@ -323,7 +335,10 @@ class Engine:
             if touched:  # most visits change nothing
                 touched_all.update(touched)
                 for other in self._downstream(graph, set(touched)):
-                    push(other)
+                    if graph.sort_key(other) < position:
+                        behind.add(other)
+                    else:
+                        push(other)
         return touched_all
 
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:

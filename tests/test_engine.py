@@ -1137,3 +1137,72 @@ def test_a_needed_op_type_counts_in_either_spelling_of_the_default_domain():
     without = chain_model([helper.make_node("Relu", ["x"], ["s"]), helper.make_node("Neg", ["s"], ["y"])], ["x"], ["y"])
     assert Engine(Model(without), [neg_of_sigmoid]).run().rewrites == []
     assert neg_of_sigmoid.needs == (((("Sigmoid",), ""),),)
+
+
+# ------------------------------------------------ revisiting nodes behind the current one
+
+
+@rule("sub-of-neg", pattern=op.Sub(var("h"), op.Neg(var("s"), name="neg"), name="sub"))
+def sub_of_neg(m: Match, b: Builder):
+    """Sub(h, Neg(s)) => Add(h, s)."""
+    return b.Add(m["h"], m["s"])
+
+
+def layers_reading_one_tensor(layers: int) -> onnx.ModelProto:
+    """Each layer: Sub(h, Neg(s)), which sub-of-neg rewrites to an Add reading s, then Sub(., s),
+    which it declines; s is read by every layer, as a mask or a rotary cache is."""
+    nodes = [helper.make_node("Relu", ["x"], ["s"])]
+    for i in range(layers):
+        nodes += [
+            helper.make_node("Neg", ["s"], [f"n{i}"]),
+            helper.make_node("Sub", [f"h{i}", f"n{i}"], [f"a{i}"]),
+            helper.make_node("Sub", [f"a{i}", "s"], [f"h{i + 1}"]),
+        ]
+    return chain_model(nodes, ["x", "h0"], [f"h{layers}"])
+
+
+def visits(model: onnx.ModelProto, rules) -> tuple[int, int]:
+    """(nodes visited, rewrites) of one engine run."""
+    seen = []
+    result = Engine(Model(model), rules, progress=lambda stage, done, total: seen.append(done)).run()
+    return seen[-1], len(result.rewrites)
+
+
+def test_a_tensor_every_layer_reads_does_not_make_each_rewrite_revisit_every_layer():
+    # Each rewrite re-queues the readers of s, in every layer: the earlier ones are visited once
+    # more when the queue drains, not once per later layer (which grows with the square of depth).
+    few, rewrites_few = visits(layers_reading_one_tensor(10), [sub_of_neg])
+    many, rewrites_many = visits(layers_reading_one_tensor(80), [sub_of_neg])
+    assert (rewrites_few, rewrites_many) == (10, 80)
+    assert many <= 10 * few
+
+
+@rule("sigmoid-of-sole-reader", pattern=op.Sigmoid(var("s"), name="sigmoid"))
+def sigmoid_of_sole_reader(m: Match, b: Builder):
+    """Sigmoid(s) => Tanh(s) when nothing else reads s (a test rule: it depends on the readers)."""
+    m.require(len(m.graph.op_consumers(m["s"])) == 1, "s has other readers")
+    return b.Tanh(m["s"])
+
+
+@rule("neg-of-relu", pattern=op.Neg(op.Relu(var("x"), name="relu"), name="neg"), shared_interior=True)
+def neg_of_relu(m: Match, b: Builder):
+    """Neg(Relu(x)) => Neg(x), keeping the Relu for its other readers (a test rule)."""
+    return b.Neg(m["x"])
+
+
+def test_a_node_behind_is_still_revisited_when_a_later_rewrite_changes_what_it_reads():
+    # The Sigmoid comes first and declines (the Neg also reads s); the Neg's rewrite then leaves
+    # it the only reader, and it must be visited again.
+    model = chain_model(
+        [
+            helper.make_node("Relu", ["x"], ["s"], name="relu"),
+            helper.make_node("Sigmoid", ["s"], ["early"], name="sigmoid"),
+            helper.make_node("Neg", ["s"], ["late"], name="neg"),
+        ],
+        ["x"],
+        ["early", "late"],
+    )
+    loaded = Model(model)
+    result = Engine(loaded, [sigmoid_of_sole_reader, neg_of_relu]).run()
+    assert [r.rule for r in result.rewrites] == ["neg-of-relu", "sigmoid-of-sole-reader"]
+    assert sorted(op_types(loaded.to_proto())) == ["Neg", "Relu", "Tanh"]
