@@ -330,7 +330,7 @@ class Engine:
             queued.discard(node_id)
             if not graph.has_node(node_id):
                 continue
-            self._visits.tick(len(heap))
+            self._visits.tick(len(heap) + len(behind))
             touched = self._visit(graph, scope, node_id, apply)
             if touched:  # most visits change nothing
                 touched_all.update(touched)
