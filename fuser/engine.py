@@ -298,8 +298,11 @@ class Engine:
         queued: set[int] = set()
         touched_all: set[int] = set()
 
+        def rooted(node_id: int) -> bool:
+            return graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root
+
         def push(node_id: int) -> None:
-            if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
+            if node_id not in queued and rooted(node_id):
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
@@ -315,16 +318,20 @@ class Engine:
                                 push(node_id)
         # A rewrite re-queues the readers of every tensor its replacement reads; in a deep model
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
-        # the front of the queue after each layer's rewrite. Nodes behind the current one wait
-        # until the queue drains, so each is visited once however many rewrites re-queued it.
+        # the front of the queue after each layer's rewrite. Touched nodes behind the current
+        # one, and the nodes below them, wait until the queue drains: each is looked at once
+        # however many rewrites touched it. A touched node ahead is looked below once per pass:
+        # what was queued below it then has not been visited since.
         behind: set[int] = set()
+        expanded: set[int] = set()
         while not self._limit_reached():
             if not heap:
                 if not behind:
                     break
-                for node_id in behind:
+                for node_id in self._downstream(graph, {n for n in behind if graph.has_node(n)}):
                     push(node_id)
                 behind.clear()
+                expanded.clear()
                 continue
             position, node_id = heapq.heappop(heap)
             queued.discard(node_id)
@@ -334,14 +341,21 @@ class Engine:
             touched = self._visit(graph, scope, node_id, apply)
             if touched:  # most visits change nothing
                 touched_all.update(touched)
-                for other in self._downstream(graph, set(touched)):
+                ahead = set()
+                for other in touched:
                     if graph.sort_key(other) < position:
                         behind.add(other)
-                    else:
+                    elif other not in expanded:
+                        ahead.add(other)
+                expanded |= ahead
+                for other in self._downstream(graph, ahead):
+                    if graph.sort_key(other) >= position:
                         push(other)
+                    else:
+                        behind.add(other)
         return touched_all
 
-    def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> list[int]:
+    def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> set[int]:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
             for pattern, bindings in _guarded_matches(graph, candidate, node_id, self._present):
@@ -388,7 +402,7 @@ class Engine:
                 if not apply:  # check mode lists what optimize would do: the same checks passed
                     self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                 return touched
-        return []
+        return set()
 
     def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
         """Record a decline once: later sweeps and re-queued nodes revisit the same matches."""
@@ -474,7 +488,7 @@ class Engine:
         outputs: list[str],
         keep: set[int],
         commit: bool = True,
-    ) -> list[int]:
+    ) -> set[int]:
         """Check the replacement and, with commit, put it in the graph; returns the nodes it created or changed."""
         root = match.root
         root_outputs = [o for o in root.outputs if o]
@@ -523,7 +537,7 @@ class Engine:
             raise Decline("the replacement is identical to the match")
         self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
         if not commit:
-            return []
+            return set()
         # The graph changes only once every check has passed; new initializers come first,
         # as a replacement may be one of them (a folded constant) that consumers now read.
         for tensor in builder.initializers:
@@ -548,7 +562,7 @@ class Engine:
         )
         self._log(rewrite)
         touched = set(created) | neighbours | redirected_readers
-        return sorted((n for n in touched if graph.has_node(n)), key=graph.sort_key)
+        return {n for n in touched if graph.has_node(n)}
 
     def _log(self, rewrite: Rewrite) -> None:
         self._present.clear()
@@ -585,7 +599,7 @@ class Engine:
         if missing:
             raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
-    def _downstream(self, graph: Graph, start: set[int]) -> list[int]:
+    def _downstream(self, graph: Graph, start: set[int]) -> set[int]:
         """`start` and the op nodes up to the running phase's deepest pattern below it: a rule
         rooted further down cannot see the change."""
         seen = set(start)
@@ -596,7 +610,7 @@ class Engine:
                 following |= graph.op_successors(node_id) - seen
             seen |= following
             frontier = following
-        return sorted(seen, key=graph.sort_key)
+        return seen
 
 
 def _signature(nodes) -> list:

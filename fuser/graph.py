@@ -362,8 +362,8 @@ class Graph:
         ]
 
     def readers_at_most(self, tensor: str) -> int:
-        """How many nodes read any output of `tensor`'s producer: a bound on the readers of
-        `tensor` itself, found without listing them."""
+        """How many readers (op nodes, and graph outputs) any output of `tensor`'s producer has:
+        a bound on the readers of `tensor` itself, found without listing them."""
         entry = self._producer.get(tensor)
         return 0 if entry is None else len(self._succ[entry[0]])
 

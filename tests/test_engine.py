@@ -1177,6 +1177,17 @@ def test_a_tensor_every_layer_reads_does_not_make_each_rewrite_revisit_every_lay
     assert many <= 10 * few
 
 
+def test_the_rewrite_progress_never_reads_complete_while_nodes_wait_behind():
+    # The progress reports every 1,000 visits; nodes waiting behind are still to come.
+    reports = []
+    model = Model(layers_reading_one_tensor(1000))
+    Engine(model, [sub_of_neg], progress=lambda stage, done, total: reports.append((done, total))).run()
+    *running, (done, total) = reports
+    assert done == total
+    assert any(seen < done for seen, _ in running)
+    assert all(planned > seen for seen, planned in running if seen < done)
+
+
 @rule("sigmoid-of-sole-reader", pattern=op.Sigmoid(var("s"), name="sigmoid"))
 def sigmoid_of_sole_reader(m: Match, b: Builder):
     """Sigmoid(s) => Tanh(s) when nothing else reads s (a test rule: it depends on the readers)."""
