@@ -77,3 +77,28 @@ def test_readers_of_the_same_inputs_with_other_op_types_are_not_twins():
     ]
     model = make_model(nodes, [("x", np.float32, ["n", 3])], [("y", np.float32, ["n", 3])])
     assert_declined(model, common_subexpression, None, check=False)
+
+
+def test_only_the_readers_of_the_least_read_input_are_searched(monkeypatch):
+    # Searching the readers of a tensor every layer reads would cost each of its readers a scan
+    # of all the others: the twins' search lists the readers of "x", never those of "w".
+    import fuser.graph
+
+    listed = []
+    op_consumers = fuser.graph.Graph.op_consumers
+
+    def recording(graph, tensor):
+        listed.append(tensor)
+        return op_consumers(graph, tensor)
+
+    monkeypatch.setattr(fuser.graph.Graph, "op_consumers", recording)
+    nodes = [helper.make_node("Mul", ["w", f"x{i}"], [f"m{i}"]) for i in range(4)]
+    nodes += [helper.make_node("Mul", ["w", "x"], ["a"]), helper.make_node("Mul", ["w", "x"], ["b"])]
+    nodes.append(helper.make_node("Sum", [*(f"m{i}" for i in range(4)), "a", "b"], ["y"]))
+    shape = [2, 3]
+    inputs = [("x", np.float32, shape)] + [(f"x{i}", np.float32, shape) for i in range(4)]
+    model = make_model(nodes, inputs, [("y", np.float32, shape)], {"w": np.full(shape, 1.5, np.float32)})
+    rng = np.random.default_rng(2)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, *_ in inputs}
+    assert_rewritten(model, [common_subexpression], counts={RULE: 1}, feeds=feeds)
+    assert "x" in listed and "w" not in listed
