@@ -298,11 +298,8 @@ class Engine:
         queued: set[int] = set()
         touched_all: set[int] = set()
 
-        def rooted(node_id: int) -> bool:
-            return graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root
-
         def push(node_id: int) -> None:
-            if node_id not in queued and rooted(node_id):
+            if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
@@ -320,10 +317,8 @@ class Engine:
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
         # the front of the queue after each layer's rewrite. Touched nodes behind the current
         # one, and the nodes below them, wait until the queue drains: each is looked at once
-        # however many rewrites touched it. A touched node ahead is looked below once per pass:
-        # what was queued below it then has not been visited since.
+        # however many rewrites touched it.
         behind: set[int] = set()
-        expanded: set[int] = set()
         while not self._limit_reached():
             if not heap:
                 if not behind:
@@ -331,7 +326,6 @@ class Engine:
                 for node_id in self._downstream(graph, {n for n in behind if graph.has_node(n)}):
                     push(node_id)
                 behind.clear()
-                expanded.clear()
                 continue
             position, node_id = heapq.heappop(heap)
             queued.discard(node_id)
@@ -341,13 +335,8 @@ class Engine:
             touched = self._visit(graph, scope, node_id, apply)
             if touched:  # most visits change nothing
                 touched_all.update(touched)
-                ahead = set()
-                for other in touched:
-                    if graph.sort_key(other) < position:
-                        behind.add(other)
-                    elif other not in expanded:
-                        ahead.add(other)
-                expanded |= ahead
+                ahead = {n for n in touched if graph.sort_key(n) >= position}
+                behind |= touched - ahead
                 for other in self._downstream(graph, ahead):
                     if graph.sort_key(other) >= position:
                         push(other)
