@@ -317,7 +317,10 @@ class Engine:
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
         # the front of the queue after each layer's rewrite. Touched nodes behind the current
         # one, and the nodes below them, wait until the queue drains: each is looked at once
-        # however many rewrites touched it.
+        # however many rewrites touched it. A touched node ahead is looked below at every
+        # rewrite: positions need not be topological (an input listed out of order, a
+        # replacement reading a later tensor), so what lies below it may sort earlier and have
+        # been visited already; such nodes wait behind too.
         behind: set[int] = set()
         while not self._limit_reached():
             if not heap:

@@ -1217,3 +1217,22 @@ def test_a_node_behind_is_still_revisited_when_a_later_rewrite_changes_what_it_r
     result = Engine(loaded, [sigmoid_of_sole_reader, neg_of_relu]).run()
     assert [r.rule for r in result.rewrites] == ["neg-of-relu", "sigmoid-of-sole-reader"]
     assert sorted(op_types(loaded.to_proto())) == ["Neg", "Relu", "Tanh"]
+
+
+def test_a_node_ahead_touched_again_is_looked_below_again():
+    # Positions need not be topological (the Relu is listed after its readers): each Neg's
+    # rewrite touches the Relu, ahead of it; only after the second does the Sigmoid read s alone.
+    model = chain_model(
+        [
+            helper.make_node("Neg", ["s"], ["n1"], name="neg1"),
+            helper.make_node("Sigmoid", ["s"], ["y"], name="sigmoid"),
+            helper.make_node("Neg", ["s"], ["n2"], name="neg2"),
+            helper.make_node("Relu", ["x"], ["s"], name="relu"),
+        ],
+        ["x"],
+        ["y", "n1", "n2"],
+    )
+    loaded = Model(model)
+    result = Engine(loaded, [sigmoid_of_sole_reader, neg_of_relu]).run()
+    assert [r.rule for r in result.rewrites] == ["neg-of-relu", "neg-of-relu", "sigmoid-of-sole-reader"]
+    assert "Tanh" in op_types(loaded.to_proto())
