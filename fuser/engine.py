@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from onnx import NodeProto
+
 from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
@@ -525,7 +527,7 @@ class Engine:
                 if name in rename:
                     node.output[index] = rename[name]
         removed = [i for i in match.node_ids if i not in keep]
-        if _signature(builder.nodes) == _signature(graph.node(i).proto for i in removed):
+        if _same_nodes(builder.nodes, [graph.node(i).proto for i in removed]):
             raise Decline("the replacement is identical to the match")
         self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
         if not commit:
@@ -605,11 +607,19 @@ class Engine:
         return seen
 
 
-def _signature(nodes) -> list:
-    return sorted(
-        (n.domain or "", n.op_type, tuple(n.input), tuple(n.output), tuple(a.SerializeToString() for a in n.attribute))
-        for n in nodes
-    )
+def _same_nodes(nodes: list[NodeProto], others: list[NodeProto]) -> bool:
+    """Whether two lists of nodes compute the same, in any order. Attributes are serialized only
+    when the rest agrees: almost every replacement differs in its op types or tensors."""
+
+    def wiring(node: NodeProto) -> tuple:
+        return node.domain or "", node.op_type, tuple(node.input), tuple(node.output)
+
+    def signature(node: NodeProto) -> tuple:
+        return (*wiring(node), tuple(a.SerializeToString() for a in node.attribute))
+
+    if len(nodes) != len(others) or sorted(map(wiring, nodes)) != sorted(map(wiring, others)):
+        return False
+    return sorted(map(signature, nodes)) == sorted(map(signature, others))
 
 
 def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict):

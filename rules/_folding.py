@@ -8,6 +8,16 @@ import numpy as np
 
 from fuser import Match
 
+# The folding arithmetic runs in float64 and casts back to the weights' dtype.
+FOLDABLE_WEIGHT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def require_float_weights(m: Match, weight: np.ndarray) -> None:
+    """Decline unless the weights are of a float type the fold can cast back to (the reason is
+    formatted only on a decline: this runs once per matched convolution)."""
+    if weight.dtype not in FOLDABLE_WEIGHT_DTYPES:
+        m.require(False, f"weights are {weight.dtype}, not a float type")
+
 
 def per_channel(addend: np.ndarray, output_rank: int, channels: int) -> np.ndarray | None:
     """The addend as one value per output channel, or None if it varies along another axis."""

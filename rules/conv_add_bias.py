@@ -9,7 +9,7 @@ Conv chain for BatchNormalization folding and activation fusion.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._folding import cast_finite, per_channel
+from fuser.rules._folding import cast_finite, per_channel, require_float_weights
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -25,7 +25,7 @@ from fuser import Builder, Match, const, op, rule, var
 def conv_add_bias(m: Match, b: Builder):
     """Conv -> Add(per-channel constant)  =>  Conv whose bias absorbs the constant."""
     weight, addend = m.value("w"), m.value("c")
-    m.require(weight.dtype in (np.float16, np.float32, np.float64), f"weights are {weight.dtype}, not a float type")
+    require_float_weights(m, weight)
     m.require(addend.dtype == weight.dtype, f"the added constant is {addend.dtype}, the weights {weight.dtype}")
     conv = m.node("conv")
     group = int(m.attr("conv", "group", 1))

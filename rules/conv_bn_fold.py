@@ -11,7 +11,7 @@ The arithmetic runs in float64 and is cast back to the weight's dtype.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._folding import cast_finite
+from fuser.rules._folding import cast_finite, require_float_weights
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -51,7 +51,7 @@ def conv_bn_fold(m: Match, b: Builder):
     m.require(m.attr("bn", "training_mode", 0) == 0, "BatchNormalization is in training mode")
     m.require(m.attr("bn", "spatial", 1) == 1, "BatchNormalization is not spatial (spatial=0)")
     weight = m.value("w")
-    m.require(weight.dtype in (np.float16, np.float32, np.float64), f"weights are {weight.dtype}, not a float type")
+    require_float_weights(m, weight)
     m.require(weight.ndim >= 3, "the convolution weight has no spatial axes")
     transpose = m.node("conv").op_type == "ConvTranspose"
     group = int(m.attr("conv", "group", 1))

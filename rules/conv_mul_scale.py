@@ -8,7 +8,7 @@ constants); with conv-add-bias after it, the whole affine folds into the Conv.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._folding import cast_finite, per_channel
+from fuser.rules._folding import cast_finite, per_channel, require_float_weights
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -20,7 +20,7 @@ from fuser import Builder, Match, const, op, rule, var
 def conv_mul_scale(m: Match, b: Builder):
     """Conv -> Mul(per-channel constant)  =>  Conv with rescaled weights and bias."""
     weight, scale = m.value("w"), m.value("s")
-    m.require(weight.dtype in (np.float16, np.float32, np.float64), f"weights are {weight.dtype}, not a float type")
+    require_float_weights(m, weight)
     m.require(scale.dtype == weight.dtype, f"the scale is {scale.dtype}, the weights {weight.dtype}")
     channels = weight.shape[0]
     values = per_channel(scale, weight.ndim, channels)

@@ -489,6 +489,45 @@ def test_once_after_an_engine_decline_nothing_recorded():
     assert loaded.graph.shared == {}
 
 
+@rule("softmax-axis-last", pattern=op.Softmax(var("x"), name="sm"), exact=True)
+def softmax_axis_last(m: Match, b: Builder):
+    """Softmax(x, axis=a) => Softmax(x, axis=-1) under the same node name and output: it differs
+    from the match in its attribute alone."""
+    root = m.node("sm")
+    m.require(m.attr("sm", "axis", -1) != -1, "already on the last axis")
+    b.nodes.append(helper.make_node("Softmax", [m["x"]], list(root.outputs), name=root.name, axis=-1))
+    return root.outputs[0]
+
+
+@rule("relu-neg-rebuilt", pattern=op.Relu(op.Neg(var("x"), name="neg"), name="relu"), exact=True)
+def relu_neg_rebuilt(m: Match, b: Builder):
+    """Relu(Neg(x)) => the same two nodes, listed the other way round."""
+    for name in ("relu", "neg"):
+        b.nodes.append(onnx.NodeProto())
+        b.nodes[-1].CopyFrom(m.node(name).proto)
+    return m.node("relu").outputs[0]
+
+
+def test_a_replacement_differing_only_in_an_attribute_is_applied():
+    """Same op, inputs and outputs, another attribute value: a rewrite, not the match again."""
+    nodes = [helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=1)]
+    model = make_model(nodes, [("x", F32, [2, 3])], [("y", F32, [2, 3])])
+    result = Engine(Model(model), [softmax_axis_last], trace=True).run()
+    assert [r.rule for r in result.rewrites] == ["softmax-axis-last"]
+
+
+def test_the_matched_nodes_rebuilt_in_another_order_are_declined():
+    """The same nodes, listed in another order, are the match again."""
+    nodes = [
+        helper.make_node("Neg", ["x"], ["t"], name="neg"),
+        helper.make_node("Relu", ["t"], ["y"], name="relu"),
+    ]
+    model = make_model(nodes, [("x", F32, [2, 3])], [("y", F32, [2, 3])])
+    result = Engine(Model(model), [relu_neg_rebuilt], trace=True).run()
+    assert result.rewrites == []
+    assert [d.reason for d in result.declined] == ["the replacement is identical to the match"]
+
+
 def test_once_after_a_dropped_rewrite_the_next_one_creates_it():
     """The rewrite that created the shared tensor fails the numerics check and is dropped; the
     re-run declines it, and the next rewrite creates the shared tensor instead."""

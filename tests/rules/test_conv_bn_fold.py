@@ -634,6 +634,21 @@ def test_non_spatial_bn_not_folded():
     assert_not_folded(model, "spatial")
 
 
+def test_bfloat16_weights_not_folded():
+    """Conv takes bfloat16 since opset 22; the fold casts its float64 result back to the
+    weights' dtype and keeps to float16, float32 and float64."""
+    import ml_dtypes
+
+    model, _, consts = conv_bn_model()
+    model.opset_import[0].version = 22
+    for tensor in list(model.graph.initializer):
+        model.graph.initializer.remove(tensor)
+        model.graph.initializer.append(numpy_helper.from_array(consts[tensor.name].astype(ml_dtypes.bfloat16), tensor.name))
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = onnx.TensorProto.BFLOAT16
+    assert_not_folded(model, "weights are bfloat16, not a float type", check=False)
+
+
 @pytest.mark.parametrize("var_value,epsilon", [(-1.0, 1e-5), (-1e-3, 1e-3)], ids=["negative", "var+eps==0"])
 def test_non_positive_variance_not_folded(var_value, epsilon):
     """var + epsilon <= 0 would put inf/NaN into the folded weights: the rule declines."""
