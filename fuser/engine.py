@@ -168,6 +168,10 @@ class Engine:
         self._types = TypeInfo(lambda: model.to_proto(weights=False))
         self._max_rewrites = max_rewrites
         self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
+        # During a pass over a whole scope: the nodes each rule with `candidates` is tried at, and
+        # the nodes a rewrite of the pass touched, which every rule is tried at again.
+        self._nominated: dict[int, set[int]] = {}  # id(rule) -> node ids
+        self._released: set[int] = set()
 
     # ------------------------------------------------------------------ driving
 
@@ -300,21 +304,28 @@ class Engine:
         queued: set[int] = set()
         touched_all: set[int] = set()
 
-        def push(node_id: int) -> None:
+        def push(node_id: int, release: bool = True) -> None:
+            if release:
+                self._released.add(node_id)
             if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
                 queued.add(node_id)
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
+        self._nominated, self._released = {}, set()
         if seeds is not None:
             for node_id in self._downstream(graph, {n for n in seeds if graph.has_node(n)}):
                 push(node_id)
         else:
-            for op_type, candidates in self._by_root.items():
-                for candidate in candidates:
-                    for root_type, domain in candidate.roots:
-                        if root_type == op_type:
-                            for node_id in graph.nodes_of_type(op_type, domain):
-                                push(node_id)
+            phase_rules = {id(r): r for rules in self._by_root.values() for r in rules}
+            for rule in phase_rules.values():
+                if rule.candidates is not None:
+                    self._nominated[id(rule)] = nominated = self._candidates(graph, rule)
+                    for node_id in nominated:
+                        push(node_id, release=False)
+                    continue
+                for root_type, domain in rule.roots:
+                    for node_id in graph.nodes_of_type(root_type, domain):
+                        push(node_id, release=False)
         # A rewrite re-queues the readers of every tensor its replacement reads; in a deep model
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
         # the front of the queue after each layer's rewrite. Touched nodes behind the current
@@ -341,17 +352,32 @@ class Engine:
             if touched:  # most visits change nothing
                 touched_all.update(touched)
                 ahead = {n for n in touched if graph.sort_key(n) >= position}
-                behind |= touched - ahead
+                earlier = touched - ahead
                 for other in self._downstream(graph, ahead):
                     if graph.sort_key(other) >= position:
                         push(other)
                     else:
-                        behind.add(other)
+                        earlier.add(other)
+                behind |= earlier
+                self._released |= earlier
+        self._nominated, self._released = {}, set()
         return touched_all
+
+    def _candidates(self, graph: Graph, rule: Rule) -> set[int]:
+        """The nodes of `graph` a pass over all of it tries `rule` at (Rule.candidates)."""
+        try:
+            return {node_id for node_id in rule.candidates(graph) if graph.has_node(node_id)}
+        except RuleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
+            raise RuleError(rule, f"its candidates raised {type(error).__name__}: {error}", error) from error
 
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> set[int]:
         op_type = graph.node(node_id).op_type
         for candidate in self._by_root.get(op_type, ()):
+            nominated = self._nominated.get(id(candidate))
+            if nominated is not None and node_id not in nominated and node_id not in self._released:
+                continue
             for pattern, bindings in _guarded_matches(graph, candidate, node_id, self._present):
                 match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):

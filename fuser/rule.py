@@ -58,6 +58,7 @@ class Rule:
     note: str | Callable[[], str] | None = None
     source: SourceLocation | None = None
     sweep: Callable[[Graph], Iterable[Change]] | None = None
+    candidates: Callable[[Graph], Iterable[int]] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -68,6 +69,8 @@ class Rule:
             raise PatternError(f"rule '{self.name}' needs a description (or a docstring)")
         if (self.pattern is None) == (self.sweep is None):
             raise PatternError(f"rule '{self.name}' needs either a pattern or a sweep, not both")
+        if self.candidates is not None and (self.sweep is not None or not callable(self.candidates)):
+            raise PatternError(f"rule '{self.name}': candidates must be a function of a graph, for a pattern rule")
         if isinstance(self.pattern, (list, tuple)) and not self.pattern:
             raise PatternError(f"rule '{self.name}' has an empty list of patterns")
         for alternative in self.alternatives:
@@ -166,6 +169,7 @@ def rule(
     stabilizes: bool = False,
     phase: int = 0,
     note: str | Callable[[], str] | None = None,
+    candidates: Callable[[Graph], Iterable[int]] | None = None,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -193,6 +197,11 @@ def rule(
         function returning it), for what the user must know about the result.
     advisory: the rule never rewrites; its function is called as f(m, None) and returns a
         sentence telling the user why the matched pattern stays as it is (shown in reports).
+    candidates: for a pattern that matches nearly every node (any op, say) while the rule
+        rewrites few, a function of a graph scope that finds those few in one look at the whole
+        scope: the ids of the nodes worth trying when a pass over the scope starts. It must
+        include every node the rule could rewrite at that moment; the nodes a rewrite touches
+        later are tried whatever it returned.
     """
     location = caller_location()
 
@@ -213,6 +222,7 @@ def rule(
             phase=phase,
             note=note,
             source=location,
+            candidates=candidates,
         )
 
     return decorate

@@ -37,11 +37,22 @@ def _signature(info) -> tuple:
     )
 
 
+def repeated_nodes(graph) -> list[int]:
+    """The nodes that read the same inputs as another node of their op type: only these can
+    have a twin, and a pass over a large graph need not try the rule at the others."""
+    groups: dict[tuple, list[int]] = {}
+    for info in graph.nodes():
+        if any(info.proto.input):
+            groups.setdefault((info.domain, info.op_type, tuple(info.proto.input)), []).append(info.id)
+    return [node_id for group in groups.values() if len(group) > 1 for node_id in group]
+
+
 @rule(
     "common-subexpression",
     pattern=ANY_OP(*[var(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
     phase=1,
     exact=True,
+    candidates=repeated_nodes,
 )
 def common_subexpression(m: Match, b: Builder):
     """A node that repeats an earlier node  =>  the earlier node's outputs."""

@@ -1236,3 +1236,87 @@ def test_a_node_ahead_touched_again_is_looked_below_again():
     result = Engine(loaded, [sigmoid_of_sole_reader, neg_of_relu]).run()
     assert [r.rule for r in result.rewrites] == ["neg-of-relu", "neg-of-relu", "sigmoid-of-sole-reader"]
     assert "Tanh" in op_types(loaded.to_proto())
+
+
+# ------------------------------------------------ rules that name the nodes worth trying
+
+tried_at: list[str] = []
+
+
+def negs_of_initializers(graph) -> list[int]:
+    return [n.id for n in graph.nodes() if n.op_type == "Neg" and graph.initializer(n.inputs[0]) is not None]
+
+
+@rule("neg-of-initializer", pattern=op.Neg(var("w"), name="neg"), candidates=negs_of_initializers)
+def neg_of_initializer(m: Match, b: Builder):
+    """Neg(w) => -w for an initializer w (a test rule that names the nodes worth trying)."""
+    tried_at.append(m.node("neg").name)
+    m.require(m.graph.initializer(m["w"]) is not None, "not an initializer")
+    return b.constant(-m.value("w"))
+
+
+@rule("sigmoid-as-tanh", pattern=op.Sigmoid(var("x"), name="sigmoid"), phase=1)
+def sigmoid_as_tanh(m: Match, b: Builder):
+    """Sigmoid(x) => Tanh(x), in a later phase (a test rule)."""
+    return b.Tanh(m["x"])
+
+
+def negs_model(nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.ModelProto:
+    model = chain_model(nodes, ["x"], outputs)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1.0, -2.0], F32), "w"))
+    return model
+
+
+@rule("double-neg", pattern=op.Neg(op.Neg(var("x"), name="inner"), name="outer"), exact=True)
+def double_neg(m: Match, b: Builder):
+    """Neg(Neg(x)) => x (a test rule rooted at every Neg, naming no candidates)."""
+    return b.Identity(m["x"])
+
+
+@pytest.mark.parametrize("others", [[], [double_neg]], ids=["alone", "beside-a-rule-rooted-at-every-neg"])
+def test_a_pass_tries_a_rule_only_at_the_nodes_it_names(others):
+    # With another rule rooted at Neg, both Negs are visited; the rule is still tried at one.
+    tried_at.clear()
+    model = negs_model(
+        [helper.make_node("Neg", ["x"], ["a"], name="of_input"), helper.make_node("Neg", ["w"], ["b"], name="of_w")],
+        ["a", "b"],
+    )
+    result = Engine(Model(model), [neg_of_initializer, *others]).run()
+    assert tried_at == ["of_w"]
+    assert [r.matched for r in result.rewrites] == [["of_w"]]
+
+
+def test_a_node_a_rewrite_touches_is_tried_in_the_same_pass_whatever_the_rule_named():
+    # The outer Neg reads an initializer only once the inner one is folded: the rule did not name
+    # it, and it must be folded before the later phase runs.
+    tried_at.clear()
+    model = negs_model(
+        [
+            helper.make_node("Neg", ["w"], ["a"], name="inner"),
+            helper.make_node("Neg", ["a"], ["b"], name="outer"),
+            helper.make_node("Sigmoid", ["x"], ["y"], name="sigmoid"),
+        ],
+        ["b", "y"],
+    )
+    result = Engine(Model(model), [neg_of_initializer, sigmoid_as_tanh]).run()
+    assert [r.rule for r in result.rewrites] == ["neg-of-initializer", "neg-of-initializer", "sigmoid-as-tanh"]
+    assert tried_at == ["inner", "outer"]
+
+
+def test_candidates_must_be_a_function_of_a_pattern_rule():
+    with pytest.raises(PatternError, match="candidates must be a function"):
+        rule("bad-candidates", pattern=op.Neg(var("x")), description="a test rule", candidates=[1, 2])(
+            lambda m, b: None
+        )
+
+
+def test_a_crash_in_candidates_is_the_rules_error():
+    def crashing(graph):
+        raise KeyError("boom")
+
+    crashing_rule = rule(
+        "crashing-candidates", pattern=op.Neg(var("x")), description="a test rule", candidates=crashing
+    )(lambda m, b: b.Abs(m["x"]))
+    model = negs_model([helper.make_node("Neg", ["x"], ["a"])], ["a"])
+    with pytest.raises(RuleError, match="crashing-candidates.*its candidates raised KeyError"):
+        Engine(Model(model), [crashing_rule]).run()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules.common_subexpression import common_subexpression
+from fuser.rules.common_subexpression import common_subexpression, repeated_nodes
 from onnx import helper
 
+from fuser.model import Model
 from tests.helpers import assert_declined, assert_rewritten, make_model
 
 RULE = "common-subexpression"
@@ -102,3 +103,38 @@ def test_only_the_readers_of_the_least_read_input_are_searched(monkeypatch):
     feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, *_ in inputs}
     assert_rewritten(model, [common_subexpression], counts={RULE: 1}, feeds=feeds)
     assert "x" in listed and "w" not in listed
+
+
+def test_a_pass_tries_only_the_nodes_that_repeat_another_nodes_op_and_inputs():
+    # Attributes and outputs are left to the rule: the Transposes are tried, and declined.
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s1"], name="shape1"),
+        helper.make_node("Shape", ["x"], ["s2"], name="shape2"),
+        helper.make_node("Size", ["x"], ["n"], name="size"),
+        helper.make_node("Transpose", ["x"], ["t1"], name="t1", perm=[1, 0]),
+        helper.make_node("Transpose", ["x"], ["t2"], name="t2", perm=[0, 1]),
+        helper.make_node("Add", ["x", "y"], ["a1"], name="add1"),
+        helper.make_node("Add", ["y", "x"], ["a2"], name="add2"),
+    ]
+    outputs = [("s1", np.int64, [2]), ("s2", np.int64, [2]), ("n", np.int64, [])]
+    outputs += [(name, np.float32, [3, 3]) for name in ("t1", "t2", "a1", "a2")]
+    model = make_model(nodes, [("x", np.float32, [3, 3]), ("y", np.float32, [3, 3])], outputs)
+    graph = Model(model).graph
+    assert sorted(graph.node(i).name for i in repeated_nodes(graph)) == ["shape1", "shape2", "t1", "t2"]
+
+
+def test_a_pass_over_a_chain_without_repeats_looks_for_no_twin(monkeypatch):
+    import fuser.graph
+
+    asked = []
+    readers_at_most = fuser.graph.Graph.readers_at_most
+
+    def recording(graph, tensor):
+        asked.append(tensor)
+        return readers_at_most(graph, tensor)
+
+    monkeypatch.setattr(fuser.graph.Graph, "readers_at_most", recording)
+    nodes = [helper.make_node("Relu", [f"h{i}"], [f"h{i + 1}"]) for i in range(50)]
+    model = make_model(nodes, [("h0", np.float32, [3])], [("h50", np.float32, [3])])
+    assert_declined(model, common_subexpression, None, check=False)
+    assert asked == []

@@ -5,11 +5,12 @@ Numerics: every positive case runs both models in onnxruntime (graph optimizatio
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules.constant_fold import constant_fold
+from fuser.rules.constant_fold import constant_fed_nodes, constant_fold
 from fuser.rules.identity_elimination import identity_elimination
 from onnx import TensorProto, helper
 
 import fuser
+from fuser.model import Model
 from tests.helpers import assert_declined, assert_rewritten, initializer_value, make_model
 
 RULE = "constant-fold"
@@ -121,3 +122,44 @@ def test_symbolic_input_is_not_constant():
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]
     model = make_model(nodes, [("x", np.float32, ["batch", 6])], [("y", np.float32, ["batch", 6])])
     assert_declined(model, constant_fold, None, check=False)
+
+
+def test_a_pass_tries_only_the_nodes_whose_inputs_may_be_constant():
+    # "late" reads a tensor made further down the list: perhaps constant, so it is tried.
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="of_input"),
+        helper.make_node("Neg", ["w"], ["n"], name="of_weight"),
+        helper.make_node("Add", ["n", "w"], ["a"], name="of_folded"),
+        helper.make_node("Mul", ["a", "r"], ["m"], name="of_both"),
+        helper.make_node("Abs", ["c"], ["late"], name="late"),
+        helper.make_node("Constant", [], ["c"], name="const", value_float=2.0),
+        helper.make_node("Add", ["m", "late"], ["y"], name="below_both"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "out_of_order",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 1.0, 1.0])],
+    )
+    graph = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    tried = sorted(graph.node(i).name for i in constant_fed_nodes(graph))
+    assert tried == ["const", "late", "of_folded", "of_weight"]
+
+
+def test_a_pass_over_activations_asks_no_tensor_whether_it_is_constant(monkeypatch):
+    # Deciding it evaluates constant subgraphs: a pass over a long chain must not ask at every node.
+    import fuser.graph
+
+    asked = []
+    constant_value = fuser.graph.Graph.constant_value
+
+    def recording(graph, tensor, *args, **kwargs):
+        asked.append(tensor)
+        return constant_value(graph, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(fuser.graph.Graph, "constant_value", recording)
+    nodes = [helper.make_node("Relu", [f"h{i}"], [f"h{i + 1}"]) for i in range(50)]
+    model = make_model(nodes, [("h0", np.float32, [3])], [("h50", np.float32, [3])])
+    _, report = fuser.optimize(model, rules=[constant_fold], check=False)
+    assert report.counts == {} and asked == []
