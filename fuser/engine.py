@@ -121,6 +121,9 @@ class EngineResult:
 
 # How often one phase runs again because inferring shapes anew taught it more.
 PHASE_ROUNDS = 4
+# A pass over the nodes below earlier changes names each rule's candidates (a look at the whole
+# graph) when it visits at least 1/NOMINATE_ABOVE of the graph's nodes.
+NOMINATE_ABOVE = 4
 
 
 class Engine:
@@ -312,12 +315,19 @@ class Engine:
                 heapq.heappush(heap, (graph.sort_key(node_id), node_id))
 
         self._nominated, self._released = {}, set()
+        phase_rules = list({id(r): r for rules in self._by_root.values() for r in rules}.values())
+        naming = [r for r in phase_rules if r.candidates is not None]
         if seeds is not None:
-            for node_id in self._downstream(graph, {n for n in seeds if graph.has_node(n)}):
-                push(node_id)
+            below = self._downstream(graph, {n for n in seeds if graph.has_node(n)})
+            # Naming candidates takes a look at the whole graph: worth it when the pass covers
+            # much of it (a fusion phase that changed every layer), not for a few nodes.
+            if NOMINATE_ABOVE * len(below) >= graph.node_count():
+                for rule in naming:
+                    self._nominated[id(rule)] = self._candidates(graph, rule)
+            for node_id in below:
+                push(node_id, release=False)
         else:
-            phase_rules = {id(r): r for rules in self._by_root.values() for r in rules}
-            for rule in phase_rules.values():
+            for rule in phase_rules:
                 if rule.candidates is not None:
                     self._nominated[id(rule)] = nominated = self._candidates(graph, rule)
                     for node_id in nominated:

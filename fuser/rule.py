@@ -199,7 +199,8 @@ def rule(
         sentence telling the user why the matched pattern stays as it is (shown in reports).
     candidates: for a pattern that matches nearly every node (any op, say) while the rule
         rewrites few, a function of a graph scope that finds those few in one look at the whole
-        scope: the ids of the nodes worth trying when a pass over the scope starts. It must
+        scope: the ids of the nodes worth trying when a pass over the scope (or much of it)
+        starts. It must
         include every node the rule could rewrite at that moment; the nodes a rewrite touches
         later are tried whatever it returned.
     """

@@ -1303,6 +1303,30 @@ def test_a_node_a_rewrite_touches_is_tried_in_the_same_pass_whatever_the_rule_na
     assert tried_at == ["inner", "outer"]
 
 
+@rule("identity-away", pattern=op.Identity(var("x"), name="id"), phase=1, exact=True)
+def identity_away(m: Match, b: Builder):
+    """Identity(x) => x, in a later phase (a test rule)."""
+    return m["x"]
+
+
+def test_a_pass_below_an_earlier_phases_changes_tries_the_rule_at_the_nodes_it_names_then():
+    # The later phase leaves both Negs reading what the Identities read; the pass over them
+    # names the one reading an initializer, and tries the rule there only.
+    tried_at.clear()
+    model = negs_model(
+        [
+            helper.make_node("Identity", ["w"], ["a"], name="id_w"),
+            helper.make_node("Identity", ["x"], ["x2"], name="id_x"),
+            helper.make_node("Neg", ["a"], ["b"], name="of_w"),
+            helper.make_node("Neg", ["x2"], ["c"], name="of_x"),
+        ],
+        ["b", "c"],
+    )
+    result = Engine(Model(model), [neg_of_initializer, identity_away]).run()
+    assert [r.rule for r in result.rewrites] == ["identity-away", "identity-away", "neg-of-initializer"]
+    assert tried_at == ["of_w"]
+
+
 def test_candidates_must_be_a_function_of_a_pattern_rule():
     with pytest.raises(PatternError, match="candidates must be a function"):
         rule("bad-candidates", pattern=op.Neg(var("x")), description="a test rule", candidates=[1, 2])(
