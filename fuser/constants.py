@@ -170,6 +170,14 @@ class ConstantValues:
             for consumer in self._graph.op_consumers(tensor):
                 pending.extend(t for t in self._graph.node(consumer).proto.output if t in self._not_constant)
 
+    def renewed(self, tensor: str) -> None:
+        """A rewrite produces `tensor` anew under its name: if it is constant now (a Shape
+        folded into a graph output's copy of it), what is computed from it may be too, though it
+        was found not to be while `tensor` was not."""
+        if self._dependencies(tensor) is not None:
+            graph = self._graph
+            self.reconsider(o for c in graph.op_consumers(tensor) for o in graph.node(c).proto.output)
+
     def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
         """An initializer's, a capture's or an already evaluated tensor's value."""
         cached = self._cache.get(tensor)

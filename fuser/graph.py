@@ -502,6 +502,8 @@ class Graph:
             if tensor not in self._producer:
                 raise FuserError(f"tensor '{tensor}' is still used but no longer produced")
             self._connect(tensor, consumer, slot)
+        for tensor in dict.fromkeys(tensor for tensor, _, _ in dangling):
+            self._constants.renewed(tensor)
         for tensor in inputs:
             self.remove_if_unused(tensor)
         return created

@@ -200,9 +200,10 @@ def rule(
     candidates: for a pattern that matches nearly every node (any op, say) while the rule
         rewrites few, a function of a graph scope that finds those few in one look at the whole
         scope: the ids of the nodes worth trying when a pass over the scope (or much of it)
-        starts. It must
-        include every node the rule could rewrite at that moment; the nodes a rewrite touches
-        later are tried whatever it returned.
+        starts. It must include every node the rule could rewrite at that moment; the nodes a
+        rewrite touches later are tried whatever it returned. So the rule's match must depend
+        on its pattern's nodes alone: a rewrite far above a node that makes it rewritable
+        (constants evaluated through many nodes) does not touch it.
     """
     location = caller_location()
 

@@ -25,28 +25,10 @@ MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they 
 FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
 
 
-def constant_fed_nodes(graph) -> list[int]:
-    """The nodes each input of which may be constant: an initializer, a tensor of an enclosing
-    graph, or the output of such a node. Deciding it for sure evaluates the constants; this one
-    look at the graph spares a large graph that question at every node."""
-    maybe: dict[int, bool] = {}
-
-    def may_be_constant(tensor: str) -> bool:
-        kind = graph.source_kind(tensor)
-        if kind == "op":
-            return maybe.get(graph.producer(tensor), True)  # not seen yet: out of order, so perhaps
-        return kind in ("initializer", "outer")
-
-    for info in graph.nodes():
-        maybe[info.id] = all(may_be_constant(name) for name in info.proto.input if name)
-    return [node_id for node_id, fed in maybe.items() if fed]
-
-
 @rule(
     "constant-fold",
     pattern=FOLDABLE(*[const(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
     phase=SIMPLIFY_PHASE,
-    candidates=constant_fed_nodes,
 )
 def constant_fold(m: Match, b: Builder):
     """A node of constant inputs  =>  its value, as an initializer."""

@@ -50,6 +50,22 @@ def test_a_removed_node_forgets_its_value_and_its_replacement_is_evaluated():
     np.testing.assert_array_equal(g.constant_value("c"), np.abs(w))
 
 
+def test_a_node_replaced_under_its_name_by_a_constant_one_makes_what_follows_constant():
+    """Neg(Relu(x)) is not constant; once the Relu's replacement, keeping its output's name,
+    computes from w alone, the Neg's output is, though it was remembered as not constant."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Neg", ["r"], ["n"], name="neg"),
+        helper.make_node("Add", ["x", "n"], ["y"], name="use"),
+    ]
+    w = np.array([1.0, -2.0], F32)
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": w})).graph
+    assert g.constant_value("n") is None
+    relu = _ids_by_name(g)["relu"]
+    g.replace_nodes([relu], [helper.make_node("Relu", ["w"], ["r"], name="relu_w")], [], g.sort_key(relu), "test")
+    np.testing.assert_array_equal(g.constant_value("n"), -np.maximum(w, 0))
+
+
 def test_cached_values_are_read_only():
     nodes = [
         helper.make_node("Neg", ["w"], ["c"], name="neg"),
