@@ -386,12 +386,13 @@ def _carried(previous: dict[str, Entry], fresh: dict, run: int) -> dict[str, Ent
     an equal dim (rules compare them to prove shapes equal)."""
     carried = {}
     for name, entry in previous.items():
-        if name in fresh:
-            completed = _completed(fresh[name], entry, run)
+        now = fresh.get(name)
+        if now is None:
+            carried[name] = _run_unique(entry, run)
+        elif now != entry:  # most entries are the same in both runs: nothing to complete
+            completed = _completed(now, entry, run)
             if completed is not None:
                 carried[name] = completed
-        else:
-            carried[name] = _run_unique(entry, run)
     return carried
 
 
