@@ -271,7 +271,7 @@ class Engine:
         matched = (
             [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
         )
-        created = [new for _, new in change.redirects]
+        created = [new for _, new in change.redirects] + [value.name for value in change.values]
         if self.vetoed and (candidate.name, scope, tuple(matched)) in self.vetoed:
             self._record_decline(candidate, scope, matched, "dropped: it failed the numerics check")
             return set()
@@ -292,7 +292,9 @@ class Engine:
             # Their producers lose consumers: a rule that wants a sole consumer may match now.
             producers = {graph.producer(i) for n in nodes for i in graph.node(n).inputs if i}
             touched.update(producers - set(nodes) - {None})
-            graph.replace_nodes(nodes, [], [], (), candidate.name)
+            # The readers of an output an initializer now holds read a constant.
+            touched.update(c for value in change.values for c in graph.op_consumers(value.name))
+            graph.replace_nodes(nodes, [], list(change.values), (), candidate.name)
         for name in change.initializers:
             graph.remove_if_unused(name)
         self._types.invalidate()
@@ -687,16 +689,25 @@ def _present(graph: Graph, need: tuple[tuple[str, ...], str], present: dict) -> 
 def _change_problem(graph: Graph, change: Change) -> str | None:
     """Why a sweep's change would be unsafe, or None: what goes must be unused once it has gone."""
     removed = set(change.nodes)
+    held = {value.name for value in change.values}
+    if len(held) != len(change.values):
+        return "two of its initializers have the same name"
+    outputs = set()
     for node_id in change.nodes:
         if not graph.has_node(node_id):
             return f"node {node_id} is not in this graph"
         info = graph.node(node_id)
         for output in info.outputs:
+            outputs.add(output)
             if output and graph.is_graph_output(output):
                 return f"'{output}' (output of {info.label}) is a graph output"
+            if output in held:
+                continue
             for consumer in graph.op_consumers(output) if output else ():
                 if consumer not in removed:
                     return f"'{output}' (output of {info.label}) is read by {graph.node(consumer).label}, which stays"
+    for name in held - outputs:
+        return f"the initializer '{name}' is named after no output of the nodes it replaces"
     for old, new in change.redirects:
         for name in (old, new):
             if graph.initializer(name) is None or not graph.defines(name):

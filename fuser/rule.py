@@ -240,15 +240,19 @@ def _summary(function: Callable) -> str:
 class Change:
     """One rewrite a sweep proposes; the engine checks it, applies it and logs it.
 
-    nodes: op nodes to remove; every use of their outputs must be among them (no graph output).
+    nodes: op nodes to remove; every use of their outputs must be among them (no graph output),
+        unless `values` holds the output.
     redirects: (initializer, replacement initializer) pairs of one scope: the first one's readers
         read the second instead, and the first goes; not for a graph output or a subgraph's read.
     initializers: initializers nothing reads, to remove.
+    values: new initializers, each named after an output of `nodes` (not a graph output), which
+        then holds that output's value: its readers read the initializer, under the same name.
     """
 
     nodes: tuple[int, ...] = ()
     redirects: tuple[tuple[str, str], ...] = ()
     initializers: tuple[str, ...] = ()
+    values: tuple[TensorProto, ...] = ()
 
 
 def sweep(

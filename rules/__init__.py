@@ -10,9 +10,10 @@ goes into this list (tests/test_rule_order.py checks that every module is listed
 
 ORDER = [
     # Simplification (phase -1): folds and removals that expose the patterns fusions look for.
-    # The sweeps first: dead code goes before anything spends time on it, then equal
-    # initializers are shared.
+    # The sweeps first: dead code goes before anything spends time on it, Constant nodes
+    # become initializers, then equal initializers are shared.
     "dead_code",
+    "constant_node",
     "shared_initializer",
     "constant_fold",
     "identity_elimination",
