@@ -446,7 +446,9 @@ class Engine:
             return
         self._declined_keys.add(key)
         source = str(candidate.source) if candidate.source else None
-        self.result.declined.append(Declined(candidate.name, scope, node or nodes[0], reason, nodes, source))
+        # A sweep's change whose nodes are gone by the time it is checked names nothing.
+        where = node or (nodes[0] if nodes else "")
+        self.result.declined.append(Declined(candidate.name, scope, where, reason, nodes, source))
 
     def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
         if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:

@@ -247,6 +247,7 @@ class Change:
     initializers: initializers nothing reads, to remove.
     values: new initializers, each named after an output of `nodes` (not a graph output), which
         then holds that output's value: its readers read the initializer, under the same name.
+        It must have the output's dtype and shape (what the engine cannot see, the check does).
     """
 
     nodes: tuple[int, ...] = ()

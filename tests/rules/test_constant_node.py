@@ -141,3 +141,17 @@ def test_two_values_of_one_name_are_declined():
     result = Engine(Model(model), [doubled_value], trace=True).run()
     assert result.rewrites == []
     assert [d.reason for d in result.declined] == ["two of its initializers have the same name"]
+
+
+def test_a_change_whose_nodes_are_gone_is_declined_naming_nothing():
+    # Proposed twice, the second change finds its Constant gone: a decline, not a crash.
+    @sweep("twice-proposed", description="a test sweep")
+    def twice_proposed(graph):
+        (node_id,) = graph.nodes_of_type("Constant")
+        return [Change(nodes=(node_id,), values=(numpy_helper.from_array(W, "c"),))] * 2
+
+    model = _reading(helper.make_node("Constant", [], ["c"], name="const", value=numpy_helper.from_array(W)))
+    result = Engine(Model(model), [twice_proposed], trace=True).run()
+    assert len(result.rewrites) == 1
+    (declined,) = result.declined
+    assert (declined.node, declined.nodes) == ("", []) and declined.reason.endswith("is not in this graph")
