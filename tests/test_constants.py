@@ -22,19 +22,27 @@ def test_source_kind_names_what_produces_each_tensor():
     assert [g.source_kind(t) for t in ("x", "w", "y", "nowhere")] == ["input", "initializer", "op", None]
 
 
-def test_a_node_redirected_to_a_constant_becomes_constant():
-    """Relu(x) is not constant; once its consumer reads w instead, what it computes is,
-    although it was remembered as not constant before the redirect."""
+W = np.array([1.0, -2.0], F32)
+
+
+def _negated_relu():
+    """Neg(Relu(x)), added to x; w waits as an initializer nothing reads."""
     nodes = [
         helper.make_node("Relu", ["x"], ["r"], name="relu"),
         helper.make_node("Neg", ["r"], ["n"], name="neg"),
         helper.make_node("Add", ["x", "n"], ["y"], name="use"),
     ]
-    w = np.array([1.0, -2.0], F32)
-    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": w})).graph
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": W})).graph
     assert g.constant_value("n") is None
+    return g
+
+
+def test_a_node_redirected_to_a_constant_becomes_constant():
+    """Relu(x) is not constant; once its consumer reads w instead, what it computes is,
+    although it was remembered as not constant before the redirect."""
+    g = _negated_relu()
     g.redirect("r", "w")
-    np.testing.assert_array_equal(g.constant_value("n"), -w)
+    np.testing.assert_array_equal(g.constant_value("n"), -W)
 
 
 def test_a_removed_node_forgets_its_value_and_its_replacement_is_evaluated():
@@ -53,17 +61,10 @@ def test_a_removed_node_forgets_its_value_and_its_replacement_is_evaluated():
 def test_a_node_replaced_under_its_name_by_a_constant_one_makes_what_follows_constant():
     """Neg(Relu(x)) is not constant; once the Relu's replacement, keeping its output's name,
     computes from w alone, the Neg's output is, though it was remembered as not constant."""
-    nodes = [
-        helper.make_node("Relu", ["x"], ["r"], name="relu"),
-        helper.make_node("Neg", ["r"], ["n"], name="neg"),
-        helper.make_node("Add", ["x", "n"], ["y"], name="use"),
-    ]
-    w = np.array([1.0, -2.0], F32)
-    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": w})).graph
-    assert g.constant_value("n") is None
+    g = _negated_relu()
     relu = _ids_by_name(g)["relu"]
     g.replace_nodes([relu], [helper.make_node("Relu", ["w"], ["r"], name="relu_w")], [], g.sort_key(relu), "test")
-    np.testing.assert_array_equal(g.constant_value("n"), -np.maximum(w, 0))
+    np.testing.assert_array_equal(g.constant_value("n"), -np.maximum(W, 0))
 
 
 def test_cached_values_are_read_only():

@@ -80,19 +80,25 @@ def test_readers_of_the_same_inputs_with_other_op_types_are_not_twins():
     assert_declined(model, common_subexpression, None, check=False)
 
 
+def tensors_asked(monkeypatch, method: str) -> list[str]:
+    """The tensors Graph.`method` is asked about from now on, in order."""
+    import fuser.graph
+
+    asked = []
+    original = getattr(fuser.graph.Graph, method)
+
+    def recording(graph, tensor):
+        asked.append(tensor)
+        return original(graph, tensor)
+
+    monkeypatch.setattr(fuser.graph.Graph, method, recording)
+    return asked
+
+
 def test_only_the_readers_of_the_least_read_input_are_searched(monkeypatch):
     # Searching the readers of a tensor every layer reads would cost each of its readers a scan
     # of all the others: the twins' search lists the readers of "x", never those of "w".
-    import fuser.graph
-
-    listed = []
-    op_consumers = fuser.graph.Graph.op_consumers
-
-    def recording(graph, tensor):
-        listed.append(tensor)
-        return op_consumers(graph, tensor)
-
-    monkeypatch.setattr(fuser.graph.Graph, "op_consumers", recording)
+    listed = tensors_asked(monkeypatch, "op_consumers")
     nodes = [helper.make_node("Mul", ["w", f"x{i}"], [f"m{i}"]) for i in range(4)]
     nodes += [helper.make_node("Mul", ["w", "x"], ["a"]), helper.make_node("Mul", ["w", "x"], ["b"])]
     nodes.append(helper.make_node("Sum", [*(f"m{i}" for i in range(4)), "a", "b"], ["y"]))
@@ -124,16 +130,7 @@ def test_a_pass_tries_only_the_nodes_that_repeat_another_nodes_op_and_inputs():
 
 
 def test_a_pass_over_a_chain_without_repeats_looks_for_no_twin(monkeypatch):
-    import fuser.graph
-
-    asked = []
-    readers_at_most = fuser.graph.Graph.readers_at_most
-
-    def recording(graph, tensor):
-        asked.append(tensor)
-        return readers_at_most(graph, tensor)
-
-    monkeypatch.setattr(fuser.graph.Graph, "readers_at_most", recording)
+    asked = tensors_asked(monkeypatch, "readers_at_most")
     nodes = [helper.make_node("Relu", [f"h{i}"], [f"h{i + 1}"]) for i in range(50)]
     model = make_model(nodes, [("h0", np.float32, [3])], [("h50", np.float32, [3])])
     assert_declined(model, common_subexpression, None, check=False)
