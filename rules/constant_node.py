@@ -7,7 +7,7 @@ a sweep, the readers keep reading the tensor they read, under its name, and a mo
 thousand Constants pays no pattern match and no rewiring per node.
 
 A Constant whose output is a graph output stays for constant-fold, which copies the value
-into the output's name; so does one of another domain, or a sparse one.
+into the output's name. A sparse Constant, or one holding a list of strings, stays as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from fuser import Change, sweep
 
 
 def _value(info) -> TensorProto | None:
-    """The Constant's value as an initializer named after its output, or None for a sparse one."""
+    """The Constant's value as an initializer named after its output (its `value` tensor as it
+    is, not decoded and encoded again); None for a sparse one or a list of strings."""
     (output,) = info.proto.output
     for attribute in info.proto.attribute:
         if attribute.name == "value":
