@@ -374,6 +374,10 @@ class Graph:
         """The op nodes reading any output of `node_id`, through a subgraph too."""
         return {c for c in self._succ[node_id] if self._attrs[c]["kind"] == OP}
 
+    def op_predecessors(self, node_id: int) -> set[int]:
+        """The op nodes whose outputs `node_id` reads, through its subgraphs too."""
+        return {p for p in self._pred[node_id] if self._attrs[p]["kind"] == OP}
+
     def feedable_inputs(self) -> list[onnx.ValueInfoProto]:
         """The graph inputs a caller feeds: those without an initializer of the same name (before
         IR 4 those are the weights; since, a default the caller need not feed)."""
@@ -405,6 +409,17 @@ class Graph:
     def initializers(self) -> list[TensorProto]:
         """This scope's dense initializers, in file order."""
         return list(self._initializers.values())
+
+    def unread_initializers(self) -> list[str]:
+        """This scope's dense initializers that nothing reads, not even a graph output, in file
+        order; one that a graph input overrides is that input, and not listed."""
+        attrs, producer, succ = self._attrs, self._producer, self._succ
+        unread = []
+        for name in self._initializers:
+            entry = producer.get(name)
+            if entry is not None and attrs[entry[0]]["kind"] == INITIALIZER and not succ[entry[0]]:
+                unread.append(name)
+        return unread
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
@@ -734,11 +749,18 @@ def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], input
     """Add `initializers` to a main graph: those shape inference reads as they are, the others as
     typed inputs (their data stays out). listed_only (IR < 4, where every initializer must be a
     graph input too): an initializer that is not an input stays, so the checker still sees that."""
+    types: dict[tuple, onnx.TypeProto] = {}  # weights of a model share a few types: each built once
     for tensor in initializers:
         if shape_relevant(tensor) or (listed_only and tensor.name not in inputs):
             graph.initializer.append(tensor)
         elif tensor.name not in inputs:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+            key = (tensor.data_type, tuple(tensor.dims))
+            type_proto = types.get(key)
+            if type_proto is None:
+                type_proto = types[key] = onnx.helper.make_tensor_type_proto(tensor.data_type, key[1])
+            value = graph.input.add()
+            value.name = tensor.name
+            value.type.CopyFrom(type_proto)
 
 
 def weightless_model(model: ModelProto) -> ModelProto:

@@ -359,6 +359,9 @@ class Match:
 Entry = tuple[int, tuple | None]
 
 
+_UNREAD = object()
+
+
 def _entry_of(type_proto: onnx.TypeProto) -> Entry:
     tensor = type_proto.tensor_type
     if not tensor.HasField("shape"):
@@ -523,20 +526,29 @@ class TypeInfo:
                 for dim in value.type.tensor_type.shape.dim
                 if dim.dim_param
             } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
+            graphs = list(all_graph_protos(model.graph))
             table: dict[str, Entry] = {}
-            for graph in all_graph_protos(model.graph):
+            # Most tensors of a graph share a handful of types: each is read once, by its bytes,
+            # rather than dim by dim through protobuf for every tensor.
+            entries: dict[bytes, Entry | None] = {}
+            for graph in graphs:
                 for value in itertools.chain(graph.value_info, graph.input, graph.output):
-                    if value.type.HasField("tensor_type"):
-                        table[value.name] = _entry_of(value.type)
+                    type_proto = value.type
+                    key = type_proto.SerializeToString()
+                    entry = entries.get(key, _UNREAD)
+                    if entry is _UNREAD:
+                        entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
+                    if entry is not None:
+                        table[value.name] = entry
                 for tensor in graph.initializer:
                     table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
-            self._untyped = {
-                name
-                for graph in all_graph_protos(model.graph)
-                for node in graph.node
-                for name in node.output
-                if name not in table
-            }
+            untyped: set[str] = set()
+            for graph in graphs:
+                for node in graph.node:
+                    untyped.update(node.output)
+            untyped.difference_update(table)
+            untyped.discard("")
+            self._untyped = untyped
             del model
             self._runs += 1
             self._table = {**table, **_carried(self._previous, table, self._runs - 1)}

@@ -37,31 +37,29 @@ def _pure(info) -> bool:
     )
 
 
-def _reads(info) -> set[str]:
-    """Tensors the node reads: its inputs, and what its subgraphs read from this scope."""
-    names = set(info.proto.input)
-    names.discard("")
-    if info.subgraphs:
-        names.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
-    return names
+def _producers_read(graph, info) -> set[int]:
+    """The op nodes whose outputs the node reads, as its inputs or inside its subgraphs."""
+    producers = graph.op_predecessors(info.id)
+    if info.subgraphs:  # what they read is asked of them, not only of this scope's edges
+        captured = (graph.producer(name) for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+        producers.update(p for p in captured if p is not None)
+    return producers
 
 
 @sweep("dead-code", phase=SIMPLIFY_PHASE)
 def dead_code(graph):
     """Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed."""
     nodes = {info.id: info for info in graph.nodes()}
-    outputs = graph.output_names()
-    live = [
-        node_id for node_id, info in nodes.items() if not _pure(info) or any(o in outputs for o in info.proto.output)
-    ]
-    seen = set(live)
-    while live:
-        for name in _reads(nodes[live.pop()]):
-            producer = graph.producer(name)
-            if producer is not None and producer not in seen:
-                seen.add(producer)
-                live.append(producer)
-    dead = sorted((node_id for node_id in nodes if node_id not in seen), key=graph.sort_key)
+    live = {graph.producer(name) for name in graph.output_names()}
+    live.discard(None)
+    live.update(node_id for node_id, info in nodes.items() if not _pure(info))
+    pending = list(live)
+    while pending:
+        for producer in _producers_read(graph, nodes[pending.pop()]):
+            if producer not in live:
+                live.add(producer)
+                pending.append(producer)
+    dead = sorted((node_id for node_id in nodes if node_id not in live), key=graph.sort_key)
     # Dead nodes connected through the tensors they share form one rewrite.
     group = {node_id: node_id for node_id in dead}
 
@@ -72,8 +70,7 @@ def dead_code(graph):
         return node_id
 
     for node_id in dead:
-        for name in _reads(nodes[node_id]):
-            producer = graph.producer(name)
+        for producer in _producers_read(graph, nodes[node_id]):
             if producer in group:
                 group[root(producer)] = root(node_id)
     members: dict[int, list[int]] = {}
@@ -81,10 +78,6 @@ def dead_code(graph):
         members.setdefault(root(node_id), []).append(node_id)
     for ids in sorted(members.values(), key=lambda ids: graph.sort_key(ids[0])):
         yield Change(nodes=tuple(ids))
-    unused = [
-        t.name
-        for t in graph.initializers()
-        if graph.initializer(t.name) is t and graph.defines(t.name) and not graph.consumers(t.name)
-    ]
+    unused = graph.unread_initializers()
     if unused:
         yield Change(initializers=tuple(unused))

@@ -34,10 +34,10 @@ def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorPr
 def shared_initializer(graph):
     """Initializers of equal dtype, shape and bytes  =>  one, read by all their readers."""
     by_type: dict[tuple, list[TensorProto]] = {}
+    unread = set(graph.unread_initializers())
     for tensor in graph.initializers():
-        if tensor.data_type == TensorProto.STRING or graph.initializer(tensor.name) is not tensor:
-            continue
-        if not graph.defines(tensor.name) or not graph.consumers(tensor.name):
+        name = tensor.name
+        if tensor.data_type == TensorProto.STRING or name in unread or graph.initializer(name) is not tensor:
             continue
         by_type.setdefault((tensor.data_type, tuple(tensor.dims)), []).append(tensor)
     for candidates in by_type.values():
