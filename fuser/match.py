@@ -49,6 +49,9 @@ class _Plan:
     # count of inputs a node has, the leaves it leaves absent as {name: None} (None if one of
     # them is required): Concat-like patterns list 32 optional inputs, and a node has few.
     orders: tuple[tuple[tuple, tuple, tuple], ...]
+    # For a pattern of one order whose inputs are all leaves (constant-fold's, tried at every
+    # node), the slots of its const leaves: asked first, they turn most nodes away at once.
+    const_slots: tuple[int, ...] | None = None
 
 
 _plans: dict[int, tuple[OpPattern, _Plan]] = {}
@@ -73,11 +76,15 @@ def _plan(pattern: OpPattern) -> _Plan:
             for count in range(len(order) + 1)
         )
         orders.append((leaves, ops, absent))
+    leaves, ops, _ = orders[0]
     plan = _Plan(
         domains=(pattern.domain,) if pattern.domain else ("", "ai.onnx"),
         size=len(pattern.inputs),
         required=sum(1 for i in pattern.inputs if not i.optional),
         orders=tuple(orders),
+        const_slots=tuple(slot for slot, _, _, is_const in leaves if is_const)
+        if len(orders) == 1 and not ops
+        else None,
     )
     _plans[id(pattern)] = (pattern, plan)  # the pattern is kept alive, so its id stays its own
     return plan
@@ -114,6 +121,10 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
         present -= 1
     if present > plan.size or present < plan.required:
         return
+    if plan.const_slots:
+        for slot in plan.const_slots:
+            if slot < present and actual_inputs[slot] and not graph.is_constant(actual_inputs[slot]):
+                return
     for leaves, ops, absent in plan.orders:
         start = bindings.copy()
         start.nodes[pattern.name] = node_id
