@@ -10,6 +10,7 @@ bound are never materialized.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -122,7 +123,9 @@ class ConstantValues:
     """
 
     def __init__(self, graph: Graph) -> None:
-        self._graph = graph
+        # A proxy, not the graph: the graph holds this, and a cycle would leave a dropped model
+        # (all its nodes) to the cyclic collector rather than free it at once.
+        self._graph = weakref.proxy(graph)
         self._cache: dict[str, np.ndarray] = {}
         self._not_constant: set[str] = set()
 

@@ -552,3 +552,59 @@ def test_a_graph_out_of_order_loads_as_one_in_order():
     as_loaded = [Model(m).to_proto() for m in (ordered, shuffled)]
     assert [n.op_type for n in as_loaded[1].graph.node] == ["Relu", "Neg"]
     assert as_loaded[0].graph.SerializeToString() == as_loaded[1].graph.SerializeToString()
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def _if_model_with_foldable_branch() -> onnx.ModelProto:
+    zero = numpy_helper.from_array(np.zeros(2, F32), "zero")
+    then_branch = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["t"]), helper.make_node("Add", ["t", "zero"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", onnx.TensorProto.FLOAT, [2])],
+        initializer=[zero],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["else_out"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_out", onnx.TensorProto.FLOAT, [2])],
+    )
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)]
+    return make_model(nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])])
+
+
+def test_a_dropped_model_is_freed_without_the_cyclic_collector():
+    """A model of many nodes left for the cyclic collector stays in memory until a full
+    collection, which a program optimizing model after model may not see for many models."""
+    import gc
+    import weakref
+
+    import fuser
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        model = Model(_if_model_with_foldable_branch())
+        _, report = fuser.optimize(model, check=False)
+        assert report.rewrites, "the branch's Add of zeros is rewritten"
+        (branch, _) = [g for info in model.graph.nodes() for gs in info.subgraphs.values() for g in gs]
+        graphs = [weakref.ref(model.graph), weakref.ref(branch)]
+        del model, branch, report
+        assert [g() for g in graphs] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_what_a_graph_build_made_is_left_out_of_the_young_generations():
+    import gc
+
+    gc.collect()
+    model = Model(_if_model_with_foldable_branch())
+    young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation)}
+    assert id(model.graph.nx._succ) not in young
+    assert model.graph.node_count() == 1
