@@ -237,5 +237,7 @@ class ConstantValues:
                 return None
             if node_id is not None and node_id not in done:
                 stack.append((name, True))
-                stack.extend((i, False) for i in graph.node(node_id).proto.input if i)
+                # The first input is looked at first: it is the activation where there is one
+                # (Conv's x, MatMul's A), which settles the question before any weight is.
+                stack.extend((i, False) for i in reversed(graph.node(node_id).proto.input) if i)
         return order

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,30 @@ _TYPED_FIELDS = {
 }
 _PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
 
+
+# Element types stored one numpy element per raw element, little-endian as ONNX's raw data is.
+_PLAIN_DTYPES = (
+    {
+        getattr(TensorProto, name): onnx.helper.tensor_dtype_to_np_dtype(getattr(TensorProto, name))
+        for name in (
+            "FLOAT",
+            "DOUBLE",
+            "FLOAT16",
+            "BFLOAT16",
+            "INT8",
+            "UINT8",
+            "INT16",
+            "UINT16",
+            "INT32",
+            "UINT32",
+            "INT64",
+            "UINT64",
+            "BOOL",
+        )
+    }
+    if sys.byteorder == "little"
+    else {}
+)
 
 # Comparing tensors: the bytes read first, and the size of the chunks external data is read in.
 FINGERPRINT_HEAD = 64
@@ -136,6 +161,8 @@ class TensorStore:
 
         External data must resolve inside the model's folder and the file must hold the range.
         """
+        if not _misfit(tensor):
+            return  # asked again at every decode of a weight: the common case is settled at once
         label = label or f"initializer '{tensor.name}'"
         count = _element_count(tensor, label)
         if tensor.data_type == TensorProto.STRING:
@@ -248,6 +275,10 @@ class TensorStore:
             return None
         self.check(tensor)  # a rule must never see bytes that do not fit the dtype and dims
         if not uses_external_data(tensor):
+            dtype = _PLAIN_DTYPES.get(tensor.data_type)
+            if dtype is not None and tensor.HasField("raw_data") and not tensor.HasField("segment"):
+                # What numpy_helper.to_array does for these, without its per-call type lookups.
+                return np.frombuffer(tensor.raw_data, dtype).reshape(tuple(tensor.dims))
             return numpy_helper.to_array(tensor)
         raw = self.raw_bytes(tensor)
         inline = TensorProto()
@@ -277,6 +308,23 @@ def raw_size(tensor: TensorProto) -> int | None:
     for dim in tensor.dims:
         count *= dim
     return _byte_size(tensor.data_type, count)
+
+
+def _misfit(tensor: TensorProto) -> bool:
+    """Whether `tensor` needs the full check: anything but inline raw data of the size its dims
+    and dtype call for (which is what almost every stored tensor is)."""
+    count = 1
+    for dim in tensor.dims:
+        if dim < 0:
+            return True
+        count *= dim
+    needed = _byte_size(tensor.data_type, count)
+    return (
+        needed is None
+        or tensor.data_location == TensorProto.EXTERNAL
+        or not tensor.HasField("raw_data")
+        or len(tensor.raw_data) != needed
+    )
 
 
 def _element_count(tensor: TensorProto, label: str) -> int:
