@@ -20,8 +20,9 @@ import heapq
 import itertools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import networkx as nx
 import numpy as np
@@ -43,6 +44,9 @@ GRAPH_OUTPUT = "output"
 SUBGRAPH_SLOT = -1
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+
+# What nodes without If/Loop/Scan bodies (nearly all) share, rather than an empty dict each.
+_NO_SUBGRAPHS: Mapping[str, list] = MappingProxyType({})
 
 
 @contextlib.contextmanager
@@ -243,7 +247,7 @@ class Graph:
                 subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
             elif attribute.type == AttributeProto.GRAPHS:
                 subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
-        info = NodeInfo(node_id, proto, subgraphs)
+        info = NodeInfo(node_id, proto, subgraphs or _NO_SUBGRAPHS)
         self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
         for index, output in enumerate(proto.output):
@@ -271,6 +275,8 @@ class Graph:
         producer = self._producer
         if not all(tensor in producer for tensor in info.proto.input if tensor):
             return False
+        if not info.subgraphs:
+            return True
         return all(name in producer for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
 
     def _connect_inputs(self, node_id: int) -> None:
@@ -278,6 +284,8 @@ class Graph:
         for slot, tensor in enumerate(info.proto.input):
             if tensor:
                 self._connect(tensor, node_id, slot)
+        if not info.subgraphs:
+            return
         captured = {name for graphs in info.subgraphs.values() for g in graphs for name in g.captured()}
         for tensor in sorted(captured):
             self._connect(tensor, node_id, SUBGRAPH_SLOT)
@@ -764,9 +772,10 @@ def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], input
     typed inputs (their data stays out). listed_only (IR < 4, where every initializer must be a
     graph input too): an initializer that is not an input stays, so the checker still sees that."""
     types: dict[tuple, onnx.TypeProto] = {}  # weights of a model share a few types: each built once
+    kept = []
     for tensor in initializers:
         if shape_relevant(tensor) or (listed_only and tensor.name not in inputs):
-            graph.initializer.append(tensor)
+            kept.append(tensor)
         elif tensor.name not in inputs:
             key = (tensor.data_type, tuple(tensor.dims))
             type_proto = types.get(key)
@@ -775,6 +784,7 @@ def add_weightless(graph: GraphProto, initializers: Iterable[TensorProto], input
             value = graph.input.add()
             value.name = tensor.name
             value.type.CopyFrom(type_proto)
+    graph.initializer.extend(kept)
 
 
 def weightless_model(model: ModelProto) -> ModelProto:
