@@ -40,7 +40,7 @@ def _pure(info) -> bool:
 def _producers_read(graph, info) -> set[int]:
     """The op nodes whose outputs the node reads, as its inputs or inside its subgraphs."""
     producers = graph.op_predecessors(info.id)
-    if info.subgraphs:  # what they read is asked of them, not only of this scope's edges
+    if info.subgraphs:  # asked of the bodies too: a rewrite inside one may read a tensor this scope has no edge for
         captured = (graph.producer(name) for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
         producers.update(p for p in captured if p is not None)
     return producers
