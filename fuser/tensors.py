@@ -29,7 +29,22 @@ _TYPED_FIELDS = {
     TensorProto.COMPLEX128: ("double_data", 2),
     TensorProto.STRING: ("string_data", 1),
 }
-_PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
+# Element types narrower than a byte, packed in raw data: bits per element.
+_PACKED_BITS = {
+    getattr(TensorProto, name): bits
+    for name, bits in (
+        ("INT4", 4),
+        ("UINT4", 4),
+        ("FLOAT4E2M1", 4),
+        ("INT2", 2),
+        ("UINT2", 2),
+        ("FLOAT6E2M3", 6),
+        ("FLOAT6E3M2", 6),
+    )
+    if hasattr(TensorProto, name)
+}
+# Stored as typed values, 4-bit elements go two to an int32 and 2-bit ones four (6-bit ones one).
+_PER_TYPED_VALUE = {data_type: {4: 2, 2: 4}.get(bits, 1) for data_type, bits in _PACKED_BITS.items()}
 
 
 # Element types stored one numpy element per raw element, little-endian as ONNX's raw data is.
@@ -195,7 +210,8 @@ class TensorStore:
         else:
             field, per_element = _TYPED_FIELDS.get(tensor.data_type, ("int32_data", 1))
             stored = len(getattr(tensor, field)) // per_element
-            needed = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count
+            per_value = _PER_TYPED_VALUE.get(tensor.data_type, 1)
+            needed = -(-count // per_value)
             if stored == needed:
                 return
             raise InputError(
@@ -337,8 +353,9 @@ def _element_count(tensor: TensorProto, label: str) -> int:
 
 
 def _byte_size(data_type: int, count: int) -> int | None:
-    if data_type in _PACKED_4BIT:
-        return (count + 1) // 2
+    bits = _PACKED_BITS.get(data_type)
+    if bits is not None:
+        return -(-count * bits // 8)
     itemsize = _itemsize(data_type)
     return None if itemsize is None else count * itemsize
 
