@@ -123,11 +123,24 @@ class ConstantValues:
     """
 
     def __init__(self, graph: Graph) -> None:
-        # A proxy, not the graph: the graph holds this, and a cycle would leave a dropped model
-        # (all its nodes) to the cyclic collector rather than free it at once.
-        self._graph = weakref.proxy(graph)
+        # Held weakly: the graph holds this, and a cycle would leave a dropped model (all its
+        # nodes) to the cyclic collector rather than free it at once.
+        self._graph_ref = weakref.ref(graph)
         self._cache: dict[str, np.ndarray] = {}
         self._not_constant: set[str] = set()
+
+    @property
+    def _graph(self) -> Graph:
+        return self._graph_ref()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_graph_ref"] = self._graph  # copied or pickled with the graph, held weakly again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._graph_ref = weakref.ref(state["_graph_ref"])
 
     def value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
         cached = self._cache.get(tensor)

@@ -20,9 +20,8 @@ import heapq
 import itertools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import networkx as nx
 import numpy as np
@@ -31,7 +30,7 @@ from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
 from fuser.constants import ConstantValues, is_foldable
-from fuser.errors import FuserError
+from fuser.errors import FuserError, UsageError
 from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, nbytes, uses_external_data
 
@@ -45,9 +44,6 @@ SUBGRAPH_SLOT = -1
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
-# What nodes without If/Loop/Scan bodies (nearly all) share, rather than an empty dict each.
-_NO_SUBGRAPHS: Mapping[str, list] = MappingProxyType({})
-
 
 @contextlib.contextmanager
 def paused_gc():
@@ -56,10 +52,6 @@ def paused_gc():
     Building or rewriting a graph of 100k+ nodes allocates millions of objects and none of
     them are garbage yet; the collector's repeated full scans would make the work
     quadratic. Reference counting still frees everything as usual.
-
-    Afterwards what the work made joins the oldest generation directly: left young, it would be
-    scanned whole by the first collections after the work (a third of a second per 100k nodes,
-    three times in one optimize run) only to be promoted there.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -67,8 +59,6 @@ def paused_gc():
         yield
     finally:
         if enabled:
-            gc.freeze()
-            gc.unfreeze()
             gc.enable()
 
 
@@ -247,7 +237,7 @@ class Graph:
                 subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
             elif attribute.type == AttributeProto.GRAPHS:
                 subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
-        info = NodeInfo(node_id, proto, subgraphs or _NO_SUBGRAPHS)
+        info = NodeInfo(node_id, proto, subgraphs)
         self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
         for index, output in enumerate(proto.output):
@@ -318,7 +308,23 @@ class Graph:
     @property
     def outer(self) -> Graph | None:
         """The graph enclosing this one (an If/Loop/Scan body's), or None for the main graph."""
-        return None if self._outer is None else self._outer()
+        if self._outer is None:
+            return None
+        outer = self._outer()
+        if outer is None:  # what the body reads from it cannot be answered any more
+            raise UsageError("the graph enclosing this body is gone: keep its model while the body is used")
+        return outer
+
+    def __getstate__(self) -> dict:
+        # Copied or pickled, a body keeps its enclosing graph: the copy holds it weakly again.
+        state = self.__dict__.copy()
+        state["_outer"] = self.outer
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        outer = state.pop("_outer")
+        self.__dict__.update(state)
+        self._outer = None if outer is None else weakref.ref(outer)
 
     # ------------------------------------------------------------------ queries
 

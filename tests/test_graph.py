@@ -10,7 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import fuser.tensors
-from fuser.errors import InputError, UnsafePathError
+from fuser.errors import InputError, UnsafePathError, UsageError
 from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT
 from fuser.model import Model
 from tests.helpers import make_model, model_from_text
@@ -600,11 +600,27 @@ def test_a_dropped_model_is_freed_without_the_cyclic_collector():
             gc.enable()
 
 
-def test_what_a_graph_build_made_is_left_out_of_the_young_generations():
-    import gc
-
-    gc.collect()
+def test_a_body_kept_after_its_model_is_dropped_says_so_instead_of_answering_wrongly():
     model = Model(_if_model_with_foldable_branch())
-    young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation)}
-    assert id(model.graph.nx._succ) not in young
-    assert model.graph.node_count() == 1
+    (branch, _) = [g for info in model.graph.nodes() for gs in info.subgraphs.values() for g in gs]
+    assert branch.outer is model.graph
+    del model
+    with pytest.raises(UsageError, match="enclosing this body is gone"):
+        branch.is_constant("x")
+
+
+def test_a_model_copied_or_pickled_optimizes_as_the_original():
+    import copy
+    import pickle
+
+    import fuser
+
+    original = Model(_if_model_with_foldable_branch())
+    copies = [copy.deepcopy(original), pickle.loads(pickle.dumps(original))]
+    for model in copies:
+        (branch, _) = [g for info in model.graph.nodes() for gs in info.subgraphs.values() for g in gs]
+        assert branch.outer is model.graph
+    expected, _ = fuser.optimize(original, check=False)
+    for model in copies:
+        optimized, report = fuser.optimize(model)
+        assert report.verdict.passed and optimized.SerializeToString() == expected.SerializeToString()
