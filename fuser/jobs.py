@@ -31,6 +31,7 @@ import onnx
 from fuser import api, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, NumericsMismatch, UsageError
+from fuser.graph import paused_gc
 from fuser.model import (
     Model,
     external_data_path,
@@ -120,6 +121,15 @@ def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: froz
 
 def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome:
     """Optimize job.source into job.destination: the report and summary of it, or of its failure."""
+    # The cyclic collector waits for the end of the job. A graph is millions of objects that hold
+    # no reference cycles, freed by reference counting as the job drops them; collected as they
+    # aged, each was scanned three times, about a twentieth of the job's time at 100k nodes. What
+    # cycles the job itself makes wait for its end: 6 MB on the deepest export measured.
+    with paused_gc():
+        return _optimize_file(job, progress)
+
+
+def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent

@@ -7,6 +7,7 @@ the progress tests start real `python -m fuser.cli` processes, one under a pseud
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pty
@@ -279,6 +280,38 @@ def test_default_jobs_fit_cores_and_memory(zoo):
     assert jobs.default_jobs(sources, cores=8, memory=peaks[0] + peaks[1]) == 2  # the two largest fit
     assert jobs.default_jobs(sources, cores=8, memory=peaks[0] // 2) == 1  # at least one, however short
     assert jobs.default_jobs(sources, cores=2, memory=sum(peaks)) == 2
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_a_job_runs_without_the_cyclic_collector_and_gives_it_back_as_it_was(zoo, tmp_path, collector_on):
+    """A graph's objects are freed by reference counting, so a job spares the collector's scans
+    of them; after it, succeeded or failed, the collector is on or off as it was."""
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    was_on = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    gc.callbacks.append(count)
+    try:
+        during = []  # collections so far, at each stage's progress: the job's own
+        written = jobs.optimize_file(
+            jobs.OptimizeJob(zoo / SAMPLES[0], tmp_path / "out.onnx"),
+            progress=lambda *stage: during.append(len(collections)),
+        )
+        assert written.error is None and written.code == 0
+        assert len(during) > 4 and set(during) == {0}
+        assert gc.isenabled() == collector_on
+        broken = tmp_path / "broken.onnx"
+        broken.write_bytes(b"not a model")
+        failed = jobs.optimize_file(jobs.OptimizeJob(broken, tmp_path / "broken.out.onnx"))
+        assert failed.error is not None
+        assert gc.isenabled() == collector_on
+    finally:
+        gc.callbacks.remove(count)
+        (gc.enable if was_on else gc.disable)()
 
 
 def mlp_stack(blocks: int, width: int = 8) -> onnx.ModelProto:
