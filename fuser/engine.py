@@ -168,7 +168,7 @@ class Engine:
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
         self._depth = 1  # the deepest pattern of the phase running: how far below a change to look
-        self._types = TypeInfo(lambda: model.to_proto(weights=False))
+        self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types)
         self._max_rewrites = max_rewrites
         self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
         # During a pass over a whole scope: the nodes each rule with `candidates` is tried at, and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -460,11 +460,58 @@ def _known_dims(table: dict[str, Entry]) -> int:
     return sum(1 for _, dims in table.values() if dims is not None for dim in dims if isinstance(dim, int))
 
 
+@dataclass
+class InferredTypes:
+    """What one shape inference of a skeleton told: each tensor's Entry, the dim names the main
+    graph's inputs declare, and the tensors produced that it could not type."""
+
+    table: dict[str, Entry]
+    input_symbols: set[str]
+    untyped: set[str]
+
+
+def inferred_types(model: onnx.ModelProto) -> InferredTypes:
+    """The types in `model`, a skeleton as shape inference returned it."""
+    input_symbols = {
+        dim.dim_param
+        for value in model.graph.input
+        if value.type.HasField("tensor_type")
+        for dim in value.type.tensor_type.shape.dim
+        if dim.dim_param
+    } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
+    graphs = list(all_graph_protos(model.graph))
+    table: dict[str, Entry] = {}
+    # Most tensors of a graph share a handful of types: each is read once, by its bytes,
+    # rather than dim by dim through protobuf for every tensor.
+    entries: dict[bytes, Entry | None] = {}
+    for graph in graphs:
+        for value in itertools.chain(graph.value_info, graph.input, graph.output):
+            type_proto = value.type
+            key = type_proto.SerializeToString()
+            entry = entries.get(key, _UNREAD)
+            if entry is _UNREAD:
+                entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
+            if entry is not None:
+                table[value.name] = entry
+        for tensor in graph.initializer:
+            table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+    untyped: set[str] = set()
+    for graph in graphs:
+        for node in graph.node:
+            untyped.update(node.output)
+    untyped.difference_update(table)
+    untyped.discard("")
+    return InferredTypes(table, input_symbols, untyped)
+
+
 class TypeInfo:
     """Element types and shapes of tensors, from the model's annotations and shape inference."""
 
-    def __init__(self, model_proto_factory):
+    def __init__(self, model_proto_factory, seed: Callable[[], InferredTypes | None] | None = None):
+        """model_proto_factory: the model's skeleton, for inference. seed: the types of an
+        inference already made, used for the first table when it gives them (Model.take_inferred_types)."""
         self._factory = model_proto_factory
+        self._seed = seed
         self._table: dict[str, Entry] | None = None
         self._previous: dict[str, Entry] = {}
         self._stale = False
@@ -523,46 +570,20 @@ class TypeInfo:
 
     def _load(self) -> dict[str, Entry]:
         if self._table is None:
-            # Serialized at once, so that the skeleton is freed before inference makes its copy.
-            skeleton = self._factory().SerializeToString()
-            try:
-                model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
-            except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
-                model = onnx.load_from_string(skeleton)
-            del skeleton
-            self._input_symbols = {
-                dim.dim_param
-                for value in model.graph.input
-                if value.type.HasField("tensor_type")
-                for dim in value.type.tensor_type.shape.dim
-                if dim.dim_param
-            } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
-            graphs = list(all_graph_protos(model.graph))
-            table: dict[str, Entry] = {}
-            # Most tensors of a graph share a handful of types: each is read once, by its bytes,
-            # rather than dim by dim through protobuf for every tensor.
-            entries: dict[bytes, Entry | None] = {}
-            for graph in graphs:
-                for value in itertools.chain(graph.value_info, graph.input, graph.output):
-                    type_proto = value.type
-                    key = type_proto.SerializeToString()
-                    entry = entries.get(key, _UNREAD)
-                    if entry is _UNREAD:
-                        entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
-                    if entry is not None:
-                        table[value.name] = entry
-                for tensor in graph.initializer:
-                    table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
-            untyped: set[str] = set()
-            for graph in graphs:
-                for node in graph.node:
-                    untyped.update(node.output)
-            untyped.difference_update(table)
-            untyped.discard("")
-            self._untyped = untyped
-            del model
+            found = self._seed() if self._seed is not None and not self._runs else None
+            if found is None:
+                # Serialized at once, so that the skeleton is freed before inference makes its copy.
+                skeleton = self._factory().SerializeToString()
+                try:
+                    model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+                except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
+                    model = onnx.load_from_string(skeleton)
+                del skeleton
+                found = inferred_types(model)
+                del model
+            self._input_symbols, self._untyped = found.input_symbols, found.untyped
             self._runs += 1
-            self._table = {**table, **_carried(self._previous, table, self._runs - 1)}
+            self._table = {**found.table, **_carried(self._previous, found.table, self._runs - 1)}
             self._previous = {}
         return self._table
 

@@ -30,6 +30,7 @@ from fuser.graph import (
     split_parts,
     weightless_model,
 )
+from fuser.match import InferredTypes, inferred_types
 from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, external_data_fields, file_identity, nbytes, raw_size, uses_external_data
 from fuser.wire import (
@@ -54,11 +55,15 @@ class Model:
         progress: Progress | None = None,
         initializers_checked: bool = False,
         tensors: TensorStore | None = None,
+        inferred: bytes | None = None,
     ):
         """tensors: where the weights' data is read from (default: external data beside
         `base_dir`); Model.load gives the one that knows the weights read in place from the
-        file, and a model derived from another (opset, fix-shapes) shares its store."""
+        file, and a model derived from another (opset, fix-shapes) shares its store.
+        inferred: `proto`'s skeleton as shape inference returned it, serialized (Model.load's
+        check infers it), for the first rewrite's first question (take_inferred_types)."""
         self.path = path
+        self._inferred = inferred
         self.base_dir = base_dir
         self._source = proto
         self._shell = ModelProto()
@@ -85,7 +90,7 @@ class Model:
         """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        proto, stated, identity = _read_model(path)
+        proto, stated, identity, inferred = _read_model(path)
         # The folder resolved: weights are read from it later, whatever the working directory is by then.
         folder = path.parent.resolve()
         return cls(
@@ -95,7 +100,16 @@ class Model:
             progress=progress,
             initializers_checked=True,
             tensors=TensorStore(folder, model_file=path, stated_default=stated, identity=identity),
+            inferred=inferred,
         )
+
+    def take_inferred_types(self) -> InferredTypes | None:
+        """The types inferred from the model as it was built, while nothing has changed it
+        since (None otherwise); given once, and dropped either way."""
+        inferred, self._inferred = self._inferred, None
+        if inferred is None or self.unchanged_proto() is None:
+            return None
+        return inferred_types(onnx.load_from_string(inferred))
 
     def initializers(self):
         for g in self.graph.all_graphs():
@@ -202,10 +216,10 @@ def read_model(path: Path) -> ModelProto:
     return _read_model(path)[0]
 
 
-def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None]:
+def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None, bytes | None]:
     """read_model, the offsets of the weights read in place that stated their data_location
-    (TensorStore's stated_default), and the identity of the file they were read in place from
-    (None when none were)."""
+    (TensorStore's stated_default), the identity of the file they were read in place from
+    (None when none were), and the inferred skeleton its check made (_checked_inference)."""
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
@@ -240,17 +254,41 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None]:
     for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
+    inferred = None
     try:
-        # The weights were checked above (store.check); the checker sees the model without
-        # them, which keeps a multi-GB model from being copied again. The full check adds type
-        # and shape inference, which catches attributes of the wrong type (float `axes`)
-        # before a rule reads them.
-        onnx.checker.check_model(weightless_model(model), full_check=True)
+        inferred = _checked_inference(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError) as error:
         if not _valid_for_onnxruntime(model, error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
-    return model, stated, identity
+    return model, stated, identity, inferred
+
+
+def _checked_inference(model: ModelProto) -> bytes | None:
+    """Check `model` as onnx.checker's full check does, and return its skeleton with the types
+    shape inference found, serialized: what the rewrite's first inference would find while
+    nothing has changed the model (None when it is not that).
+
+    The weights were checked already (TensorStore.check); the checker sees the model without
+    them, which keeps a multi-GB model from being copied again. The full check is the
+    structural one and a strict type and shape inference, which catches attributes of the
+    wrong type (float `axes`) before a rule reads them. That inference is made here with data
+    propagation, as the rewrite's is, so the rewrite need not infer the whole graph again: a
+    large graph's inference then runs before the graph is built rather than beside it. Where
+    it fails, the full check itself decides whether the model is valid.
+    """
+    skeleton = weightless_model(model).SerializeToString()
+    if model.ir_version >= 4:  # an older model's skeleton keeps initializers the rewrite's lists as inputs
+        onnx.checker.check_model(skeleton)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True, data_prop=True)
+        except Exception:  # noqa: BLE001 - whatever it is, the full check below tells
+            pass
+        else:
+            # Kept serialized, a fraction of the memory of the parsed model, until a rule asks.
+            return inferred.SerializeToString()
+    onnx.checker.check_model(skeleton, full_check=True)
+    return None
 
 
 def found_as_external_data(path: Path) -> bool:

@@ -4,9 +4,17 @@ equal symbolic name keeps meaning an equal dim (rules compare names to prove sha
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnx
+import pytest
 from onnx import TensorProto, helper
 
-from fuser.match import TypeInfo, _carried, _entry_of
+import fuser
+from fuser.errors import InputError
+from fuser.match import InferredTypes, TypeInfo, _carried, _entry_of, inferred_types
+from fuser.model import Model
+from fuser.rules.matmul_add_gemm import matmul_add_gemm
 
 
 def typed(name: str, dims: list):
@@ -209,3 +217,114 @@ def test_a_tensor_inference_could_not_type_is_not_inferred_again_at_every_rewrit
     nodes[0] = helper.make_node("Neg", ["x"], ["t"])
     types.invalidate(produced=["t"])
     assert types.shape("t") == (2, 4) and types._runs == 4
+
+
+# ------------------------------------------------------------ the load check's inference
+
+TRANSFORMERS = Path(__file__).parent / "data" / "transformers"
+SAMPLES = Path(__file__).resolve().parents[1] / "models"
+
+
+def rewrite_inference(model: Model) -> InferredTypes:
+    """What the rewrite's own inference of the model's skeleton finds."""
+    return inferred_types(onnx.shape_inference.infer_shapes(model.to_proto(weights=False), data_prop=True))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [TRANSFORMERS / f"{name}.onnx" for name in ("bert_dynamo", "gpt2_dynamo", "llama_dynamo", "vit_dynamo")]
+    + [TRANSFORMERS / "gpt2_legacy.onnx", SAMPLES / "resnet_small.onnx"],
+    ids=lambda path: path.stem,
+)
+def test_the_types_the_load_check_inferred_are_those_the_rewrite_would_infer(path):
+    """Loading a file checks it with a shape inference; the first rewrite takes its types
+    instead of inferring the whole graph again. The dynamo exports compute shapes in the
+    graph, which only data propagation follows: a check without it would give fewer dims."""
+    model = Model.load(path)
+    given = model.take_inferred_types()
+    expected = rewrite_inference(model)
+    assert given is not None
+    assert given.table == expected.table
+    assert given.input_symbols == expected.input_symbols and given.untyped == expected.untyped
+
+
+def test_the_inferred_types_are_given_once_and_not_for_a_changed_model():
+    model = Model.load(SAMPLES / "mlp.onnx")
+    assert model.take_inferred_types() is not None
+    assert model.take_inferred_types() is None  # dropped: a later inference is the graph's own
+
+    changed = Model.load(SAMPLES / "mlp.onnx")
+    relu = next(info.id for info in changed.graph.nodes() if info.op_type == "Relu")
+    changed.graph.redirect(changed.graph.node(relu).outputs[0], changed.graph.node(relu).inputs[0])
+    assert changed.take_inferred_types() is None
+
+
+def test_a_model_before_ir_4_gets_no_types_from_its_check(tmp_path):
+    """Its check's skeleton keeps initializers that the rewrite's lists as inputs."""
+    model = onnx.load(SAMPLES / "mlp.onnx")
+    model.ir_version = 3
+    for tensor in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    onnx.save(model, tmp_path / "ir3.onnx")
+    assert Model.load(tmp_path / "ir3.onnx").take_inferred_types() is None
+
+
+def test_the_rewrite_takes_its_first_types_from_the_model():
+    """The engine asks the model before inferring: types that make the input 3-D keep the first
+    MatMul + Add from becoming a Gemm, which needs 2-D operands."""
+    source = onnx.load(SAMPLES / "mlp.onnx")
+    plain = fuser.optimize(Model(source), check=False, rules=[matmul_add_gemm])[1]
+    assert plain.counts == {"matmul-add-gemm": 2}
+
+    skeleton = onnx.shape_inference.infer_shapes(Model(source).to_proto(weights=False), data_prop=True)
+    given = next(value for value in skeleton.graph.input if value.name == "x")
+    given.type.CopyFrom(helper.make_tensor_type_proto(TensorProto.FLOAT, [1, 1, 784]))
+    model = Model(source, inferred=skeleton.SerializeToString())
+    report = fuser.optimize(model, check=False, rules=[matmul_add_gemm])[1]
+    assert report.counts == {"matmul-add-gemm": 1}
+
+
+def reshape_against_its_annotation() -> onnx.ModelProto:
+    """Reshape(x, Shape(x)) gives x's own shape [2, 3], but an annotation says [3, 2]: only
+    data propagation, which follows Shape's values, sees the conflict."""
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["rows", "columns"])],
+        value_info=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+    )
+    graph.node.append(helper.make_node("Relu", ["y"], ["z"]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_a_model_the_full_check_accepts_loads_though_the_inference_with_data_propagation_fails(tmp_path):
+    model = reshape_against_its_annotation()
+    onnx.checker.check_model(model, full_check=True)  # valid to onnx's own check
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    onnx.save(model, tmp_path / "m.onnx")
+    loaded = Model.load(tmp_path / "m.onnx")
+    assert loaded.take_inferred_types() is None  # the rewrite infers for itself, as before
+    fuser.optimize(loaded, check=False)
+
+
+def test_a_model_only_the_inference_refuses_is_refused_with_the_full_checks_message(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "n"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(model)  # structurally sound
+    with pytest.raises(onnx.shape_inference.InferenceError) as refused:
+        onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(InputError) as error:
+        Model.load(tmp_path / "m.onnx")
+    first_line = str(refused.value).strip().splitlines()[0]
+    assert str(error.value) == f"{tmp_path / 'm.onnx'}: invalid ONNX model: {first_line}"
