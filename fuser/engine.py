@@ -167,7 +167,10 @@ class Engine:
                     self.result.need_newer_opset.append(candidate.name)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
-        self._depth = 1  # the deepest pattern of the phase running: how far below a change to look
+        # The running phase's patterns as (depth, root op types and domain, op types needed below
+        # the root), and per scope the depth of the deepest that can match there (_reach).
+        self._phase_patterns: list[tuple[int, tuple, tuple]] = []
+        self._reaches: dict[int, tuple[int, int]] = {}  # id(graph) -> (its op_types_version, reach)
         self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types)
         self._max_rewrites = max_rewrites
         self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
@@ -217,7 +220,13 @@ class Engine:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
                     inferred_at = len(self.result.rewrites)
                 self._by_root = {}
-                self._depth = max((r.depth for r in self.rules if r.phase == phase), default=1)
+                self._phase_patterns = [
+                    (pattern.depth, (pattern.op_types, pattern.domain), needs)
+                    for r in self.rules
+                    if r.phase == phase
+                    for pattern, needs in zip(r.alternatives, r.needs)
+                ]
+                self._reaches = {}
                 for candidate in self.rules:
                     if candidate.phase == phase:
                         for op_type, _ in candidate.roots:
@@ -634,17 +643,38 @@ class Engine:
             raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")
 
     def _downstream(self, graph: Graph, start: set[int]) -> set[int]:
-        """`start` and the op nodes up to the running phase's deepest pattern below it: a rule
-        rooted further down cannot see the change."""
+        """`start` and the op nodes below it up to the depth of the running phase's deepest
+        pattern that can match in `graph` (_reach): a rule rooted further down cannot see the change."""
         seen = set(start)
         frontier = set(start)
-        for _ in range(self._depth):
+        for _ in range(self._reach(graph)):
             following = set()
             for node_id in frontier:
                 following |= graph.op_successors(node_id) - seen
             seen |= following
             frontier = following
         return seen
+
+
+    def _reach(self, graph: Graph) -> int:
+        """The depth of the running phase's deepest pattern that can match in `graph`: one whose
+        root and needed op types it has. A pattern that needs an op type the scope lacks cannot
+        match below a change; a rewrite that brings the type in changes the answer, and the
+        nodes below it are looked at as deep as the pattern then reaches."""
+        version = graph.op_types_version
+        known = self._reaches.get(id(graph))
+        if known is not None and known[0] == version:
+            return known[1]
+        reach = max(
+            (
+                depth
+                for depth, root, needs in self._phase_patterns
+                if graph.has_op(*root) and all(graph.has_op(*need) for need in needs)
+            ),
+            default=0,
+        )
+        self._reaches[id(graph)] = (version, reach)
+        return reach
 
 
 def _same_nodes(nodes: list[NodeProto], others: list[NodeProto]) -> bool:

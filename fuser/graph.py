@@ -174,6 +174,8 @@ class Graph:
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
         self._by_op: dict[tuple[str, str], dict[int, None]] = {}
+        # Counts the times an op type appeared in this scope or left it (has_op's answers changed).
+        self.op_types_version = 0
         self._initializers: dict[str, TensorProto] = {}
         self._value_info = list(proto.value_info)
         self._inputs = {value.name: value for value in proto.input}
@@ -245,7 +247,10 @@ class Graph:
                 output = sys.intern(output)
                 self.names.add(output)
                 self._producer[output] = (node_id, index)
-        self._by_op.setdefault((proto.domain, proto.op_type), {})[node_id] = None
+        of_type = self._by_op.setdefault((proto.domain, proto.op_type), {})
+        if not of_type:
+            self.op_types_version += 1
+        of_type[node_id] = None
         return node_id
 
     def _subgraph(self, proto: GraphProto, owner: int) -> Graph:
@@ -489,7 +494,10 @@ class Graph:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
                 self._constants.forget(output)
-        del self._by_op[(info.domain, info.op_type)][node_id]
+        of_type = self._by_op[(info.domain, info.op_type)]
+        del of_type[node_id]
+        if not of_type:
+            self.op_types_version += 1
         self.nx.remove_node(node_id)
         self.modified = True
 

@@ -1344,3 +1344,54 @@ def test_a_crash_in_candidates_is_the_rules_error():
     model = negs_model([helper.make_node("Neg", ["x"], ["a"])], ["a"])
     with pytest.raises(RuleError, match="crashing-candidates.*its candidates raised KeyError"):
         Engine(Model(model), [crashing_rule]).run()
+
+
+# ------------------------------------------------- how far below a change the engine looks
+
+
+def relu_chain(length: int) -> Model:
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"relu{i}") for i in range(length)]
+    return Model(make_model(nodes, [("t0", F32, [2])], [(f"t{length}", F32, [2])]))
+
+
+def test_op_types_version_changes_only_when_an_op_type_appears_or_goes():
+    graph = relu_chain(3).graph
+    version = graph.op_types_version
+    graph.add_node(helper.make_node("Relu", ["t3"], ["u"]), key=(10,))
+    assert graph.op_types_version == version  # Relu was there already
+    sigmoid = graph.add_node(helper.make_node("Sigmoid", ["t3"], ["v"]), key=(11,))
+    assert graph.op_types_version == version + 1
+    graph.remove_node(graph.nodes_of_type("Relu")[0])
+    assert graph.op_types_version == version + 1  # Relu is still there
+    graph.remove_node(sigmoid)
+    assert graph.op_types_version == version + 2
+
+
+@rule("relu-anywhere", pattern=op.Relu(var("x"), name="relu"), phase=0)
+def relu_anywhere(m: Match, b: Builder):
+    """A rule that never rewrites: Relu, declined."""
+    raise Decline("test rule")
+
+
+@rule("relu-over-sigmoid", pattern=op.Relu(op.Relu(op.Sigmoid(var("x")), name="inner"), name="outer"), phase=0)
+def relu_over_sigmoid(m: Match, b: Builder):
+    """A rule that never rewrites: Relu(Relu(Sigmoid)), declined."""
+    raise Decline("test rule")
+
+
+def test_a_change_is_followed_down_as_deep_as_a_pattern_that_can_match_there():
+    """Below a change, a node is looked at again only within reach of a pattern rooted at it;
+    a pattern needing an op type the graph lacks reaches nowhere until a node of that type comes."""
+    model = relu_chain(6)
+    graph = model.graph
+    engine = Engine(model, [relu_anywhere, relu_over_sigmoid])
+    engine._phase_patterns = [
+        (pattern.depth, (pattern.op_types, pattern.domain), needs)
+        for r in engine.rules
+        for pattern, needs in zip(r.alternatives, r.needs)
+    ]
+    first = graph.producer("t1")
+    below = lambda: sorted(graph.node(n).name for n in engine._downstream(graph, {first}))  # noqa: E731
+    assert below() == ["relu0", "relu1"]  # relu-anywhere's depth 1: a Relu reading the change
+    graph.add_node(helper.make_node("Sigmoid", ["t6"], ["s"], name="sigmoid"), key=(10,))
+    assert below() == ["relu0", "relu1", "relu2", "relu3"]  # relu-over-sigmoid can match now: depth 3
