@@ -655,7 +655,6 @@ class Engine:
             frontier = following
         return seen
 
-
     def _reach(self, graph: Graph) -> int:
         """The depth of the running phase's deepest pattern that can match in `graph`: one whose
         root and needed op types it has. A pattern that needs an op type the scope lacks cannot

@@ -283,8 +283,8 @@ def _checked_inference(model: ModelProto) -> bytes | None:
         try:
             inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True, data_prop=True)
         except Exception:  # noqa: BLE001 - whatever it is, the full check below tells
-            pass
-        else:
+            inferred = None
+        if inferred is not None:
             # Kept serialized, a fraction of the memory of the parsed model, until a rule asks.
             return inferred.SerializeToString()
     onnx.checker.check_model(skeleton, full_check=True)
