@@ -219,19 +219,7 @@ class Engine:
                 if len(self.result.rewrites) != inferred_at:
                     self._types.refresh()  # a later phase sees the shapes the earlier rewrites fixed
                     inferred_at = len(self.result.rewrites)
-                self._by_root = {}
-                self._phase_patterns = [
-                    (pattern.depth, (pattern.op_types, pattern.domain), needs)
-                    for r in self.rules
-                    if r.phase == phase
-                    for pattern, needs in zip(r.alternatives, r.needs)
-                ]
-                self._reaches = {}
-                for candidate in self.rules:
-                    if candidate.phase == phase:
-                        for op_type, _ in candidate.roots:
-                            if candidate not in self._by_root.get(op_type, ()):
-                                self._by_root.setdefault(op_type, []).append(candidate)
+                self._enter_phase(phase)
                 # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes
                 # the dims below it) can let the phase's rules do more: its fixed point includes them.
                 touched: set[int] = set()
@@ -250,6 +238,23 @@ class Engine:
                 seen_rewrites[phase] = len(self.result.rewrites)
             if not apply or len(self.result.rewrites) == round_start or self._limit_reached():
                 return
+
+    def _enter_phase(self, phase: int) -> None:
+        """Make `phase` the running one: its pattern rules by root op type, and its patterns
+        as _reach weighs them."""
+        self._by_root = {}
+        for candidate in self.rules:
+            if candidate.phase == phase:
+                for op_type, _ in candidate.roots:
+                    if candidate not in self._by_root.get(op_type, ()):
+                        self._by_root.setdefault(op_type, []).append(candidate)
+        self._phase_patterns = [
+            (pattern.depth, (pattern.op_types, pattern.domain), needs)
+            for candidate in self.rules
+            if candidate.phase == phase
+            for pattern, needs in zip(candidate.alternatives, candidate.needs)
+        ]
+        self._reaches = {}
 
     def _run_sweeps(self, graph: Graph, scope: str, apply: bool, phase: int) -> set[int]:
         """Run the phase's sweeps over the scope, unless nothing changed since they last did;

@@ -1385,11 +1385,7 @@ def test_a_change_is_followed_down_as_deep_as_a_pattern_that_can_match_there():
     model = relu_chain(6)
     graph = model.graph
     engine = Engine(model, [relu_anywhere, relu_over_sigmoid])
-    engine._phase_patterns = [
-        (pattern.depth, (pattern.op_types, pattern.domain), needs)
-        for r in engine.rules
-        for pattern, needs in zip(r.alternatives, r.needs)
-    ]
+    engine._enter_phase(0)
     first = graph.producer("t1")
     below = lambda: sorted(graph.node(n).name for n in engine._downstream(graph, {first}))  # noqa: E731
     assert below() == ["relu0", "relu1"]  # relu-anywhere's depth 1: a Relu reading the change
