@@ -530,6 +530,9 @@ class TypeInfo:
         the names of what it replaces, which inference may now be able to type)."""
         self._stale = True
         self._untyped.difference_update(produced)
+        if self._seed is not None:
+            self._seed()  # a changed model's seed no longer applies: asking drops it
+            self._seed = None
 
     def refresh(self) -> None:
         """Infer every shape again at the next query: rewrites (folded Reshape targets, say)
@@ -570,7 +573,8 @@ class TypeInfo:
 
     def _load(self) -> dict[str, Entry]:
         if self._table is None:
-            found = self._seed() if self._seed is not None and not self._runs else None
+            found = self._seed() if self._seed is not None else None
+            self._seed = None
             if found is None:
                 # Serialized at once, so that the skeleton is freed before inference makes its copy.
                 skeleton = self._factory().SerializeToString()

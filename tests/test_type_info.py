@@ -14,6 +14,7 @@ import fuser
 from fuser.errors import InputError
 from fuser.match import InferredTypes, TypeInfo, _carried, _entry_of, inferred_types
 from fuser.model import Model
+from fuser.rules.conv_bn_fold import conv_bn_fold
 from fuser.rules.matmul_add_gemm import matmul_add_gemm
 
 
@@ -257,6 +258,16 @@ def test_the_inferred_types_are_given_once_and_not_for_a_changed_model():
     relu = next(info.id for info in changed.graph.nodes() if info.op_type == "Relu")
     changed.graph.redirect(changed.graph.node(relu).outputs[0], changed.graph.node(relu).inputs[0])
     assert changed.take_inferred_types() is None
+
+
+def test_a_rewrite_before_any_shape_question_drops_the_models_inference():
+    """conv-bn-fold asks no shapes: its first rewrite changes the model, whose kept inference
+    can no longer serve, and is not held for the rest of the run."""
+    model = Model.load(SAMPLES / "resnet_small.onnx")
+    assert model._inferred is not None
+    report = fuser.optimize(model, check=False, rules=[conv_bn_fold])[1]
+    assert report.counts["conv-bn-fold"] > 0
+    assert model._inferred is None
 
 
 def test_a_model_before_ir_4_gets_no_types_from_its_check(tmp_path):
