@@ -675,8 +675,13 @@ class Graph:
                 add_weightless(graph, self._initializers.values(), self._inputs)
             elif not apart:
                 graph.initializer.extend(self._initializers.values())
-            live = set(self._producer)
-            graph.value_info.extend(v for v in self._value_info if v.name in live)
+            graph.value_info.extend(self.live_value_info())
+
+    def live_value_info(self) -> list[onnx.ValueInfoProto]:
+        """The scope's annotations of tensors it holds: one of a tensor a rewrite removed, or of
+        another scope's (a body's tensor annotated in the main graph), is left out."""
+        live = self._producer
+        return [value for value in self._value_info if value.name in live]
 
     def _node_proto(self, info: NodeInfo, weights: bool = True) -> NodeProto:
         if not any(g.is_modified() for gs in info.subgraphs.values() for g in gs):

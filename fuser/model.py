@@ -109,6 +109,10 @@ class Model:
         inferred, self._inferred = self._inferred, None
         if inferred is None or self.unchanged_proto() is None:
             return None
+        if len(self.graph.live_value_info()) != len(self._source.graph.value_info):
+            # The check inferred with annotations the rewrite's skeleton leaves out (a body's
+            # tensors annotated in the main graph), which may type what it cannot.
+            return None
         return inferred_types(onnx.load_from_string(inferred))
 
     def initializers(self):

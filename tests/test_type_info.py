@@ -8,14 +8,14 @@ from pathlib import Path
 
 import onnx
 import pytest
+from fuser.rules.conv_bn_fold import conv_bn_fold
+from fuser.rules.matmul_add_gemm import matmul_add_gemm
 from onnx import TensorProto, helper
 
 import fuser
 from fuser.errors import InputError
 from fuser.match import InferredTypes, TypeInfo, _carried, _entry_of, inferred_types
 from fuser.model import Model
-from fuser.rules.conv_bn_fold import conv_bn_fold
-from fuser.rules.matmul_add_gemm import matmul_add_gemm
 
 
 def typed(name: str, dims: list):
@@ -268,6 +268,50 @@ def test_a_rewrite_before_any_shape_question_drops_the_models_inference():
     report = fuser.optimize(model, check=False, rules=[conv_bn_fold])[1]
     assert report.counts["conv-bn-fold"] > 0
     assert model._inferred is None
+
+
+def body_tensors_annotated_in_the_main_graph() -> onnx.ModelProto:
+    """Each If branch squeezes by axes given as an input, so inference cannot tell the rank of
+    `ut` and `ue`; only the main graph's annotations say they are [2, 4]."""
+
+    def branch(tag: str) -> onnx.GraphProto:
+        nodes = [
+            helper.make_node("Squeeze", ["xu", "axes"], [f"u{tag}"]),
+            helper.make_node("MatMul", [f"u{tag}", "w"], [f"m{tag}"]),
+            helper.make_node("Add", [f"m{tag}", "bias"], [f"o{tag}"]),
+        ]
+        return helper.make_graph(nodes, tag, [], [helper.make_tensor_value_info(f"o{tag}", TensorProto.FLOAT, [2, 4])])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Unsqueeze", ["x", "zero"], ["xu"]),
+            helper.make_node("If", ["cond"], ["y"], then_branch=branch("t"), else_branch=branch("e")),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("axes", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[
+            helper.make_tensor("w", TensorProto.FLOAT, [4, 4], [1.0] * 16),
+            helper.make_tensor("bias", TensorProto.FLOAT, [4], [0.0, 1.0, 2.0, 3.0]),
+            helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+        ],
+        value_info=[helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4]) for name in ("ut", "ue")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_model_annotating_a_bodys_tensors_in_its_main_graph_gets_no_types_from_its_check(tmp_path):
+    """The check infers with every annotation; the rewrite's skeleton keeps a scope's own only,
+    and cannot tell that the branches' MatMul reads a 2-D tensor, as Gemm needs."""
+    onnx.save(body_tensors_annotated_in_the_main_graph(), tmp_path / "m.onnx")
+    model = Model.load(tmp_path / "m.onnx")
+    assert model.take_inferred_types() is None
+    report = fuser.optimize(Model.load(tmp_path / "m.onnx"), check=False, rules=[matmul_add_gemm])[1]
+    assert report.counts == {}
 
 
 def test_a_model_before_ir_4_gets_no_types_from_its_check(tmp_path):
