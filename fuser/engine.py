@@ -249,7 +249,7 @@ class Engine:
                     if candidate not in self._by_root.get(op_type, ()):
                         self._by_root.setdefault(op_type, []).append(candidate)
         self._phase_patterns = [
-            (pattern.depth, (pattern.op_types, pattern.domain), needs)
+            (max(pattern.depth, candidate.walks), (pattern.op_types, pattern.domain), needs)
             for candidate in self.rules
             if candidate.phase == phase
             for pattern, needs in zip(candidate.alternatives, candidate.needs)

@@ -59,6 +59,7 @@ class Rule:
     source: SourceLocation | None = None
     sweep: Callable[[Graph], Iterable[Change]] | None = None
     candidates: Callable[[Graph], Iterable[int]] | None = None
+    walks: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -73,6 +74,8 @@ class Rule:
             raise PatternError(f"rule '{self.name}': candidates must be a function of a graph, for a pattern rule")
         if isinstance(self.pattern, (list, tuple)) and not self.pattern:
             raise PatternError(f"rule '{self.name}' has an empty list of patterns")
+        if not isinstance(self.walks, int) or self.walks < 0:
+            raise PatternError(f"rule '{self.name}': walks must be a depth (an int, 0 or more), not {self.walks!r}")
         for alternative in self.alternatives:
             validate(alternative)
         self._check_emits()
@@ -170,6 +173,7 @@ def rule(
     phase: int = 0,
     note: str | Callable[[], str] | None = None,
     candidates: Callable[[Graph], Iterable[int]] | None = None,
+    walks: int = 0,
 ) -> Callable[[Callable], Rule]:
     """Declare a rule; the decorated function builds the replacement.
 
@@ -204,6 +208,10 @@ def rule(
         rewrite touches later are tried whatever it returned. So the rule's match must depend
         on its pattern's nodes alone: a rewrite far above a node that makes it rewritable
         (constants evaluated through many nodes) does not touch it.
+    walks: for a rule whose function reads the graph beyond its pattern (walking up from it,
+        Match.absorb), how deep that reads, counted as a pattern's depth is: after a rewrite,
+        the engine looks again at nodes that far below it (otherwise as far as the deepest
+        pattern that can match).
     """
     location = caller_location()
 
@@ -225,6 +233,7 @@ def rule(
             note=note,
             source=location,
             candidates=candidates,
+            walks=walks,
         )
 
     return decorate

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fuser.rules._attention import (
     MERGE_HEADS,
+    WALK_DEPTH,
     absorb_attention,
     full_mask,
     heads_merged,
@@ -34,6 +35,7 @@ from fuser import Builder, Match, rule
     target="onnxruntime",
     emits={"com.microsoft": 1},
     opsets=(13, None),  # Softmax over one axis
+    walks=WALK_DEPTH,
 )
 def attention_multihead(m: Match, b: Builder):
     """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  MultiHeadAttention."""

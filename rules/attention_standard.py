@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from fuser.rules._attention import (
     MERGE_HEADS,
+    WALK_DEPTH,
     absorb_attention,
     full_mask,
     heads_split,
@@ -25,7 +26,7 @@ from fuser.rules._attention import (
 from fuser import Builder, Match, rule
 
 
-@rule("attention-standard", pattern=MERGE_HEADS, opsets=(23, None), stabilizes=True)
+@rule("attention-standard", pattern=MERGE_HEADS, opsets=(23, None), stabilizes=True, walks=WALK_DEPTH)
 def attention_standard(m: Match, b: Builder):
     """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  Attention (opset 23)."""
     attention = trace_attention(m)

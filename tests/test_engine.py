@@ -1387,7 +1387,30 @@ def test_a_change_is_followed_down_as_deep_as_a_pattern_that_can_match_there():
     engine = Engine(model, [relu_anywhere, relu_over_sigmoid])
     engine._enter_phase(0)
     first = graph.producer("t1")
-    below = lambda: sorted(graph.node(n).name for n in engine._downstream(graph, {first}))  # noqa: E731
+    below = lambda: sorted(graph.node(n).name for n in engine._downstream(graph, {first}))
     assert below() == ["relu0", "relu1"]  # relu-anywhere's depth 1: a Relu reading the change
     graph.add_node(helper.make_node("Sigmoid", ["t6"], ["s"], name="sigmoid"), key=(10,))
     assert below() == ["relu0", "relu1", "relu2", "relu3"]  # relu-over-sigmoid can match now: depth 3
+
+
+@rule("relu-walking-up", pattern=op.Relu(var("x"), name="relu"), phase=0, walks=4)
+def relu_walking_up(m: Match, b: Builder):
+    """A rule that never rewrites, but reads four nodes deep above its Relu, as attention does."""
+    raise Decline("test rule")
+
+
+def test_a_rule_that_reads_beyond_its_pattern_is_looked_at_again_as_deep_as_it_walks():
+    model = relu_chain(6)
+    graph = model.graph
+    engine = Engine(model, [relu_anywhere, relu_walking_up])
+    engine._enter_phase(0)
+    below = engine._downstream(graph, {graph.producer("t1")})
+    assert sorted(graph.node(n).name for n in below) == ["relu0", "relu1", "relu2", "relu3", "relu4"]
+
+
+def test_walks_must_be_a_depth():
+    with pytest.raises(PatternError, match="walks must be a depth"):
+
+        @rule("bad-walks", pattern=op.Relu(var("x")), walks=-1)
+        def bad_walks(m: Match, b: Builder):
+            """Never built."""
