@@ -104,8 +104,10 @@ def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
 
 
 def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> None:
-    text = report_module.dumps(data)
-    for path in ([Path(report_path)] if report_path else []) + list(also):
+    paths = ([Path(report_path)] if report_path else []) + list(also)
+    # Serialized only when written or shown: a large model's report takes a noticeable while.
+    text = report_module.dumps(data) if paths or fmt == "json" else ""
+    for path in paths:
         write_text_atomically(path, text)
     if fmt == "json":
         click.echo(text)
