@@ -9,6 +9,7 @@ import fnmatch
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -500,20 +501,25 @@ class TerminalProgress:
         "models": "optimizing",
     }
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.stage: str | None = None
         self.bar = None
+        self.clock = clock
         self.started = 0.0
 
     def __call__(self, stage: str, done: int, total: int | None) -> None:
         label = f"fuser: {self.LABELS.get(stage, stage)}"
         if stage != self.stage:
             self.close()
-            self.stage, self.started = stage, time.perf_counter()
+            self.stage, self.started = stage, self.clock()
             click.echo(f"\r\033[K{label}...", err=True, nl=False)
         if total is None:
             return
         if self.bar is None:
+            if not done:
+                # Counting starts now: the stage's work before it (parsing the file before its
+                # nodes are read into the graph) is not part of the rate.
+                self.started = self.clock()
             self.bar = click.progressbar(
                 length=max(total, 1),
                 label=label,
@@ -525,7 +531,7 @@ class TerminalProgress:
             self.bar.__enter__()
         if max(total, done) > self.bar.length:  # more work found (rewrites queue nodes): the bar goes on
             self.bar.length, self.bar.finished = max(total, done), False
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.clock() - self.started
         rate = f"{done / elapsed:,.1f} {UNITS.get(stage, stage)}/s" if done and elapsed > 0 else ""
         self.bar.update(done - self.bar.pos, rate)
 

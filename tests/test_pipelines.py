@@ -633,6 +633,24 @@ def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
     assert code == 0 and drawn == ""
 
 
+def test_a_bars_rate_counts_from_when_its_counting_starts():
+    from fuser.cli import TerminalProgress
+
+    now = [0.0]
+    progress = TerminalProgress(clock=lambda: now[0])
+    progress("load", 0, None)  # the file is parsed: no count yet
+    now[0] = 30.0
+    progress("load", 0, 1000)  # its nodes are read into the graph from here on
+    now[0] = 31.0
+    progress("load", 1000, 1000)
+    assert progress.bar.current_item == "1,000.0 nodes/s"  # not 1000 nodes over 31 s
+    progress("rewrite", 1000, 3000)  # a stage whose first count comes with work already done
+    now[0] = 32.0
+    progress("rewrite", 2000, 3000)
+    assert progress.bar.current_item == "2,000.0 nodes/s"
+    progress.close()
+
+
 def test_no_progress_in_a_log(tmp_path):
     onnx.save(chain(2500), tmp_path / "chain.onnx")
     result = fuser_cli("optimize", "chain.onnx", cwd=tmp_path)
