@@ -193,7 +193,7 @@ class Engine:
         while scopes and not self._limit_reached():
             graph, scope = scopes.pop(0)
             self._run_scope(graph, scope, apply)
-            for info in list(graph.nodes()):
+            for info in graph.nodes_with_subgraphs():
                 for attr, graphs in info.subgraphs.items():
                     for index, sub in enumerate(graphs):
                         suffix = f"[{index}]" if len(graphs) > 1 else ""

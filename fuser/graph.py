@@ -174,6 +174,8 @@ class Graph:
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
         self._by_op: dict[tuple[str, str], dict[int, None]] = {}
+        # The nodes holding If/Loop/Scan bodies, so that finding the bodies need not look at every node.
+        self._holders: dict[int, None] = {}
         # Counts the times an op type appeared in this scope or left it (has_op's answers changed).
         self.op_types_version = 0
         self._initializers: dict[str, TensorProto] = {}
@@ -240,6 +242,8 @@ class Graph:
             elif attribute.type == AttributeProto.GRAPHS:
                 subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
         info = NodeInfo(node_id, proto, subgraphs)
+        if subgraphs:
+            self._holders[node_id] = None
         self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
         for index, output in enumerate(proto.output):
@@ -353,6 +357,10 @@ class Graph:
 
     def node_count(self) -> int:
         return sum(len(ids) for ids in self._by_op.values())
+
+    def nodes_with_subgraphs(self) -> list[NodeInfo]:
+        """The op nodes holding If/Loop/Scan bodies, in the order they were added."""
+        return [self._attrs[node_id]["info"] for node_id in self._holders]
 
     def nodes_of_type(self, op_type: str, domain: str = "") -> list[int]:
         domains = _DEFAULT_DOMAINS if domain in _DEFAULT_DOMAINS else (domain,)
@@ -496,6 +504,7 @@ class Graph:
                 self._constants.forget(output)
         of_type = self._by_op[(info.domain, info.op_type)]
         del of_type[node_id]
+        self._holders.pop(node_id, None)
         if not of_type:
             self.op_types_version += 1
         self.nx.remove_node(node_id)
@@ -651,7 +660,7 @@ class Graph:
 
     def is_modified(self) -> bool:
         return self.modified or any(
-            g.is_modified() for info in self.nodes() for gs in info.subgraphs.values() for g in gs
+            g.is_modified() for info in self.nodes_with_subgraphs() for gs in info.subgraphs.values() for g in gs
         )
 
     def to_proto(self, weights: bool = True) -> GraphProto:
@@ -702,7 +711,7 @@ class Graph:
     def all_graphs(self) -> Iterable[Graph]:
         """This graph and every graph nested in it, outermost first."""
         yield self
-        for info in list(self.nodes()):
+        for info in self.nodes_with_subgraphs():
             for graphs in info.subgraphs.values():
                 for g in graphs:
                     yield from g.all_graphs()

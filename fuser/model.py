@@ -126,11 +126,10 @@ class Model:
             for tensor in self.initializers():
                 self.tensors.check(tensor)
         for g in self.graph.all_graphs():
-            for node in g.nodes():
-                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                    for attribute in node.proto.attribute:
-                        if attribute.name == "value" and attribute.HasField("t"):
-                            self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
+            for node in map(g.node, g.nodes_of_type("Constant")):
+                for attribute in node.proto.attribute:
+                    if attribute.name == "value" and attribute.HasField("t"):
+                        self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
 
     def to_proto(self, weights: bool = True, in_place: bool = False) -> ModelProto:
         """The model as ONNX; weights=False gives its skeleton (Graph.to_proto). Weights read in

@@ -231,7 +231,8 @@ def test_a_cached_value_still_respects_max_bytes():
     assert g.constant_value("big_flat", max_bytes=1024) is None, "a cached value ignores max_bytes"
 
 
-def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
+def _if_model() -> onnx.ModelProto:
+    """Abs(x) -> t; If(cond) then Relu(t) else Neg(w), both branches reading the outer scope."""
     then_branch = helper.make_graph(
         [helper.make_node("Relu", ["t"], ["then_out"], name="then_relu")],
         "then",
@@ -248,7 +249,11 @@ def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
         helper.make_node("Abs", ["x"], ["t"], name="abs"),
         helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch),
     ]
-    proto = make_model(nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])], {"w": np.ones(2, F32)})
+    return make_model(nodes, [("x", F32, [2]), ("cond", np.bool_, [])], [("y", F32, [2])], {"w": np.ones(2, F32)})
+
+
+def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
+    proto = _if_model()
     g = _graph(proto)
     ids = _ids_by_name(g)
     assert g.consumers("t") == [(ids["if"], SUBGRAPH_SLOT)]
@@ -265,6 +270,28 @@ def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
     assert then_graph.is_graph_output("then_out")
     assert len(list(g.all_graphs())) == 3
     assert Model(proto).to_proto().SerializeToString(deterministic=True) == proto.SerializeToString(deterministic=True)
+
+
+def test_the_nodes_holding_bodies_are_known_as_they_come_and_go():
+    g = _graph(_if_model())
+    ids = _ids_by_name(g)
+    assert [info.id for info in g.nodes_with_subgraphs()] == [ids["if"]]
+    then_graph, else_graph = (g.node(ids["if"]).subgraphs[name][0] for name in ("then_branch", "else_branch"))
+    graphs = list(g.all_graphs())
+    assert graphs[0] is g and len(graphs) == 3 and set(graphs[1:]) == {then_graph, else_graph}
+    assert not g.is_modified()
+    else_graph.modified = True  # a change inside a body is a change of the model
+    assert g.is_modified()
+    g.replace_nodes([ids["if"]], [helper.make_node("Identity", ["t"], ["y"], name="plain")], [], g.sort_key(ids["if"]), "test")
+    assert g.nodes_with_subgraphs() == [] and list(g.all_graphs()) == [g]
+    loop_body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
+        "body",
+        [helper.make_tensor_value_info(n, t, []) for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))],
+        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
+    )
+    loop = g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=loop_body), (99,))
+    assert [info.id for info in g.nodes_with_subgraphs()] == [loop] and len(list(g.all_graphs())) == 2
 
 
 # ---------------------------------------------------------------- rewiring
