@@ -504,9 +504,9 @@ class Graph:
                 self._constants.forget(output)
         of_type = self._by_op[(info.domain, info.op_type)]
         del of_type[node_id]
-        self._holders.pop(node_id, None)
         if not of_type:
             self.op_types_version += 1
+        self._holders.pop(node_id, None)
         self.nx.remove_node(node_id)
         self.modified = True
 
