@@ -483,10 +483,12 @@ def heads_split(b: Builder, tensor: str, rank: int, num_heads: int, head_size: i
     return b.Transpose(split, perm=_HEADS_FIRST)
 
 
-def full_mask(m: Match, b: Builder, attention: Attention) -> str:
-    """The mask broadcast to [B or 1, N or 1, S, L], which the fused kernels require."""
+def full_mask(m: Match, b: Builder, attention: Attention, mask: str | None = None) -> str:
+    """The mask (`mask`, else the attention's) broadcast to [B or 1, N or 1, S, L], which the
+    fused kernels require."""
+    mask = mask or attention.mask
     if attention.mask_is_full:
-        return attention.mask
+        return mask
     seq_axis = {3: 1, 4: 2}
     shape = b.Concat(
         np.array([1, 1], np.int64),
@@ -494,7 +496,30 @@ def full_mask(m: Match, b: Builder, attention: Attention) -> str:
         dim(b, m.opset, attention.k, seq_axis[m.rank_of(attention.k)]),
         axis=0,
     )
-    return b.Expand(attention.mask, shape)
+    return b.Expand(mask, shape)
+
+
+def mask_without_lowest(m: Match, b: Builder, attention: Attention) -> str:
+    """The mask with its entries of the dtype's lowest value moved one step up.
+
+    transformers masks with that value, and a query row masked everywhere then gets a uniform
+    softmax, as the spec's Attention adds the mask. onnxruntime's Attention kernel reads the
+    value as -inf and gives 0 for such a row (a padded sequence's rows). One step up, every
+    masked score still rounds to the same value, so the softmax is unchanged elsewhere; -inf
+    stays -inf. The masks of all layers are one tensor: the replacement is built once.
+    (In float16 a row masked everywhere is not uniform in the original either: adding the mask
+    rounds its scores to a step of 32, which the kernel, computing in float32, does not.)
+    """
+    mask, dtype = attention.mask, attention.dtype
+    lowest = np.finfo(dtype).min
+    value = m.graph.constant_value(mask)
+    if value is not None and not np.any(value == lowest):
+        return mask
+    above = np.nextafter(lowest, np.zeros((), dtype)).astype(dtype)
+    return b.once(
+        f"attention-mask-without-lowest:{mask}",
+        lambda b: b.Where(b.Equal(mask, np.array(lowest, dtype)), above, mask),
+    )
 
 
 def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str, output: str) -> str:

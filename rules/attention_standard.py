@@ -7,7 +7,8 @@ it. onnxruntime's kernel wants the mask's query dimension in full (it does not b
 there), so a mask that only broadcasts is expanded to [B or 1, N or 1, S, L] first. The
 operator gives 0 for a query row whose mask is -inf everywhere (the spec's fully-masked-row
 rule), where a model without the NaN guard of scaled_dot_product_attention gives NaN: hence
-`stabilizes`.
+`stabilizes`. The kernel reads the dtype's lowest value as -inf too, so entries of that value
+(transformers' masks) move one step up first (mask_without_lowest).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fuser.rules._attention import (
     absorb_attention,
     full_mask,
     heads_split,
+    mask_without_lowest,
     merged,
     require_fusable_dtype,
     trace_attention,
@@ -32,7 +34,7 @@ def attention_standard(m: Match, b: Builder):
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
     absorb_attention(m, attention, attention.reads)
-    mask = full_mask(m, b, attention) if attention.mask is not None else None
+    mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention)) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     ranks = {m.rank_of(attention.q), m.rank_of(attention.k), m.rank_of(attention.v)}
     if ranks == {3}:

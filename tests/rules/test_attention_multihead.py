@@ -58,7 +58,9 @@ def attention_model(
     scale: "scores_div" (scores / sqrt(H)), "scores_mul", "q_mul" (Q * 1/sqrt(H)), "qk_sqrt"
     (Q and Kᵀ each times H**-0.25), "none". k_form: "0231" (one Transpose), "0132" (heads
     first, then the last two swapped), "3d" (torch.export's fold/transpose/unfold; static dims).
-    mask: None, "padding" (float mask [B, L] -> (1 - m) * -10000 as [B, 1, 1, L]) or "boolean"
+    mask: None, "padding" (float mask [B, L] -> (1 - m) * -10000 as [B, 1, 1, L]), "padding_lowest"
+    (transformers' spelling: the dtype's lowest value in place of -10000, and batch row 1 padded
+    everywhere, so that its query rows see no key at all) or "boolean"
     (bool [B, 1, S, L] -> Where(m, 0, -inf)). rotary: the rotate-half rotary embedding on the
     Q and K heads (k_form "0132"); repeat_kv: K and V heads repeated to N (Llama's repeat_kv)
     after projecting to kv_heads heads. symbolic: the model's batch and sequence are
@@ -170,9 +172,9 @@ def attention_model(
         inputs += [(name, dtype, [1, 1, "positions", H]) for name in ("cos", "sin")]
         feeds.update(cos=np.cos(angles).astype(dtype), sin=np.sin(angles).astype(dtype))
     mask_tensor = None
-    if mask == "padding":
+    if mask in ("padding", "padding_lowest"):
         inits["one"] = np.array(1, dtype)
-        inits["big_negative"] = np.array(-10000, dtype)
+        inits["big_negative"] = np.array(-10000 if mask == "padding" else np.finfo(dtype).min, dtype)
         inits["mask_axes"] = np.array([1, 2], np.int64)
         nodes += [
             helper.make_node("Unsqueeze", ["mask", "mask_axes"], ["mask4"]),
@@ -182,6 +184,8 @@ def attention_model(
         inputs.append(("mask", dtype, [dims[0], dims[1]]))
         padding = np.ones((batch, seq), dtype)
         padding[1, -2:] = 0
+        if mask == "padding_lowest":
+            padding[1] = 0
         feeds["mask"] = padding
         mask_tensor = "additive_mask"
     elif mask == "boolean":

@@ -48,20 +48,36 @@ def test_padding_mask(dtype):
     after, _ = fuse(
         model,
         feeds,
-        expected_ops=PROJECTIONS + ["Unsqueeze", "Sub", "Mul", "Shape", "Shape", "Concat", "Expand", "Attention"],
+        expected_ops=PROJECTIONS
+        + ["Unsqueeze", "Sub", "Mul", "Equal", "Where", "Shape", "Shape", "Concat", "Expand", "Attention"],
     )
+
+
+def test_a_row_masked_everywhere_with_the_lowest_value_stays_uniform():
+    """onnxruntime's kernel reads the dtype's lowest value as -inf, and would give 0 where the
+    original's softmax over a row of equal scores is uniform: those entries move one step up."""
+    model, feeds = attention_model(mask="padding_lowest", symbolic=True, opset=23)
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=PROJECTIONS
+        + ["Unsqueeze", "Sub", "Mul", "Equal", "Where", "Shape", "Shape", "Concat", "Expand", "Attention"],
+    )
+    padded_row = run(after, feeds)[0][1]
+    np.testing.assert_allclose(padded_row, run(model, feeds)[0][1], rtol=1e-2, atol=1e-2)
+    assert np.abs(padded_row).max() > 0.01
 
 
 def test_fully_masked_rows_give_zero_like_the_nan_guard():
     model, feeds = attention_model(mask="boolean", nan_guard=True, opset=23)
-    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + ["Where", "Attention"])
+    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + ["Where", "Equal", "Where", "Attention"])
     np.testing.assert_array_equal(run(after, feeds)[0][1, 0], 0)
 
 
 def test_fully_masked_rows_without_the_guard_are_stabilized():
     model, feeds = attention_model(mask="boolean", opset=23)
     _, report = assert_rewritten(
-        model, [attention_standard], counts={RULE: 1}, expected_ops=PROJECTIONS + ["Where", "Attention"], inputs=feeds
+        model, [attention_standard], counts={RULE: 1}, expected_ops=PROJECTIONS + ["Where", "Equal", "Where", "Attention"], inputs=feeds
     )
     assert {o.status for o in report.verdict.outputs} == {"stabilized"}
 
