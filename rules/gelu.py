@@ -3,7 +3,8 @@
 
 The two GELU forms as exports write them (BERT/ViT: erf; GPT-2's "new GELU": tanh). The
 products associate three ways — (x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5) —
-and x / sqrt(2) is also written x * (1 / sqrt(2)); each spelling is a pattern. The
+x / sqrt(2) is also written x * (1 / sqrt(2)), and x^3 is Pow(x, 3) or, from torch's legacy
+exporter, x * (x * x); each spelling is a pattern. The
 standard Gelu is opset 20; the onnxruntime target writes com.microsoft Gelu / FastGelu,
 which its CPU kernels run at any opset (bias-gelu then absorbs a bias Add in front).
 """
@@ -24,8 +25,16 @@ def _erf_inner(x):
     return op.Add(op.Erf((op.Div | op.Mul)(x, const("root_two"), name="scaled"), name="erf"), const("one"), name="plus")
 
 
-def _tanh_inner(x):
-    cube = op.Pow(x, const("three"), name="cube")
+def _power_cube(x):
+    return op.Pow(x, const("three"), name="cube")
+
+
+def _product_cube(x):
+    return op.Mul(x, op.Mul(x, x, name="square"), name="cube")
+
+
+def _tanh_inner(x, cube_of):
+    cube = cube_of(x)
     polynomial = op.Add(x, op.Mul(cube, const("cubic"), name="cubic_term"), name="polynomial")
     tanh = op.Tanh(op.Mul(polynomial, const("tanh_scale"), name="scaled"), name="tanh")
     return op.Add(tanh, const("one"), name="plus")
@@ -39,7 +48,9 @@ def _products(inner_of):
 
 
 ERF_FORMS = tuple(_products(_erf_inner))
-TANH_FORMS = tuple(_products(_tanh_inner))
+TANH_FORMS = tuple(
+    form for cube_of in (_power_cube, _product_cube) for form in _products(lambda x: _tanh_inner(x, cube_of))
+)
 
 
 def _approximation(m: Match) -> str:
@@ -50,7 +61,8 @@ def _approximation(m: Match) -> str:
         dividing = m.node("scaled").op_type == "Div"
         require_scalar(m, "root_two", math.sqrt(2) if dividing else 1 / math.sqrt(2), "the erf argument's scale")
         return "none"
-    require_scalar(m, "three", 3.0, "the exponent")
+    if m.has("three"):
+        require_scalar(m, "three", 3.0, "the exponent")
     require_scalar(m, "cubic", CUBIC, "the cubic coefficient")
     require_scalar(m, "tanh_scale", TANH_SCALE, "the tanh argument's scale")
     return "tanh"

@@ -136,7 +136,7 @@ def rms_norm_nodes(
     return nodes, inits
 
 
-GELU_KINDS = ("erf-div", "erf-mul", "tanh")
+GELU_KINDS = ("erf-div", "erf-mul", "tanh", "tanh-products")  # tanh-products: x^3 as x * (x * x)
 GELU_FORMS = (0, 1, 2)  # (x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5)
 
 
@@ -164,8 +164,15 @@ def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix
             del inits[f"{p}{k}"]
         activation = f"{p}erf"
     else:
-        nodes = [
-            helper.make_node("Pow", [x, f"{p}three"], [f"{p}cube"], name=f"{p}cube"),
+        if kind == "tanh-products":  # torch's legacy exporter
+            nodes = [
+                helper.make_node("Mul", [x, x], [f"{p}square"], name=f"{p}square"),
+                helper.make_node("Mul", [x, f"{p}square"], [f"{p}cube"], name=f"{p}cube"),
+            ]
+            del inits[f"{p}three"]
+        else:
+            nodes = [helper.make_node("Pow", [x, f"{p}three"], [f"{p}cube"], name=f"{p}cube")]
+        nodes += [
             helper.make_node("Mul", [f"{p}cube", f"{p}cubic"], [f"{p}cubic_term"], name=f"{p}cubic_term"),
             helper.make_node("Add", [x, f"{p}cubic_term"], [f"{p}polynomial"], name=f"{p}polynomial"),
             helper.make_node("Mul", [f"{p}polynomial", f"{p}tanh_scale"], [f"{p}scaled"], name=f"{p}scaled"),
