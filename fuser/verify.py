@@ -377,6 +377,13 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _run_error(error: BaseException) -> str:
+    """onnxruntime's reason a run failed, on one line: its first, and the dims that did not fit,
+    which it lists on the lines below ("index: 1 Got: 8000 Expected: 16000")."""
+    details = [line.strip() for line in str(error).splitlines()[1:] if line.strip().startswith("index:")]
+    return "; ".join([_first_line(error), *details])
+
+
 def synthesize_inputs(
     sess,
     seed: int = 0,
@@ -786,7 +793,7 @@ class Checker:
         except Exception as error:  # noqa: BLE001 - onnxruntime's errors for feeds that do not fit
             shapes = ", ".join(f"{name}{_shape_text(value.shape)}" for name, value in feeds.items())
             raise InputError(
-                f"the original model cannot run on these inputs ({shapes}): {_first_line(error)}"
+                f"the original model cannot run on these inputs ({shapes}): {_run_error(error)}"
             ) from error
 
     def _meaningless_outputs(self, probe_seed: int, ranges) -> list[str]:

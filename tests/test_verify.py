@@ -366,6 +366,15 @@ def test_candidate_onnxruntime_cannot_load_gives_load_error_not_an_exception():
     json.dumps(verdict.to_dict())
 
 
+def test_inputs_of_the_wrong_size_name_the_dims_that_do_not_fit():
+    """onnxruntime lists the misfit dims below its first line; the one-line error keeps them."""
+    model = make_model(
+        [helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, [1, 16])], [("y", np.float32, [1, 16])]
+    )
+    with pytest.raises(InputError, match=r"x\[2,8\]\): .*index: 0 Got: 2 Expected: 1; index: 1 Got: 8 Expected: 16$"):
+        Checker(model, CheckOptions(inputs={"x": np.zeros((2, 8), np.float32)}))
+
+
 def test_a_prepared_checker_raises_what_building_it_raised_when_asked_for_it():
     from fuser.verify import PreparedChecker
 
