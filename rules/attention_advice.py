@@ -24,8 +24,10 @@ def attention_advice(m: Match, _):
     if attention.dtype not in FUSABLE_DTYPES:
         return f"attention left unfused: it computes in {attention.dtype}; the fused operators take float32/float16"
     if m.opset < 23:
+        # The advice serves both targets: on onnxruntime's, MultiHeadAttention declined it already.
         return (
             f"attention left unfused: the standard Attention operator needs opset 23 (the model has {m.opset}); "
-            "--target onnxruntime fuses it into MultiHeadAttention"
+            "--target onnxruntime fuses it into MultiHeadAttention where nothing inside it is used elsewhere "
+            "(fuser explain MODEL --target onnxruntime --rule attention-multihead tells why not)"
         )
     return "attention left unfused: a tensor inside it is used elsewhere, or the attention rules are disabled"

@@ -38,6 +38,12 @@ def test_old_opset_on_the_onnx_target_says_what_would_fuse_it():
     assert "MultiHeadAttention" in message
 
 
+def test_old_opset_on_the_onnxruntime_target_says_where_to_find_why_it_stayed():
+    model, _ = attention_model(opset=17, probs_output=True)  # the probabilities are a graph output
+    (message,) = advice(model, [attention_multihead, attention_advice], target="onnxruntime")
+    assert "--rule attention-multihead tells why not" in message
+
+
 def test_fused_attention_is_not_reported():
     model, _ = attention_model()
     assert advice(model, [attention_multihead, attention_advice], target="onnxruntime") == []
