@@ -138,9 +138,9 @@ class _Lowering:
     # ----------------------------------------------------------- operators
 
     def _ReorderInput(self, node: onnx.NodeProto, attrs: dict) -> None:
-        if attrs.get("channels_last", 0):
-            raise LoweringError("cannot check a channels-last ReorderInput at another block size")
         x = node.input[0]
+        if attrs.get("channels_last", 0):
+            x = self._op("Transpose", x, perm=[0, 3, 1, 2])
         n, c, hw = self._dims(x)
         block = self._block_dim()
         # Zero channels up to the next multiple of the block.
@@ -151,10 +151,12 @@ class _Lowering:
         self._blocked(self._op("Concat", x, zeros, axis=1), output=node.output[0])
 
     def _ReorderOutput(self, node: onnx.NodeProto, attrs: dict) -> None:
-        if attrs.get("channels_last", 0):
-            raise LoweringError("cannot check a channels-last ReorderOutput at another block size")
         channels = self._constant(np.arange(int(attrs["channels"]), dtype=np.int64), "channels")
-        self._op("Gather", self._unblocked(node.input[0]), channels, output=node.output[0], axis=1)
+        if not attrs.get("channels_last", 0):
+            self._op("Gather", self._unblocked(node.input[0]), channels, output=node.output[0], axis=1)
+            return
+        plain = self._op("Gather", self._unblocked(node.input[0]), channels, axis=1)
+        self._op("Transpose", plain, output=node.output[0], perm=[0, 2, 3, 1])
 
     def _Conv(self, node: onnx.NodeProto, attrs: dict) -> None:
         weight = self._filter(node.input[1])

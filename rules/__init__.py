@@ -65,8 +65,11 @@ ORDER = [
     "residual_add_relu",
     # onnxruntime's NCHWc layout (phase 1): convolutions, then the reorders between them
     # cancel and activations, residual Adds, pools, Concat and BatchNormalization follow into
-    # the blocked layout. nchwc-region roots at the convolutions like nchwc-conv and comes
-    # after it: it reports the ones left in NCHW.
+    # the blocked layout. An activation goes into its convolution (nchwc-activation) before it
+    # is carried as an operator of its own (nchwc-elementwise), a residual Add becomes the Sum
+    # input (nchwc-conv-add) before it runs on blocked tensors (nchwc-binary). nchwc-region
+    # roots at the convolutions like nchwc-conv and comes after it: it reports the ones left
+    # in NCHW.
     "nchwc_conv",
     "nchwc_reorder_cancel",
     "nchwc_activation",
@@ -74,5 +77,8 @@ ORDER = [
     "nchwc_pool",
     "nchwc_concat",
     "nchwc_batchnorm",
+    "nchwc_elementwise",
+    "nchwc_binary",
+    "nchwc_channels_last",
     "nchwc_region",
 ]

@@ -129,8 +129,33 @@ def channels_of(m: Match, reorder_output_node: str) -> int:
     return int(m.attr(reorder_output_node, "channels", 0))
 
 
-# Operators a NCHWc region can hold: convolutions, and what the nchwc-* rules carry into the
-# blocked layout next to them (pools, Concat, BatchNormalization, activations, a residual Add).
+# Element-wise operators that run on a blocked tensor as they are (nchwc-elementwise and
+# nchwc-binary carry them into the layout), by domain. Each keeps finite padding channels
+# finite, which NCHWc consumers rely on: a zero filter entry times an infinity is NaN, in a real
+# channel. So no Exp, Log, Div, Sqrt, Pow or Softplus here.
+CARRIED_UNARY = {
+    "": frozenset(
+        {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Clip", "Gelu", "Erf", "Abs", "Neg"}
+        | {"Elu", "Selu", "Celu", "Softsign", "Mish"}
+    ),
+    "com.microsoft": frozenset({"QuickGelu", "Gelu", "FastGelu"}),
+}
+# Two tensors of one shape, both blocked alike, combine element by element in either layout.
+CARRIED_BINARY = frozenset({"Add", "Sub", "Mul", "Max", "Min", "Sum"})
+
+
+def is_carried_unary(info) -> bool:
+    """An element-wise operator of one input that can run on a blocked tensor as it is."""
+    if info.op_type not in CARRIED_UNARY.get(info.domain, ()):
+        return False
+    inputs = [name for name in info.inputs if name]
+    # Clip's bounds are scalars; FastGelu's bias runs along the last axis, which blocking reorders.
+    return len(inputs) == 1 or info.op_type == "Clip"
+
+
+# Operators a NCHWc region can hold besides the carried element-wise ones: convolutions, and
+# what the nchwc-* rules carry into the blocked layout next to them (pools, Concat,
+# BatchNormalization, a residual Add).
 _REGION_OPS = {
     "Conv",
     "FusedConv",
@@ -141,12 +166,6 @@ _REGION_OPS = {
     "Concat",
     "BatchNormalization",
     "Add",
-    "Relu",
-    "LeakyRelu",
-    "Sigmoid",
-    "Tanh",
-    "HardSigmoid",
-    "Clip",
     "ReorderInput",
     "ReorderOutput",
 }
@@ -156,15 +175,37 @@ _REGION_OPS = {
 MACS_PER_REORDER = 4
 
 
+def _source(graph, tensor: str) -> str:
+    """Where `tensor` comes from, looking up through carried element-wise operators."""
+    while (producer := graph.producer(tensor)) is not None and is_carried_unary(graph.node(producer)):
+        tensor = graph.node(producer).inputs[0]
+    return tensor
+
+
+def _reached(graph, tensor: str) -> list[str]:
+    """`tensor` and what carried element-wise operators compute from it, down every path."""
+    reached, pending = [], [tensor]
+    while pending:
+        name = pending.pop()
+        reached.append(name)
+        for consumer in graph.op_consumers(name):
+            info = graph.node(consumer)
+            if is_carried_unary(info):
+                pending.extend(o for o in info.outputs if o)
+    return reached
+
+
 def region_cost(m: Match, start: int) -> tuple[int, int] | None:
     """(multiply-adds per output element, tensors reordered) for a convolution none of whose
     neighbours can stay blocked; None when a neighbour can (the region is then taken to pay).
 
-    Such a convolution alone pays a reorder for each tensor it reads or writes, except an
-    image's few channels, which NCHWc convolutions read straight from NCHW. Only the weights
-    and the graph's structure enter the estimate, never inferred shapes (shape inference does
-    not know com.microsoft operators), and a lone convolution stays lone whatever happens to
-    other convolutions: the decision is the same in any visiting order and again on the result.
+    Carried element-wise operators (an activation, say) are looked through: they run in
+    whichever layout their input has, so it is their other neighbours that decide. Such a
+    convolution alone pays a reorder for each tensor it reads or writes, except an image's few
+    channels, which NCHWc convolutions read straight from NCHW. Only the weights and the
+    graph's structure enter the estimate, never inferred shapes (shape inference does not know
+    com.microsoft operators), and a lone convolution stays lone whatever happens to other
+    convolutions: the decision is the same in any visiting order and again on the result.
     """
     graph = m.graph
     info = graph.node(start)
@@ -177,9 +218,10 @@ def region_cost(m: Match, start: int) -> tuple[int, int] | None:
     for slot, name in enumerate(info.inputs):
         if not name or (slot == 0 and unblocked_input):
             continue
-        producer = graph.producer(name)
+        source = _source(graph, name)
+        producer = graph.producer(source)
         if producer is None:
-            crossings += not graph.is_constant(name)  # a graph input
+            crossings += not graph.is_constant(source)  # a graph input
         elif graph.node(producer).op_type in _REGION_OPS:
             return None
         else:
@@ -187,11 +229,12 @@ def region_cost(m: Match, start: int) -> tuple[int, int] | None:
     for name in info.outputs:
         if not name:
             continue
-        crossings += graph.is_graph_output(name)
-        for consumer in graph.op_consumers(name):
-            if graph.node(consumer).op_type in _REGION_OPS:
+        for tensor in _reached(graph, name):
+            readers = [graph.node(c) for c in graph.op_consumers(tensor)]
+            if any(r.op_type in _REGION_OPS for r in readers):
                 return None
-            crossings += 1
+            # One reorder serves every plain reader of a tensor.
+            crossings += graph.is_graph_output(tensor) or any(not is_carried_unary(r) for r in readers)
     return math.prod(weight.shape[1:]), crossings
 
 

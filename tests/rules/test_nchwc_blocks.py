@@ -90,12 +90,43 @@ def feature_model() -> onnx.ModelProto:
     return make_model(nodes, [("x", np.float32, [1, 32, 12, 12])], outputs, inits)
 
 
-MODELS = {"image": image_model, "features": feature_model}
+def carried_model() -> onnx.ModelProto:
+    """A ConvNeXt-like block (depthwise Conv, Transposes around a LayerNormalization over
+    channels) and standard operators on blocked tensors: HardSwish, Tanh, a Sub of the two."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[3, 3, 3, 3], group=24),
+        helper.make_node("Transpose", ["c1"], ["nhwc"], perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["nhwc", "gamma", "beta"], ["normed"], axis=-1),
+        helper.make_node("Transpose", ["normed"], ["nchw"], perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["nchw", "w2", "b2"], ["c2"]),
+        helper.make_node("HardSwish", ["c2"], ["h2"]),
+        helper.make_node("Tanh", ["h2"], ["t2"]),
+        helper.make_node("Sub", ["h2", "t2"], ["d2"]),
+        helper.make_node("Conv", ["d2", "w3"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "w1": _weight(rng, 24, 1, 7, 7),
+        "b1": _weight(rng, 24, 1)[:, 0],
+        "gamma": rng.uniform(0.5, 1.5, 24).astype(np.float32),
+        "beta": rng.normal(0, 0.5, 24).astype(np.float32),
+        "w2": _weight(rng, 20, 24, 1, 1),
+        "b2": _weight(rng, 20, 1)[:, 0],
+        "w3": _weight(rng, 24, 20, 3, 3),
+    }
+    return make_model(nodes, [("x", np.float32, [1, 24, 9, 9])], [("y", np.float32, [1, 24, 9, 9])], inits)
+
+
+MODELS = {"image": image_model, "features": feature_model, "carried": carried_model}
 # The NCHWc forms each model must reach at both block sizes: every operator the lowering covers.
 EXPECTED_NCHWC = {
     "image": {"ReorderInput", "ReorderOutput", "Conv"},
     "features": {"ReorderInput", "ReorderOutput", "Conv", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"},
+    "carried": {"ReorderInput", "ReorderOutput", "Conv"},
 }
+# Standard operators each model must run on blocked tensors, and its channels-last reorders.
+EXPECTED_CARRIED = {"image": set(), "features": {"Concat"}, "carried": {"HardSwish", "Tanh", "Sub"}}
+EXPECTED_CHANNELS_LAST = {"image": 0, "features": 0, "carried": 2}
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict:
@@ -109,6 +140,25 @@ def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict:
 
 def _nchwc_ops(model: onnx.ModelProto) -> set[str]:
     return {n.op_type for n in model.graph.node if n.domain == NCHWC}
+
+
+def _carried_ops(model: onnx.ModelProto) -> set[str]:
+    """Standard operators that read a tensor a NCHWc operator (other than ReorderOutput) wrote."""
+    blocked, carried = set(), set()
+    for node in model.graph.node:
+        if node.domain == NCHWC:
+            if node.op_type != "ReorderOutput":
+                blocked.update(node.output)
+        elif any(i in blocked for i in node.input):
+            blocked.update(node.output)
+            carried.add(node.op_type)
+    return carried - {"Reshape", "Gather", "Add"}  # the block-size guard's
+
+
+def _channels_last(model: onnx.ModelProto) -> int:
+    return sum(
+        1 for n in model.graph.node if n.domain == NCHWC and any(a.name == "channels_last" and a.i for a in n.attribute)
+    )
 
 
 def _assert_close(actual: list, expected: list, **tol) -> None:
@@ -142,6 +192,8 @@ def test_each_block_size_on_any_machine(name, block):
     assert report.context.nchwc_block == block and report.to_dict()["nchwc_block"] == block
     assert report.verdict is not None and report.verdict.passed  # fuser's own check, lowered when foreign
     assert _nchwc_ops(after) >= EXPECTED_NCHWC[name]
+    assert _carried_ops(after) == EXPECTED_CARRIED[name]
+    assert _channels_last(after) == EXPECTED_CHANNELS_LAST[name]
     initializers = {t.name: numpy_helper.to_array(t) for t in after.graph.initializer}
     filters = [initializers[n.input[1]] for n in after.graph.node if n.domain == NCHWC and n.op_type == "Conv"]
     assert filters and all(f.shape[0] % block == 0 for f in filters)

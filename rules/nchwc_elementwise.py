@@ -1,0 +1,61 @@
+"""unary(ReorderOutput(x))  =>  ReorderOutput(unary(x)) (onnxruntime target, NCHWc layout).
+
+An element-wise operator does not care how its tensor's values are laid out, so it can run
+on the blocked tensor itself: the reorder moves past it, and then cancels against the next
+NCHWc operator's (nchwc-reorder-cancel). Without this an activation that the convolution
+cannot apply itself (QuickGelu, Gelu, HardSwish) closes the blocked region, and every
+block of an EfficientNet or a PoolFormer pays a ReorderOutput and a ReorderInput around it.
+Only operators that keep finite padding channels finite (CARRIED_UNARY) move.
+"""
+
+from __future__ import annotations
+
+from fuser import Builder, Match, op, rule, var
+from fuser.rules._activations import ACTIVATION_OPS
+from fuser.rules._nchwc import CARRIED_UNARY, EMITS, channels_of, is_carried_unary, nchwc, reorder_output
+
+
+def _unary(domain: str):
+    names = sorted(CARRIED_UNARY[domain])
+    alternatives = getattr(op.domain(domain), names[0])
+    for name in names[1:]:
+        alternatives = alternatives | getattr(op.domain(domain), name)
+    # Clip's bounds are optional inputs; nothing else here has any.
+    return alternatives(
+        nchwc.ReorderOutput(var("x"), name="to_plain"), var("low", optional=True), var("high", optional=True), name="unary"
+    )
+
+
+def _convolution_applies_it(m: Match) -> bool:
+    """nchwc-activation folds this activation into the convolution that produced its input."""
+    producer = m.graph.producer(m["x"])
+    if producer is None or m.consumers("to_plain") != 1:
+        return False
+    conv = m.graph.node(producer)
+    return (
+        conv.domain == "com.microsoft.nchwc"
+        and conv.op_type == "Conv"
+        and conv.attr("activation") is None
+        and m.node("unary").op_type in ACTIVATION_OPS.op_types
+        and m.node("unary").domain == ""
+        and all(m.graph.is_constant(bound) for bound in m.node("unary").inputs[1:] if bound)
+    )
+
+
+@rule(
+    "nchwc-elementwise",
+    pattern=(_unary(""), _unary("com.microsoft")),
+    target="onnxruntime",
+    emits=EMITS,
+    phase=1,
+    shared_interior=True,
+)
+def nchwc_elementwise(m: Match, b: Builder):
+    """unary(ReorderOutput(x))  =>  ReorderOutput(unary(x))."""
+    unary = m.node("unary")
+    m.require(is_carried_unary(unary), f"{unary.op_type} has inputs besides the tensor it maps")
+    channels = channels_of(m, "to_plain")
+    m.require(not _convolution_applies_it(m), "the convolution applies this activation itself (nchwc-activation)")
+    inputs = [m["x"], *unary.inputs[1:]]
+    blocked = b.op(unary.op_type, *inputs, domain=unary.domain, **m.attrs("unary"))
+    return reorder_output(b, blocked, channels)
