@@ -21,6 +21,7 @@ ORDER = [
     "shape_fold",
     "common_subexpression",  # phase 1: merging earlier would give fusable chains extra consumers
     "pad_conv_fold",
+    "cast_like",
     "cast_chain",
     "hardsigmoid_decomposed",
     "hardswish_decomposed",
