@@ -12,6 +12,10 @@
 * Hugging Face transformers MobileNetV2 and ResNet-50, built from their default configs with
   seeded random weights and exported by torch's TorchScript-based exporter (dynamo=False);
 * the same MobileNetV2 through torch's dynamo exporter (dynamo=True);
+* Hugging Face EfficientNet-B0, MobileViT-S, LeViT-128S, ConvNeXt-T and PoolFormer-S12 (their
+  default configs, EfficientNet's scaled to B0), exported the same way: convnets whose blocks
+  put activations, gates and NHWC LayerNorms between convolutions; ConvNeXt also through
+  dynamo=True;
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -38,6 +42,9 @@ import numpy as np
 import onnx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Run as a script, this folder comes first on the path, and bench/transformers.py would stand in
+# for the transformers package that `make` exports with.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fuser  # noqa: E402
@@ -63,6 +70,12 @@ MODELS = [
     "hf_mobilenetv2_dynamo",
     "hf_resnet50",
     "zoo_resnet50",
+    "hf_efficientnet_b0",
+    "hf_mobilevit",
+    "hf_levit",
+    "hf_convnext",
+    "hf_convnext_dynamo",
+    "hf_poolformer",
 ]
 
 
@@ -88,24 +101,33 @@ def _export_hf(folder: str) -> None:
     import transformers
 
     torch.manual_seed(0)
+    b0 = {"width_coefficient": 1.0, "depth_coefficient": 1.0, "image_size": 224, "hidden_dim": 1280}
     built = {
         "hf_mobilenetv2": transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()),
         "hf_resnet50": transformers.ResNetForImageClassification(transformers.ResNetConfig()),
+        "hf_efficientnet_b0": transformers.EfficientNetForImageClassification(transformers.EfficientNetConfig(**b0)),
+        "hf_mobilevit": transformers.MobileViTForImageClassification(transformers.MobileViTConfig()),
+        "hf_levit": transformers.LevitForImageClassification(transformers.LevitConfig()),
+        "hf_convnext": transformers.ConvNextForImageClassification(transformers.ConvNextConfig()),
+        "hf_poolformer": transformers.PoolFormerForImageClassification(transformers.PoolFormerConfig()),
     }
-    example = (torch.randn(1, 3, 224, 224),)
+    examples = {}
     for name, module in built.items():
         module.eval()
+        size = module.config.image_size if name == "hf_mobilevit" else 224
+        examples[name] = (torch.randn(1, 3, size, size),)
         torch.onnx.export(
             module,
-            example,
+            examples[name],
             os.path.join(folder, f"{name}.onnx"),
             input_names=["pixel_values"],
             output_names=["logits"],
             opset_version=17,
             dynamo=False,
         )
-    program = torch.onnx.export(built["hf_mobilenetv2"], example, dynamo=True, opset_version=18)
-    program.save(os.path.join(folder, "hf_mobilenetv2_dynamo.onnx"))
+    for name in ("hf_mobilenetv2", "hf_convnext"):
+        program = torch.onnx.export(built[name], examples[name], dynamo=True, opset_version=18)
+        program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
 
 
 def _zoo_resnet50(folder: str) -> None:
