@@ -119,6 +119,16 @@ class EngineResult:
         return list(seen.values())
 
 
+def _has_ops_for(graph: Graph, rule: Rule) -> bool:
+    """Whether `graph` has the op types one of the rule's patterns needs: the root's and every
+    required node's below it (a rotary embedding needs more than a Concat)."""
+    return any(
+        any(graph.nodes_of_type(t, pattern.domain) for t in pattern.op_types)
+        and all(graph.has_op(types, domain) for types, domain in pattern.needs())
+        for pattern in rule.alternatives
+    )
+
+
 # How often one phase runs again because inferring shapes anew taught it more.
 PHASE_ROUNDS = 4
 # A pass over the nodes below earlier changes names each rule's candidates (a look at the whole
@@ -163,7 +173,7 @@ class Engine:
                 self.result.skipped_rules[candidate.name] = (
                     f"the model uses opset {opset}; the rule supports {supported}"
                 )
-                if opset < low and any(model.graph.nodes_of_type(t, d) for t, d in candidate.roots):
+                if opset < low and _has_ops_for(model.graph, candidate):
                     self.result.need_newer_opset.append(candidate.name)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
