@@ -131,6 +131,11 @@ REPORT_SCHEMA = {
                     "type": "object",
                     "additionalProperties": {"type": "array", "items": {"type": "integer"}},
                 },
+                "padded_masks": {
+                    "type": "array",
+                    "description": "attention-mask inputs the check also ran with their last row half padded",
+                    "items": {"type": "string"},
+                },
                 "warnings": {"type": "array", "items": {"type": "string"}},
             },
         },

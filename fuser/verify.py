@@ -96,6 +96,7 @@ class Verdict:
     load_error: str | None = None  # onnxruntime could not load the optimized model
     input_shapes: dict[str, tuple] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    padded_masks: list[str] = field(default_factory=list)  # checked again with their last row padded
 
     @property
     def passed(self) -> bool:
@@ -124,12 +125,16 @@ class Verdict:
             "load_error": self.load_error,
             "outputs": [o.to_dict() for o in self.outputs],
             "input_shapes": {name: list(shape) for name, shape in self.input_shapes.items()},
+            "padded_masks": self.padded_masks,
             "warnings": self.warnings,
         }
 
     def inputs_text(self) -> str:
         """`input_ids[1,128], pixel_values[1,3,224,224]`: what the check ran on."""
-        return ", ".join(f"{name}{_shape_text(shape)}" for name, shape in self.input_shapes.items())
+        text = ", ".join(f"{name}{_shape_text(shape)}" for name, shape in self.input_shapes.items())
+        if self.padded_masks:
+            text += f" (again with the last row of {', '.join(self.padded_masks)} half padded)"
+        return text
 
     @property
     def stabilized(self) -> list[str]:
@@ -439,6 +444,22 @@ def _synthesize(rng, name: str, shape: tuple, dtype, value_range) -> np.ndarray:
 
 def is_mask_name(name: str) -> bool:
     return "mask" in name.lower()
+
+
+def padded_masks(feeds: dict[str, np.ndarray], ranges: dict | None) -> tuple[dict[str, np.ndarray], list[str]]:
+    """`feeds` with the last row of every synthesized integer or bool attention mask padded (its
+    second half zero, as a shorter sequence in a right-padded batch has it), and the names of
+    those masks."""
+    padded, names = dict(feeds), []
+    for name, value in feeds.items():
+        integral = value.dtype == np.bool_ or np.issubdtype(value.dtype, np.integer)
+        if not integral or not is_mask_name(name) or name in (ranges or {}) or value.ndim < 2 or value.shape[-1] < 2:
+            continue
+        mask = value.copy()
+        mask[(-1, Ellipsis, slice(value.shape[-1] // 2, None))] = 0
+        padded[name] = mask
+        names.append(name)
+    return padded, names
 
 
 def _shape_text(shape) -> str:
@@ -772,6 +793,24 @@ class Checker:
             self.feeds, self.expected = self._synthesize(original, seed, runs, dims, shapes, ranges)
         self.input_shapes = {name: tuple(value.shape) for name, value in self.feeds[0].items()}
         self.warnings = self._meaningless_outputs(seed + runs, ranges if inputs is None else None)
+        self.padded_masks: list[str] = []
+        if inputs is None:
+            self._add_padded_masks(ranges)
+
+    def _add_padded_masks(self, ranges) -> None:
+        """One more input set for a model with attention-mask inputs of ones: the first set with
+        each mask's last row padded. Masks of ones never exercise the masking, and rewrites of
+        attention differ most where a row is masked."""
+        padded, names = padded_masks(self.feeds[0], ranges)
+        if not names:
+            return
+        try:
+            expected = self._run_original(padded)
+        except InputError:
+            return  # a model that cannot take a padded mask is checked on masks of ones only
+        self.feeds.append(padded)
+        self.expected.append(expected)
+        self.padded_masks = names
 
     def _synthesize(self, original, seed, runs, dims, shapes, ranges):
         """Feeds of the first candidate shapes the original runs on, and its outputs for them."""
@@ -845,6 +884,7 @@ class Checker:
         `progress` (fuser.progress) is told each input set run."""
         verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir, progress or silent)
         verdict.input_shapes = dict(self.input_shapes)
+        verdict.padded_masks = list(self.padded_masks)
         verdict.warnings = list(self.warnings)
         return verdict
 

@@ -331,6 +331,52 @@ def test_checker_runs_keep_the_worst_result():
     assert not verdict.passed and len(verdict.outputs) == 1  # one entry per output, the worst run
 
 
+def masked_sum_models(mask_dtype=np.int64, mask_shape=(2, 8)):
+    """y = x + mask (as float), and a stand-in that adds 1 instead: the two agree wherever the
+    mask is one, as a rewrite that mishandles masked positions does."""
+    inputs = [("x", np.float32, list(mask_shape)), ("attention_mask", mask_dtype, list(mask_shape))]
+    outputs = [("y", np.float32, list(mask_shape))]
+    original = make_model(
+        [
+            helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["x", "m"], ["y"]),
+        ],
+        inputs,
+        outputs,
+    )
+    ignores_mask = make_model(
+        [helper.make_node("Add", ["x", "one"], ["y"])], inputs, outputs, {"one": np.array(1.0, np.float32)}
+    )
+    return original, ignores_mask
+
+
+@pytest.mark.parametrize("mask_dtype", [np.int64, np.int32, np.bool_])
+def test_a_rewrite_wrong_only_under_padding_is_caught(mask_dtype):
+    """Synthesized masks are ones, as real ones mostly are; the check also runs the first input
+    set with each mask's last row half padded, and says so."""
+    original, ignores_mask = masked_sum_models(mask_dtype)
+    checker = Checker(original, CheckOptions())
+    assert len(checker.feeds) == 2
+    mask = checker.feeds[1]["attention_mask"]
+    assert mask[:-1].all() and mask[-1, :4].all() and not mask[-1, 4:].any()
+    verdict = checker.check(ignores_mask, False)
+    assert not verdict.passed
+    assert verdict.padded_masks == ["attention_mask"]
+    assert verdict.inputs_text() == "x[2,8], attention_mask[2,8] (again with the last row of attention_mask half padded)"
+    assert verdict.to_dict()["padded_masks"] == ["attention_mask"]
+    assert checker.check(original, True).passed
+
+
+def test_no_padded_set_for_given_inputs_given_ranges_or_a_mask_of_one_dim():
+    original, ignores_mask = masked_sum_models()
+    ones = {"x": np.zeros((2, 8), np.float32), "attention_mask": np.ones((2, 8), np.int64)}
+    assert Checker(original, CheckOptions(inputs=ones)).check(ignores_mask, False).passed
+    ranged = Checker(original, CheckOptions(ranges={"attention_mask": (1, 2)}))
+    assert len(ranged.feeds) == 1 and ranged.check(ignores_mask, False).padded_masks == []
+    flat, _ = masked_sum_models(mask_shape=(8,))
+    assert len(Checker(flat, CheckOptions()).feeds) == 1
+
+
 def test_checker_with_given_inputs_by_name_or_position():
     model = make_model([helper.make_node("Abs", ["x"], ["y"])], [("x", np.float32, ["n"])], [("y", np.float32, ["n"])])
     identity = make_model(
