@@ -24,7 +24,8 @@ from fuser.graph import ModelParts, all_graph_protos, as_proto, copy_fields_exce
 from fuser.progress import silent
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
-# (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit.
+# (rtol, atol) for rewrites that are equal up to rounding; exact rewrites compare bit for bit
+# (but for float16 and bfloat16 outputs: see compare).
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-9, 1e-12),
     "float32": (1e-4, 1e-5),
@@ -687,7 +688,12 @@ def compare(
     if expected.size == 0:
         return check
     floating = np.issubdtype(expected.dtype, np.floating) or dtype == "bfloat16"
-    if not floating or exact:
+    # onnxruntime's CPU runs many 16-bit float operators in float32, and which ones (so where it
+    # rounds back) depends on the graph around them: removing the Identity between a weight and
+    # a LayerNormalization that shares it with a Conv moves float16 results by an ulp or two,
+    # which grow through the layers after it. Rewiring of 16-bit floats gets their tolerance.
+    bit_exact = exact and dtype not in ("float16", "bfloat16")
+    if not floating or bit_exact:
         default_rtol = default_atol = 0.0
     else:
         default_rtol, default_atol = TOLERANCES.get(dtype, TOLERANCES["float32"])
