@@ -655,9 +655,10 @@ def compare(
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         options = jobs_module.options_for(a.interface(), options, _from_config())
-        verdict = Checker(a.to_proto(in_place=True), options, base_dir=a.base_dir).check(
-            b.to_proto(in_place=True), exact, base_dir=b.base_dir
-        )
+        reference, notes = _runnable_here(a, first)
+        candidate, more_notes = _runnable_here(b, second)
+        verdict = Checker(reference, options, base_dir=a.base_dir).check(candidate, exact, base_dir=b.base_dir)
+        notes += more_notes
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
             report_module.envelope(
@@ -667,11 +668,13 @@ def compare(
                 input=report_module.file_entry(first),
                 output=report_module.file_entry(second),
                 numerics=verdict.to_dict(),
+                notes=notes,
             ),
             report_path,
             fmt,
         )
         if fmt == "text":
+            _say("\n".join(f"note: {note}" for note in notes), quiet=not notes)
             _say(f"checked on {verdict.inputs_text()}")
             _say("\n".join(f"warning: {warning}" for warning in verdict.warnings), quiet=not verdict.warnings)
             if verdict.load_error:
@@ -684,6 +687,27 @@ def compare(
         return code
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("compare", error, ctx.debug, report_path, fmt)
+
+
+def _runnable_here(model: Model, path) -> tuple:
+    """The model as onnxruntime here can run it: one written for another machine's NCHWc block
+    (whose guard would stop it) with its NCHWc operators lowered to standard ones."""
+    from fuser.context import machine_nchwc_block
+    from fuser.nchwc import lower, written_block
+    from fuser.tensors import uses_external_data
+    from fuser.verify import with_inline_weights
+
+    proto = model.to_proto(in_place=True)
+    block, machine = written_block(proto), machine_nchwc_block()
+    if block is None or block == machine:
+        return proto, []
+    if model.base_dir is not None and any(uses_external_data(t) for t in proto.graph.initializer):
+        proto = with_inline_weights(proto, model.base_dir)  # the lowering reads NCHWc filters as arrays
+    note = (
+        f"{path} is written for NCHWc block {block}, this machine's is {machine or 'none'}: its NCHWc "
+        "operators ran as standard ones computing the same values (fuser/nchwc.py)"
+    )
+    return lower(proto, block), [note]
 
 
 @cli.command(name="rules")

@@ -45,6 +45,24 @@ def has_nchwc(model: onnx.ModelProto) -> bool:
     return any(node.domain == NCHWC for graph in all_graph_protos(model.graph) for node in graph.node)
 
 
+def written_block(model: onnx.ModelProto) -> int | None:
+    """The NCHWc block size a model fuser wrote is for, read off its block-size guard (a
+    constant's ReorderInput reshaped to [B]); None for a model without one."""
+    for graph in all_graph_protos(model.graph):
+        constants = {t.name: t for t in graph.initializer}
+        probes = {
+            node.output[0]
+            for node in graph.node
+            if node.domain == NCHWC and node.op_type == "ReorderInput" and node.input[0] in constants
+        }
+        for node in graph.node:
+            if node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and node.input[0] in probes:
+                shape = constants.get(node.input[1])
+                if shape is not None and numpy_helper.to_array(shape).size == 1:
+                    return int(numpy_helper.to_array(shape).reshape(()))
+    return None
+
+
 def lower(model: onnx.ModelProto, block: int) -> onnx.ModelProto:
     """A copy of `model` whose com.microsoft.nchwc operators, read as written for block size
     `block`, are replaced by standard ONNX operators computing the same values."""

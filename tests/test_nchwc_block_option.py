@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from fuser.context import machine_nchwc_block, resolve_nchwc_block
+from fuser.nchwc import written_block
 from fuser.report import REPORT_SCHEMA
 from tests.helpers import in_process_cli
 from tests.rules.test_nchwc_blocks import image_model
@@ -82,3 +83,22 @@ def test_a_wrong_block_in_the_config_file_is_named(cli, folder, wrong):
     (folder / "pyproject.toml").write_text(f"[tool.fuser]\nnchwc-block = {wrong}\n")
     refused = cli(folder, "check", "m.onnx", "--target", "onnxruntime")
     assert refused.returncode == 2 and "nchwc-block" in refused.stderr
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_compare_runs_a_model_written_for_any_block(cli, folder, block):
+    """`fuser compare` reads the block off the model's guard; one written for another machine's
+    block (which onnxruntime here refuses to run) is compared with its NCHWc operators lowered,
+    and the output says so."""
+    optimized = cli(folder, "optimize", "m.onnx", "-o", "b.onnx", "--target", "onnxruntime", "--nchwc-block", str(block))
+    assert optimized.returncode == 0, optimized.stderr
+    assert written_block(onnx.load(folder / "b.onnx")) == block and written_block(onnx.load(folder / "m.onnx")) is None
+    for first, second in (("m.onnx", "b.onnx"), ("b.onnx", "m.onnx")):
+        compared = cli(folder, "compare", first, second, "--report", f"{first}.json")
+        assert compared.returncode == 0, compared.stderr
+        report = json.loads((folder / f"{first}.json").read_text())
+        jsonschema.validate(report, REPORT_SCHEMA)
+        foreign = block != machine_nchwc_block()
+        note = f"b.onnx is written for NCHWc block {block}, this machine's is {machine_nchwc_block() or 'none'}"
+        assert (note in compared.stderr) == foreign
+        assert [n.startswith(note) for n in report["notes"]] == ([True] if foreign else [])
