@@ -5,8 +5,9 @@ chain/DAG of blocks: Conv (kernel 1 or 3, grouped, with or without bias, sometim
 optionally followed by BatchNormalization; per-channel Mul/Add constants of shape [C,1,1],
 [1,C,1,1], scalar, [1], [1,1,1,1], and spatially varying ones ([1,C,H,W], [H,W], [W]) that
 must not be folded; activations (Relu, LeakyRelu, Sigmoid, Tanh, HardSigmoid, Clip with
-constant bounds); residual Add/Sum of two same-shaped branches; broadcast (squeeze-excite
-like) residuals; 4-D MatMul + Add (not a Gemm); tensors with several consumers; intermediate
+constant bounds, HardSwish, Erf, Elu, Softsign); residual Add/Sum/Mul/Sub/Max of two
+same-shaped branches; broadcast (squeeze-excite like) residuals; a per-channel scale applied
+between Transposes to NHWC and back; 4-D MatMul + Add (not a Gemm); tensors with several consumers; intermediate
 tensors that are also graph outputs; constants held as initializers, Constant nodes, folded
 Reshape subgraphs or overridable initializers (also graph inputs, so not constants); and a
 head Flatten / GlobalAveragePool / Reshape -> MatMul -> Add(bias) -> activation, then
@@ -47,7 +48,7 @@ from fuser.model import Model
 IR_VERSION = 8
 OPSETS = (11, 13, 17)
 RTOL, ATOL = 1e-3, 1e-4
-ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Clip")
+ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Clip", "HardSwish", "Erf", "Elu", "Softsign")
 
 SETTINGS = {
     "deadline": None,
@@ -229,6 +230,8 @@ class _Gen:
             return self.node(
                 kind, [x], alpha=draw(st.sampled_from([None, 0.25])), beta=draw(st.sampled_from([None, 0.4]))
             )
+        if kind == "HardSwish" and self.opset < 14:
+            kind = "HardSigmoid"
         if kind == "Clip":
             low, high = sorted(float(v) for v in rng.uniform(-1.5, 1.5, 2))
             which = draw(st.sampled_from(["both", "both", "min", "max", "none"]))
@@ -324,6 +327,7 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
                     "fanout",
                     "output",
                     "matmul4d",
+                    "nhwc",
                 ]
             ),
             min_size=1,
@@ -352,7 +356,7 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
             if skip == "conv":
                 skip, _ = g.conv(cur, shape, cout=shape[1], same=True)
             operands = [branch, skip] if draw(st.booleans()) else [skip, branch]
-            kind = draw(st.sampled_from(["Add", "Add", "Sum", "Sum3"]))
+            kind = draw(st.sampled_from(["Add", "Add", "Sum", "Sum3", "Mul", "Sub", "Max"]))
             if kind == "Sum3":
                 cur = g.node("Sum", operands + [cur])
             else:
@@ -381,6 +385,10 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
             cur = g.node("MatMul", [cur, weight])
             bias = g.const(_f32(g.rng.normal(0, 0.5, draw(st.sampled_from([(ww,), (1, ww), (c, 1, 1)])))), "mb")
             cur = g.node("Add", [cur, bias])
+        elif block == "nhwc":  # a per-channel scale applied channels-last, between Transposes
+            nhwc = g.node("Transpose", [cur], perm=[0, 2, 3, 1])
+            scale = g.const(g.channel_constant((1, shape[1], 1, 1), "one", True).repeat(shape[1]), "s")
+            cur = g.node("Transpose", [g.node("Mul", [nhwc, scale])], perm=[0, 3, 1, 2])
         pool.append((cur, shape))
 
     _, c, hh, ww = shape
