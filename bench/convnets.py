@@ -12,10 +12,10 @@
 * Hugging Face transformers MobileNetV2 and ResNet-50, built from their default configs with
   seeded random weights and exported by torch's TorchScript-based exporter (dynamo=False);
 * the same MobileNetV2 through torch's dynamo exporter (dynamo=True);
-* Hugging Face EfficientNet-B0, MobileViT-S, LeViT-128S, ConvNeXt-T and PoolFormer-S12 (their
-  default configs, EfficientNet's scaled to B0), exported the same way: convnets whose blocks
-  put activations, gates and NHWC LayerNorms between convolutions; ConvNeXt also through
-  dynamo=True;
+* Hugging Face EfficientNet-B0, MobileViT-S, LeViT-128S, ConvNeXt-T, PoolFormer-S12 and
+  SegFormer-B0 (their default configs, EfficientNet's scaled to B0), exported the same way:
+  convnets whose blocks put activations, gates, NHWC LayerNorms and pixel tokens between
+  convolutions; ConvNeXt also through dynamo=True;
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -76,6 +76,7 @@ MODELS = [
     "hf_convnext",
     "hf_convnext_dynamo",
     "hf_poolformer",
+    "hf_segformer",
 ]
 
 
@@ -110,6 +111,7 @@ def _export_hf(folder: str) -> None:
         "hf_levit": transformers.LevitForImageClassification(transformers.LevitConfig()),
         "hf_convnext": transformers.ConvNextForImageClassification(transformers.ConvNextConfig()),
         "hf_poolformer": transformers.PoolFormerForImageClassification(transformers.PoolFormerConfig()),
+        "hf_segformer": transformers.SegformerForImageClassification(transformers.SegformerConfig()),
     }
     examples = {}
     for name, module in built.items():

@@ -81,5 +81,6 @@ ORDER = [
     "nchwc_elementwise",
     "nchwc_binary",
     "nchwc_channels_last",
+    "nchwc_tokens",
     "nchwc_region",
 ]

@@ -117,16 +117,42 @@ def carried_model() -> onnx.ModelProto:
     return make_model(nodes, [("x", np.float32, [1, 24, 9, 9])], [("y", np.float32, [1, 24, 9, 9])], inits)
 
 
-MODELS = {"image": image_model, "features": feature_model, "carried": carried_model}
+def token_model() -> onnx.ModelProto:
+    """SegFormer's way between two convolutions: flatten(2).transpose(1, 2), a LayerNormalization
+    over channels, transpose(1, 2).reshape(N, C, H, W)."""
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["c1", "flat"], ["f"]),
+        helper.make_node("Transpose", ["f"], ["tokens"], perm=[0, 2, 1]),
+        helper.make_node("LayerNormalization", ["tokens", "gamma", "beta"], ["normed"], axis=-1),
+        helper.make_node("Transpose", ["normed"], ["back"], perm=[0, 2, 1]),
+        helper.make_node("Reshape", ["back", "image"], ["map"]),
+        helper.make_node("Conv", ["map", "w2"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "w1": _weight(rng, 20, 16, 3, 3),
+        "b1": _weight(rng, 20, 1)[:, 0],
+        "flat": np.array([2, 20, -1], np.int64),
+        "gamma": rng.uniform(0.5, 1.5, 20).astype(np.float32),
+        "beta": rng.normal(0, 0.5, 20).astype(np.float32),
+        "image": np.array([2, 20, 5, 7], np.int64),
+        "w2": _weight(rng, 24, 20, 3, 3),
+    }
+    return make_model(nodes, [("x", np.float32, [2, 16, 5, 7])], [("y", np.float32, [2, 24, 5, 7])], inits)
+
+
+MODELS = {"image": image_model, "features": feature_model, "carried": carried_model, "tokens": token_model}
 # The NCHWc forms each model must reach at both block sizes: every operator the lowering covers.
 EXPECTED_NCHWC = {
     "image": {"ReorderInput", "ReorderOutput", "Conv"},
     "features": {"ReorderInput", "ReorderOutput", "Conv", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"},
     "carried": {"ReorderInput", "ReorderOutput", "Conv"},
+    "tokens": {"ReorderInput", "ReorderOutput", "Conv"},
 }
 # Standard operators each model must run on blocked tensors, and its channels-last reorders.
-EXPECTED_CARRIED = {"image": set(), "features": {"Concat"}, "carried": {"HardSwish", "Tanh", "Sub"}}
-EXPECTED_CHANNELS_LAST = {"image": 0, "features": 0, "carried": 2}
+EXPECTED_CARRIED = {"image": set(), "features": {"Concat"}, "carried": {"HardSwish", "Tanh", "Sub"}, "tokens": set()}
+EXPECTED_CHANNELS_LAST = {"image": 0, "features": 0, "carried": 2, "tokens": 2}
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict:

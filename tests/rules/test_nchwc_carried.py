@@ -1,6 +1,6 @@
 """Tests for the rules that carry operators other than convolutions and pools into the NCHWc
-layout: nchwc-elementwise, nchwc-binary, nchwc-channels-last-output and
-nchwc-channels-last-input, and for how region_cost looks through carried activations.
+layout: nchwc-elementwise, nchwc-binary, nchwc-channels-last-output/-input and
+nchwc-tokens-output/-input, and for how region_cost looks through carried activations.
 
 Each positive test checks which operators end up on blocked tensors, that the reorders
 between them are gone, that fuser's own check passed, and then runs the original and the
@@ -235,6 +235,44 @@ def test_other_transposes_stay():
     assert len(standard_nodes(after, "Transpose")) == 2
     assert any("not NCHW to NHWC" in r for r in declines(report, "nchwc-channels-last-output"))
     assert any("not NHWC to NCHW" in r for r in declines(report, "nchwc-channels-last-input"))
+
+
+# ------------------------------------------------------------------------------ tokens
+
+
+def token_block(channels: int = 2 * B, batch: int = 1, perm=(0, 2, 1), flatten=None) -> tuple:
+    """Conv -> x.flatten(2).transpose(1, 2) -> LayerNormalization over channels ->
+    .transpose(1, 2).reshape(N, C, H, W) -> Conv: SegFormer's way between its convolutions."""
+    net = Net(32)
+    conv = net.conv("x", 2 * B, channels)
+    shape = net.const("flat", np.array(flatten or [batch, channels, -1], np.int64))
+    tokens = net.add("Transpose", net.add("Reshape", conv, shape), perm=list(perm))
+    features = flatten[1] if flatten else channels
+    net.const("gamma", net.rng.uniform(0.5, 1.5, features).astype(np.float32))
+    normed = net.add("LayerNormalization", tokens, "gamma", axis=-1)
+    back = net.add("Transpose", normed, perm=list(perm))
+    image = net.add("Reshape", back, net.const("image", np.array([batch, channels, 6, 6], np.int64)))
+    net.conv(image, channels, 2 * B, output="y")
+    return net.model([("x", [batch, 2 * B, 6, 6])], ["y"])
+
+
+@pytest.mark.parametrize("channels,batch", [(2 * B, 1), (HALF, 2)], ids=["aligned", "padded-batch-2"])
+def test_tokens_between_convolutions_use_channels_last_reorders(channels, batch):
+    after, report = optimize_and_compare(token_block(channels, batch))
+    assert report.counts.get("nchwc-tokens-output") == 1 and report.counts.get("nchwc-tokens-input") == 1
+    assert standard_nodes(after, "Transpose") == []
+    last = [n for n in nchwc_nodes(after) if attrs_of(n).get("channels_last") == 1]
+    assert sorted(n.op_type for n in last) == ["ReorderInput", "ReorderOutput"]
+
+
+def test_a_flatten_that_mixes_channels_into_tokens_stays():
+    """[N, C, H, W] -> [N, 3C, H*W/3]: not one token per pixel, either way."""
+    model = token_block(flatten=[1, 2 * B * 3, -1])
+    after, report = optimize_and_compare(model, trace=True)
+    assert "nchwc-tokens-output" not in report.counts and "nchwc-tokens-input" not in report.counts
+    assert len(standard_nodes(after, "Transpose")) == 2
+    assert any("does not keep batch and channels" in r for r in declines(report, "nchwc-tokens-output"))
+    assert any("does not keep batch and channels" in r for r in declines(report, "nchwc-tokens-input"))
 
 
 # --------------------------------------------------------------------------- region cost
