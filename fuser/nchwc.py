@@ -205,7 +205,7 @@ class _Lowering:
         kind = kind.decode() if isinstance(kind, bytes) else kind
         if not kind:
             return y
-        if kind in ("Relu", "Sigmoid", "Tanh"):
+        if kind in ("Relu", "Sigmoid", "Tanh", "HardSwish"):
             return self._op(kind, y)
         if kind == "LeakyRelu":
             return self._op(kind, y, alpha=params[0] if params else 0.01)

@@ -15,6 +15,7 @@ every NCHWc consumer ignores them and ReorderOutput drops them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -112,6 +113,42 @@ def _new_guard(b: Builder, block: int) -> str | None:
 
     guard = b.once(GUARD_KEY, make)
     return guard if created else None
+
+
+# Activations every onnxruntime with NCHWc kernels applies in its NCHWc Conv, and those only
+# newer ones do (asked of the one installed here: a model written here is for this machine).
+CONV_ACTIVATIONS = frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Clip"})
+NEWER_CONV_ACTIVATIONS = ("HardSwish",)
+
+
+@functools.cache
+def conv_activations() -> frozenset[str]:
+    """The activations the installed onnxruntime's NCHWc Conv applies as it writes its output."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    supported = set(CONV_ACTIVATIONS)
+    for kind in NEWER_CONV_ACTIVATIONS:
+        graph = helper.make_graph(
+            [
+                helper.make_node("ReorderInput", ["x"], ["blocked"], domain=NCHWC),
+                helper.make_node("Conv", ["blocked", "w"], ["y"], domain=NCHWC, activation=kind),
+            ],
+            "probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 2, 2])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [numpy_helper.from_array(np.zeros((16, 16, 1, 1), np.float32), "w")],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(NCHWC, 1)])
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 4
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - an activation this onnxruntime does not know is an answer
+            continue
+        supported.add(kind)
+    return frozenset(supported)
 
 
 def reorder_output(b: Builder, blocked: str, channels: int) -> str:

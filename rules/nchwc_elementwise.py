@@ -11,8 +11,7 @@ Only operators that keep finite padding channels finite (CARRIED_UNARY) move.
 from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._activations import ACTIVATION_OPS
-from fuser.rules._nchwc import CARRIED_UNARY, EMITS, channels_of, is_carried_unary, nchwc, reorder_output
+from fuser.rules._nchwc import CARRIED_UNARY, EMITS, channels_of, conv_activations, is_carried_unary, nchwc, reorder_output
 
 
 def _unary(domain: str):
@@ -36,7 +35,7 @@ def _convolution_applies_it(m: Match) -> bool:
         conv.domain == "com.microsoft.nchwc"
         and conv.op_type == "Conv"
         and conv.attr("activation") is None
-        and m.node("unary").op_type in ACTIVATION_OPS.op_types
+        and m.node("unary").op_type in conv_activations()
         and m.node("unary").domain == ""
         and all(m.graph.is_constant(bound) for bound in m.node("unary").inputs[1:] if bound)
     )

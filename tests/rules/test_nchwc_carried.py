@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuser.rules._nchwc import CARRIED_UNARY
+from fuser.rules._nchwc import CARRIED_UNARY, conv_activations
 from tests.helpers import attrs_of, op_types
 from tests.rules.test_nchwc import (
     B,
@@ -64,7 +64,6 @@ UNARY = [
     ("FastGelu", MS, {}),
     ("Gelu", "", {}),
     ("Gelu", "", {"approximate": "tanh"}),
-    ("HardSwish", "", {}),
     ("Erf", "", {}),
     ("Elu", "", {"alpha": 0.5}),
     ("Softsign", "", {}),
@@ -89,7 +88,7 @@ def test_activation_between_convolutions_runs_blocked(op_type, domain, attrs, ch
 
 
 CHAIN = [("Abs", {}), ("Neg", {}), ("Selu", {}), ("Celu", {"alpha": 2.0}), ("Relu", {}), ("LeakyRelu", {"alpha": 0.1})]
-CHAIN += [("Tanh", {}), ("Clip", {})]
+CHAIN += [("Tanh", {}), ("Clip", {}), ("HardSwish", {})]
 
 
 @pytest.mark.parametrize("op_type,attrs", CHAIN, ids=[t for t, _ in CHAIN])
@@ -113,6 +112,20 @@ def test_every_carried_operator_is_run_blocked_here():
     (HardSigmoid in test_hard_swish_written_out_runs_blocked)."""
     tested = {(d, t) for t, d, _ in UNARY} | {("", t) for t, _ in CHAIN} | {("", "Sigmoid"), ("", "HardSigmoid")}
     assert {(d, t) for d, names in CARRIED_UNARY.items() for t in names} == tested
+
+
+@pytest.mark.skipif("HardSwish" not in conv_activations(), reason="this onnxruntime's NCHWc Conv has no HardSwish")
+def test_hard_swish_goes_into_the_convolution_where_onnxruntime_applies_it():
+    """MobileNetV3's activation: onnxruntime's CPU runs a lone HardSwish as a HardSigmoid and a
+    Mul, so where its NCHWc Conv can apply it, the convolution does."""
+    net = Net(33)
+    net.add("HardSwish", net.conv("x", 2 * B, HALF), output="h")
+    net.conv("h", HALF, 2 * B, output="y")
+    model = net.model([("x", [1, 2 * B, 7, 7])], ["y"], opset=14)
+    after, report = optimize_and_compare(model)
+    assert report.counts.get("nchwc-activation") == 1 and "nchwc-elementwise" not in report.counts
+    assert "HardSwish" not in op_types(after)
+    assert [attrs_of(c).get("activation") for c in nchwc_nodes(after, "Conv")] == ["HardSwish", None]
 
 
 def test_shared_reorder_stays_for_its_plain_reader():
