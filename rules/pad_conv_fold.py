@@ -40,9 +40,11 @@ def _spatial_pads(m: Match, rank: int) -> list[int]:
 def _merged(m: Match, node: str, rank: int) -> dict:
     attrs = m.attrs(node)
     auto_pad = attrs.get("auto_pad", b"NOTSET")
-    m.require(auto_pad in ("NOTSET", b"NOTSET"), f"the {m.node(node).op_type} pads automatically ({auto_pad})")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    # VALID is no padding at all: explicit zero pads say the same (Hugging Face's EfficientNet).
+    m.require(auto_pad in ("NOTSET", "VALID"), f"the {m.node(node).op_type} pads automatically ({auto_pad})")
     extra = _spatial_pads(m, rank)
-    own = list(attrs.get("pads", [0] * len(extra)))
+    own = list(attrs.get("pads", [0] * len(extra))) if auto_pad == "NOTSET" else [0] * len(extra)
     attrs["pads"] = [int(a) + int(b) for a, b in zip(own, extra)]
     attrs.pop("auto_pad", None)
     return attrs

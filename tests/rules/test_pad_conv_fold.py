@@ -49,6 +49,21 @@ def test_pad_adds_to_conv_pads_with_symbolic_batch():
     assert attrs_of(after.graph.node[0])["pads"] == [2, 3, 2, 1]
 
 
+def test_valid_auto_pad_is_no_padding_and_takes_the_pad():
+    """Hugging Face's EfficientNet: an explicit Pad, then a strided Conv with auto_pad=VALID."""
+    model = padded_model([0, 0, 0, 0, 0, 0, 1, 1], strides=[2, 2], auto_pad="VALID")
+    after, _ = assert_rewritten(
+        model, [pad_conv_fold], counts={"pad-conv-fold": 1}, expected_ops=["Conv"], feeds={"x": X}, **TOL
+    )
+    attrs = attrs_of(after.graph.node[0])
+    assert attrs["pads"] == [0, 0, 1, 1] and "auto_pad" not in attrs
+
+
+def test_same_auto_pad_declines():
+    model = padded_model([0, 0, 1, 1, 0, 0, 1, 1], auto_pad="SAME_UPPER")
+    assert_declined(model, pad_conv_fold, "pads automatically (SAME_UPPER)")
+
+
 def test_average_pool_counts_the_zeros():
     model = padded_model([0, 0, 1, 1, 0, 0, 1, 1], consumer="AveragePool")
     after, _ = assert_rewritten(
