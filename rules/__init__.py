@@ -28,6 +28,7 @@ ORDER = [
     "neutral_element",
     "noop_elimination",
     "reshape_chain",
+    "slice_chain",
     "transpose_chain",
     "dropout_elimination",
     "reshape_dims_fold",
