@@ -166,10 +166,10 @@ def channels_of(m: Match, reorder_output_node: str) -> int:
     return int(m.attr(reorder_output_node, "channels", 0))
 
 
-# Element-wise operators that run on a blocked tensor as they are (nchwc-elementwise and
-# nchwc-binary carry them into the layout), by domain. Each keeps finite padding channels
-# finite, which NCHWc consumers rely on: a zero filter entry times an infinity is NaN, in a real
-# channel. So no Exp, Log, Div, Sqrt, Pow or Softplus here.
+# Element-wise operators of one input that run on a blocked tensor as they are
+# (nchwc-elementwise carries them into the layout), by domain. Each keeps finite padding
+# channels finite, which NCHWc consumers rely on: a zero filter entry times an infinity is NaN,
+# in a real channel. So no Exp, Log, Div, Sqrt, Pow or Softplus here.
 CARRIED_UNARY = {
     "": frozenset(
         {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Clip", "Gelu", "Erf", "Abs", "Neg"}
@@ -177,8 +177,6 @@ CARRIED_UNARY = {
     ),
     "com.microsoft": frozenset({"QuickGelu", "Gelu", "FastGelu"}),
 }
-# Two tensors of one shape, both blocked alike, combine element by element in either layout.
-CARRIED_BINARY = frozenset({"Add", "Sub", "Mul", "Max", "Min", "Sum"})
 
 
 def is_carried_unary(info) -> bool:
