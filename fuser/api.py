@@ -210,6 +210,7 @@ def optimize(
                 checker = prepared.get()
             else:
                 checker = Checker(original, options, base_dir=model.base_dir)
+            runs = len(checker.feeds)  # the padded-mask set, if any, is one more
             stage.progress("check", runs, 2 * runs)
             if foreign_block:
                 checker = ForeignBlockChecker(checker, context.nchwc_block)

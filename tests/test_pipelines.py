@@ -674,6 +674,16 @@ def test_the_progress_hook_hears_every_stage_in_order():
     assert list(report.to_dict()["timings"]) == ["load", "rewrite", "check", "write"]
 
 
+def test_the_check_counts_the_padded_mask_set_in_its_progress():
+    import fuser
+
+    from tests.test_cli_real_models import bert_like
+
+    heard = []
+    fuser.optimize(bert_like(vocabulary=30), progress=lambda stage, done, total: heard.append((stage, done, total)))
+    assert [(d, t) for s, d, t in heard if s == "check" and t is not None] == [(0, 2), (2, 4), (3, 4), (4, 4)]
+
+
 @pytest.mark.parametrize("external_data", ["never", "always"])
 def test_writing_counts_the_tensors_it_writes(tmp_path, external_data):
     from fuser.model import write_model
