@@ -103,7 +103,7 @@ class EngineResult:
     opportunities: list[Opportunity] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     skipped_rules: dict[str, str] = field(default_factory=dict)
-    # skipped rules that need a newer opset and whose root op type the model has
+    # skipped rules that need a newer opset and whose patterns match in the rewritten main graph
     need_newer_opset: list[str] = field(default_factory=list)
     advice: list[Advice] = field(default_factory=list)
     seconds: float = 0.0
@@ -162,6 +162,7 @@ class Engine:
         self._declined_keys: set[tuple] = set()
         self._swept: dict[tuple, int] = {}  # (scope graph, phase) -> rewrites logged when its sweeps last ran
         self.result = EngineResult()
+        self._needing_newer_opset: list[Rule] = []  # skipped for the opset, with the op types to match
         opset = model.opsets.get("", 1)
         self.rules: list[Rule] = []
         for candidate in rules:
@@ -174,7 +175,7 @@ class Engine:
                     f"the model uses opset {opset}; the rule supports {supported}"
                 )
                 if opset < low and _has_ops_for(model.graph, candidate):
-                    self.result.need_newer_opset.append(candidate.name)
+                    self._needing_newer_opset.append(candidate)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
         # The running phase's patterns as (depth, root op types and domain, op types needed below
@@ -209,8 +210,28 @@ class Engine:
                         suffix = f"[{index}]" if len(graphs) > 1 else ""
                         scopes.append((sub, f"{scope}/{info.name or info.op_type}.{attr}{suffix}"))
         self._visits.finish()
+        self.result.need_newer_opset = self._still_matching(self._needing_newer_opset)
         self.result.seconds = time.perf_counter() - started
         return self.result
+
+    def _still_matching(self, skipped: list[Rule]) -> list[str]:
+        """The names of the `skipped` rules whose patterns match somewhere in the main graph
+        once the rewrite is done: a rule whose pattern another rule fused already (onnxruntime's
+        RotaryEmbedding in place of the decomposed rotation) would find nothing after an upgrade.
+        In check mode the graph is unchanged: a root some applicable rule would rewrite does not count."""
+        graph = self.model.graph
+        taken = {label for o in self.result.opportunities if o.scope == "main" for label in o.nodes}
+        still = []
+        for candidate in skipped:
+            for pattern in candidate.alternatives:
+                roots = (n for t in pattern.op_types for n in graph.nodes_of_type(t, pattern.domain))
+                if any(
+                    graph.node(n).label not in taken and next(find_matches(graph, pattern, n), None) is not None
+                    for n in roots
+                ):
+                    still.append(candidate.name)
+                    break
+        return still
 
     def _run_scope(self, graph: Graph, scope: str, apply: bool) -> None:
         # A later phase's rewrites can give an earlier phase's rules work again (attention
