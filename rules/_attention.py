@@ -337,8 +337,12 @@ def _split_heads(walk: _Walk, split: str, what: str) -> tuple[str, int, int]:
         isinstance(hidden, int) and isinstance(head_size, int) and head_size > 0 and hidden % head_size == 0,
         f"{what}'s hidden size {hidden} and head size {head_size} are not known numbers that divide",
     )
+    same_batch, same_sequence = _same_dim(before[0], after[0]), _same_dim(before[1], after[1])
+    # With the hidden size kept (N*H = D), the element count makes the other one equal too:
+    # view(batch, -1, N, H) leaves the sequence to -1, which shape inference cannot name.
+    keeps_hidden = isinstance(after[2], int) and after[2] * head_size == hidden
     walk.m.require(
-        _same_dim(before[0], after[0]) and _same_dim(before[1], after[1]),
+        (same_batch and same_sequence) or (keeps_hidden and (same_batch or same_sequence)),
         f"cannot tell from the shapes that {what}'s Reshape keeps batch and sequence ({before} -> {after})",
     )
     return source, hidden // head_size, head_size

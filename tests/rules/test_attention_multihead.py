@@ -50,6 +50,7 @@ def attention_model(
     repeat_kv=False,
     cache_input=False,
     merge="constant",
+    split="zero",
     opset=17,
     seed=0,
 ):
@@ -68,7 +69,11 @@ def attention_model(
     their own symbolic length [1, 1, "positions", H] (computed at run time in the legacy Llama
     export), so Q's sequence is not known to be x's. merge: the heads-merging Reshape's target
     is "constant" [0, 0, D], "input_dims" (the legacy export's Concat of x's batch and sequence
-    and -1) or "runtime" (x's batch and sequence and a graph input "merge_width").
+    and -1) or "runtime" (x's batch and sequence and a graph input "merge_width"). split: the
+    heads-splitting Reshapes' targets are "zero" [0, 0, N, H], "inferred" [0, -1, N, H] (OPT's
+    view(batch, -1, N, H): with a symbolic sequence, shape inference cannot name the -1) or
+    "halved" [0, -1, N, H/2] (a valid model whose "heads" run over twice the sequence: not
+    attention over x's tokens; merged back by [0, -1, D]).
     """
     rng = np.random.default_rng(seed)
     batch, seq = B, S
@@ -83,9 +88,10 @@ def attention_model(
         "bv": rng.standard_normal(kv_dim) / 4,
     }
     inits = {k: v.astype(dtype) for k, v in inits.items()}
-    inits["split_q"] = np.array([0, 0, N, H], np.int64)
-    inits["split_kv"] = np.array([0, 0, kv_heads, H], np.int64)
-    inits["merge_shape"] = np.array([0, 0, D], np.int64)
+    sequence, head = {"zero": (0, H), "inferred": (-1, H), "halved": (-1, H // 2)}[split]
+    inits["split_q"] = np.array([0, sequence, N, head], np.int64)
+    inits["split_kv"] = np.array([0, sequence, kv_heads, head], np.int64)
+    inits["merge_shape"] = np.array([0, -1 if split == "halved" else 0, D], np.int64)
     nodes = []
 
     def rotate(x, out):
@@ -400,6 +406,30 @@ def test_merge_to_a_width_known_only_at_run_time_is_declined():
         "nor that its target [?, ?, ?] leaves the dims past the second uncopied",
         target="onnxruntime",
     )
+
+
+def test_heads_split_with_the_sequence_left_to_minus_one():
+    """OPT's view(batch, -1, N, H): the split keeps the hidden size, and the batch is the
+    input's, so the -1 can only be the sequence, though shape inference leaves it unnamed."""
+    model, feeds = attention_model(split="inferred", symbolic=True, mask="padding")
+    after, _ = fuse(
+        model,
+        feeds,
+        expected_ops=PROJECTIONS + ["Unsqueeze", "Sub", "Mul", "Shape", "Shape", "Concat", "Expand"]
+        + ["MultiHeadAttention"],
+    )
+    longer = {"x": np.random.default_rng(1).standard_normal((3, 7, D)).astype(np.float32)}
+    longer["mask"] = np.ones((3, 7), np.float32)
+    longer["mask"][2, 4:] = 0
+    np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_heads_split_that_changes_the_sequence_is_declined(symbolic):
+    """[0, -1, N, H/2] keeps the batch but not the hidden size: the -1 is twice the sequence."""
+    model, feeds = attention_model(split="halved", symbolic=symbolic, scale="none")
+    run(model, feeds)  # a valid model, just not attention over x's tokens
+    assert_declined(model, attention_multihead, "Reshape keeps batch and sequence", target="onnxruntime")
 
 
 def test_grouped_query_attention_is_declined():

@@ -53,6 +53,18 @@ def test_padding_mask(dtype):
     )
 
 
+def test_heads_split_with_the_sequence_left_to_minus_one():
+    model, feeds = attention_model(split="inferred", symbolic=True, opset=23)
+    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + ["Attention"])
+    longer = {"x": np.random.default_rng(1).standard_normal((3, 7, N * H)).astype(np.float32)}
+    np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_heads_split_that_changes_the_sequence_is_declined():
+    model, _ = attention_model(split="halved", symbolic=True, scale="none", opset=23)
+    assert_declined(model, attention_standard, "Reshape keeps batch and sequence")
+
+
 def test_a_row_masked_everywhere_with_the_lowest_value_stays_uniform():
     """onnxruntime's kernel reads the dtype's lowest value as -inf, and would give 0 where the
     original's softmax over a row of equal scores is uniform: those entries move one step up."""
