@@ -540,6 +540,14 @@ def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str
     return b.Where(masked, np.zeros((), attention.dtype), heads)
 
 
+def multihead_pays(m: Match, attention: Attention) -> bool:
+    """Whether com.microsoft MultiHeadAttention can be faster than the attention as it is: it
+    takes Q as [B, S, N*H], so Q rotated as heads [B, N, S, H] needs a Transpose back, and
+    unless the fusion removes more than MatMul, Softmax and MatMul (the NaN guard's IsNaN and
+    Where over every score), that Transpose is not paid for (measured: rules/attention_multihead.py)."""
+    return m.rank_of(attention.q) == 3 or attention.nan_guard
+
+
 def require_fusable_dtype(m: Match, attention: Attention) -> None:
     m.require(attention.dtype in FUSABLE_DTYPES, f"Q is {attention.dtype}; the fused kernels take float32/float16")
 

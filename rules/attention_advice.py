@@ -8,7 +8,7 @@ added before the scaling, grouped-query heads, or shapes that cannot be verified
 
 from __future__ import annotations
 
-from fuser.rules._attention import FUSABLE_DTYPES, merge_after_softmax, trace_attention
+from fuser.rules._attention import FUSABLE_DTYPES, merge_after_softmax, multihead_pays, trace_attention
 
 from fuser import Decline, Match, op, rule, var
 
@@ -23,6 +23,12 @@ def attention_advice(m: Match, _):
         return f"attention left unfused: {reason}"
     if attention.dtype not in FUSABLE_DTYPES:
         return f"attention left unfused: it computes in {attention.dtype}; the fused operators take float32/float16"
+    if m.opset < 23 and not multihead_pays(m, attention):
+        return (
+            f"attention left unfused: the standard Attention operator needs opset 23 (the model has {m.opset}); "
+            "onnxruntime's MultiHeadAttention would need Q transposed back from heads [B, N, S, H] and "
+            "would run slower than the attention as it is"
+        )
     if m.opset < 23:
         # The advice serves both targets: on onnxruntime's, MultiHeadAttention declined it already.
         return (

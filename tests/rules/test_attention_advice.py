@@ -44,6 +44,14 @@ def test_old_opset_on_the_onnxruntime_target_says_where_to_find_why_it_stayed():
     assert "--rule attention-multihead tells why not" in message
 
 
+def test_eager_attention_over_rotated_heads_says_why_multihead_attention_would_not_pay():
+    model, _ = attention_model(k_form="0132", rotary=True, opset=17)
+    for rules, kwargs in (([attention_multihead, attention_advice], {"target": "onnxruntime"}), ([attention_advice], {})):
+        (message,) = advice(model, rules, **kwargs)
+        assert "needs opset 23 (the model has 17)" in message
+        assert "would need Q transposed back" in message and "slower" in message
+
+
 def test_fused_attention_is_not_reported():
     model, _ = attention_model()
     assert advice(model, [attention_multihead, attention_advice], target="onnxruntime") == []

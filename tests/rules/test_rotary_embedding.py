@@ -273,5 +273,9 @@ def test_llama_exports_on_the_onnxruntime_target(name):
     feeds = export_feeds(model)
     after, report = fuser.optimize(model, target="onnxruntime", inputs=feeds)
     assert report.counts[RULE_ORT] == 4 and report.verdict.passed  # Q and K in each of two layers
-    assert not nodes_of(after, "Neg") and not nodes_of(after, "Softmax")
-    assert len(nodes_of(after, "MultiHeadAttention")) == 2  # attention takes the rotated heads
+    assert not nodes_of(after, "Neg")
+    if name == "llama_legacy_fp16":  # eager attention: attention-multihead leaves it (see there)
+        assert len(nodes_of(after, "Softmax")) == 2 and not nodes_of(after, "MultiHeadAttention")
+    else:
+        assert not nodes_of(after, "Softmax")
+        assert len(nodes_of(after, "MultiHeadAttention")) == 2  # attention takes the rotated heads
