@@ -22,6 +22,7 @@ from fuser.rules._attention import (
     mask_without_lowest,
     merged,
     require_fusable_dtype,
+    summed_mask,
     trace_attention,
 )
 
@@ -34,7 +35,10 @@ def attention_standard(m: Match, b: Builder):
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
     absorb_attention(m, attention, attention.reads)
-    mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention)) if attention.mask is not None else None
+    if attention.mask is not None:
+        mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention, summed_mask(b, attention)))
+    else:
+        mask = None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     ranks = {m.rank_of(attention.q), m.rank_of(attention.k), m.rank_of(attention.v)}
     if ranks == {3}:
