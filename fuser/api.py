@@ -13,7 +13,7 @@ import onnx
 from fuser.blame import Attempt, find_guilty
 from fuser.context import machine_nchwc_block, resolve_context
 from fuser.engine import Engine, Rewrite
-from fuser.errors import NumericsMismatch, UsageError
+from fuser.errors import InputError, NumericsMismatch, UsageError
 from fuser.graph import ModelParts, all_graph_protos, as_proto
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
@@ -26,7 +26,7 @@ from fuser.report import Report
 from fuser.rule import Rule
 from fuser.specialize import fix_shapes as specialize
 from fuser.tensors import uses_external_data
-from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict, with_inline_weights
+from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict, random_nodes, with_inline_weights
 
 
 def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:
@@ -224,6 +224,7 @@ def optimize(
                 # Checked on its own first, so a converter error is not blamed on a rewrite.
                 converted = checker.check(base, exact=False)
                 if not converted.passed:
+                    _require_steady(checker, original)
                     raise NumericsMismatch(
                         f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
                         evidence={"original": handed_out(original), "optimized": handed_out(base), "report": report},
@@ -239,6 +240,7 @@ def optimize(
             )
         if report.verdict.passed:
             return finished(optimized)
+        _require_steady(checker, original)
         optimized = as_proto(optimized)
         first = Attempt(optimized, result, report.verdict)
         with stage("blame"):
@@ -263,6 +265,22 @@ def optimize(
     finally:
         if prepared is not None:
             prepared.discard()  # the thread is done by now, unless an error cut the run short
+
+
+def _require_steady(checker, original: onnx.ModelProto) -> None:
+    """Before a mismatch is blamed on rewrites: stop with the reason if the original itself
+    gives other outputs when run again on the same inputs."""
+    checker = getattr(checker, "checker", checker)  # a ForeignBlockChecker's
+    unsteady = checker.unsteady_outputs()
+    if not unsteady:
+        return
+    random = random_nodes(original)
+    because = f" ({', '.join(random[:3])}{', ...' if len(random) > 3 else ''})" if random else ""
+    raise InputError(
+        f"the original model gives other values of output '{unsteady[0]}' when run again on the same inputs"
+        f"{because}: no check can compare it; export it for inference (model.eval() in torch), "
+        "or pass --no-check"
+    )
 
 
 class ForeignBlockChecker:

@@ -868,6 +868,19 @@ class Checker:
                 )
         return warnings
 
+    def unsteady_outputs(self) -> list[str]:
+        """The outputs the original gives differently, beyond the check's tolerance, when run
+        again on the first input set. Random operators (Dropout in training mode, RandomNormal,
+        ...) make such a model: its outputs differ from any other model's, the same one's
+        included, and no rewrite is to blame. (Within the tolerance: the order in which threads
+        add up a sum may move the last bits, which an exact rewrite's check would still catch.)"""
+        again = self._run_original(self.feeds[0])
+        return [
+            name
+            for name, value in self.expected[0].items()
+            if compare(name, value, again[name], False, self.rtol, self.atol, False).status != "ok"
+        ]
+
     def _named(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         specs = self.session.get_inputs()
         feeds = {}
@@ -970,6 +983,27 @@ class PreparedChecker:
         """Wait for the thread and drop what it built, errors included: no check is needed."""
         self._thread.join()
         self._checker = self._error = None
+
+
+RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli")
+
+
+def random_nodes(model: onnx.ModelProto) -> list[str]:
+    """The nodes of `model` whose results are random: the operators above, and Dropout whose
+    training_mode is a constant true (exporters write it so for a module left in training mode)."""
+    found = []
+    for graph in all_graph_protos(model.graph):
+        constants = {t.name: t for t in graph.initializer}
+        constants.update(
+            (n.output[0], a.t) for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"
+        )
+        for node in graph.node:
+            if node.op_type in RANDOM_OPS:
+                found.append(f"{node.op_type} '{node.name or node.output[0]}'")
+            elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] in constants:
+                if bool(onnx.numpy_helper.to_array(constants[node.input[2]]).reshape(-1)[0]):
+                    found.append(f"Dropout '{node.name or node.output[0]}' in training mode")
+    return found
 
 
 def _is_float(value: np.ndarray) -> bool:

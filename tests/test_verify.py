@@ -947,3 +947,60 @@ def test_a_mismatch_of_infinities_is_described_as_such():
         "output 'y' differs: 2 element(s) inf/NaN in one model and not the same in the other, "
         "max abs error 0 among finite values, 50.0% of elements out of tolerance"
     )
+
+
+
+def random_original(op: str, training: bool = True) -> onnx.ModelProto:
+    """A model whose outputs are random (unless a Dropout is not training), then an Add of zeros."""
+    if op == "Dropout":
+        random = helper.make_node("Dropout", ["x", "ratio", "training"], ["noisy"])
+        constants = {"ratio": np.array(0.5, np.float32), "training": np.array(training)}
+    else:
+        random = helper.make_node("RandomNormalLike", ["x"], ["noisy"])
+        constants = {}
+    nodes = [random, helper.make_node("Add", ["noisy", "zeros"], ["y"])]
+    constants["zeros"] = np.zeros(16, np.float32)
+    return make_model(nodes, [("x", np.float32, [4, 16])], [("y", np.float32, [4, 16])], constants, opset=17)
+
+
+def wrong_add_rule():
+    from fuser import Builder, Match, op, rule, var
+
+    @rule("test-wrong-add", pattern=op.Add(var("a"), var("b")))
+    def wrong(m: Match, b: Builder):
+        """Subtracts ones in place of whatever was added: a wrong rewrite."""
+        return b.Sub(m["a"], np.ones(16, np.float32))
+
+    return wrong
+
+
+def test_a_random_original_is_not_blamed_on_a_rewrite(cli, tmp_path):
+    """Its outputs differ from run to run: the check says so, names the random operator, and
+    exits as for an unusable input rather than blaming the rewrite (exit 3)."""
+    onnx.save(random_original("Dropout"), tmp_path / "m.onnx")
+    done = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx")
+    assert done.returncode == 2, done.stderr
+    assert "gives other values of output 'y' when run again on the same inputs" in done.stderr
+    assert "(Dropout 'noisy' in training mode)" in done.stderr
+    assert "--no-check" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out.onnx").exists()
+    done = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx", "--no-check")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("op", ["Dropout", "RandomNormalLike"])
+def test_random_operators_are_named(op):
+    import fuser
+
+    with pytest.raises(InputError, match=f"when run again on the same inputs \\({op} 'noisy'"):
+        fuser.optimize(random_original(op), rules=[wrong_add_rule()])
+
+
+def test_a_steady_original_with_a_wrong_rewrite_is_still_a_mismatch():
+    """The same model with the Dropout in inference mode: its outputs are steady, so a rewrite
+    that changes them is blamed as before."""
+    import fuser
+    from fuser.errors import NumericsMismatch
+
+    with pytest.raises(NumericsMismatch, match="caused by 1 rewrite"):
+        fuser.optimize(random_original("Dropout", training=False), rules=[wrong_add_rule()])
