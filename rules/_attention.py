@@ -18,7 +18,6 @@ tensor that broadcasts to [B, N, S, L]); scalings are multiplied into one `scale
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -62,7 +61,7 @@ class Attention:
     v_head_size: int
     scale: float
     mask: str | None  # added to the scores; broadcasts to [B, N, S, L]
-    mask_is_full: bool  # known to be [B or 1, N or 1, S, L] already (with more_masks added)
+    mask_is_full: bool  # known to be [B or 1, N or 1, S, L] already
     nan_guard: bool  # fully masked rows give 0 (Where(IsNaN(probs), 0, probs)), not NaN
     merged_rank: int  # 3: [B, S, N*Hv]; 2: [B*S, N*Hv], flattened for a Gemm
     dtype: np.dtype
@@ -70,9 +69,6 @@ class Attention:
     # [B, S, N*Hv] when the shapes do not show what the merge gives (see _check_merge).
     merge_target: tuple[str, int] | None = None
     nodes: set[int] = field(default_factory=set)
-    # Further terms added to the scores with the mask (MPNet's relative position bias, then
-    # the padding mask): the fused op gets their sum as one mask.
-    more_masks: tuple[str, ...] = ()
 
     @property
     def reads(self) -> set[str]:
@@ -80,7 +76,6 @@ class Attention:
         read = {self.q, self.k, self.v}
         if self.mask is not None:
             read.add(self.mask)
-        read.update(self.more_masks)
         if self.merge_target is not None:
             read.add(self.merge_target[0])
         return read
@@ -179,8 +174,7 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     axis = softmax.attr("axis")
     m.require(axis in (-1, 3), f"the Softmax is over axis {axis}, not the last of four")
 
-    scores, masks, scale = _scores(walk, softmax.inputs[0])
-    mask = masks[0] if masks else None
+    scores, mask, scale = _scores(walk, softmax.inputs[0])
     qk = walk.producer(scores, "the attention scores", "MatMul")
     q_heads, q_factor = walk.strip_scaling(qk.inputs[0])
     k_side, k_factor = walk.strip_scaling(qk.inputs[1])
@@ -207,23 +201,15 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     for name, tensor in (("K", k), ("V", v)):
         m.require(m.dtype_of(tensor) == dtype, f"{name} is {m.dtype_of(tensor)} but Q is {dtype}")
     mask_is_full = False
-    for term in masks:
-        m.require(m.dtype_of(term) == dtype, f"the mask is {m.dtype_of(term)}, not {dtype} like Q")
-        term_shape = walk.shape(term)
-        m.require(term_shape is None or len(term_shape) <= 4, f"the mask has shape {term_shape}, more than 4-D")
-    if masks:
-        # The terms broadcast into the scores, so their sum has, in each dim, the size some term
-        # has there other than 1: it is 4-D when a term is, and [.., S, L] when, for each of the
-        # last two dims, some term (aligned to the right) is known to have the scores' size.
-        shapes, scores_shape = [walk.shape(term) for term in masks], walk.shape(scores)
+    if mask is not None:
+        m.require(m.dtype_of(mask) == dtype, f"the mask is {m.dtype_of(mask)}, not {dtype} like Q")
+        mask_shape, scores_shape = walk.shape(mask), walk.shape(scores)
+        m.require(mask_shape is None or len(mask_shape) <= 4, f"the mask has shape {mask_shape}, more than 4-D")
         mask_is_full = (
-            scores_shape is not None
-            and None not in shapes
-            and any(len(shape) == 4 for shape in shapes)
-            and all(
-                any(len(shape) >= 4 - i and _same_dim(shape[i - 4], scores_shape[i]) for shape in shapes)
-                for i in (2, 3)
-            )
+            mask_shape is not None
+            and scores_shape is not None
+            and len(mask_shape) == 4
+            and all(_same_dim(mask_shape[i], scores_shape[i]) for i in (2, 3))
         )
     return Attention(
         q=q,
@@ -234,7 +220,6 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
         v_head_size=v_head_size,
         scale=scale,
         mask=mask,
-        more_masks=tuple(masks[1:]),
         mask_is_full=mask_is_full,
         nan_guard=nan_guard,
         merged_rank=merged_rank,
@@ -244,32 +229,30 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     )
 
 
-def _scores(walk: _Walk, tensor: str) -> tuple[str, list[str], float]:
-    """From the Softmax input back to the Q·Kᵀ MatMul: (its output, the masks added to the
-    scores, outermost first, and the scale)."""
+def _scores(walk: _Walk, tensor: str) -> tuple[str, str | None, float]:
+    """From the Softmax input back to the Q·Kᵀ MatMul: (its output, the mask, the scale)."""
     scale = 1.0
-    masks: list[str] = []
+    mask = None
     while True:
         tensor, factor = walk.strip_scaling(tensor)
         scale *= factor
         if not walk.is_op(tensor, "Add"):
-            return tensor, masks[::-1], scale
+            return tensor, mask, scale
         add = walk.producer(tensor, "the scores", "Add")
+        if mask is not None:
+            raise Decline("more than one mask is added to the scores")
         chain = [i for i in add.inputs if _leads_to_matmul(walk, i)]
         if len(chain) != 1:
             raise Decline("cannot tell the scores from the mask in the Add before the Softmax")
         if scale != 1.0:
             raise Decline("the mask is added before the scores are scaled")
-        masks.append(add.inputs[1] if chain[0] == add.inputs[0] else add.inputs[0])
+        mask = add.inputs[1] if chain[0] == add.inputs[0] else add.inputs[0]
         tensor = chain[0]
 
 
-def _leads_to_matmul(walk: _Walk, tensor: str, depth: int = 4) -> bool:
-    """Whether `tensor` is the 4-D Q·Kᵀ MatMul's output, scaled or with terms added to it."""
+def _leads_to_matmul(walk: _Walk, tensor: str) -> bool:
     probe = _Walk(walk.m)
     tensor, _ = probe.strip_scaling(tensor)
-    if probe.is_op(tensor, "Add") and depth > 0:
-        return any(_leads_to_matmul(walk, i, depth - 1) for i in walk.graph.node(walk.graph.producer(tensor)).inputs)
     if not probe.is_op(tensor, "MatMul"):
         return False
     qk = walk.graph.node(walk.graph.producer(tensor))
@@ -520,17 +503,8 @@ def full_mask(m: Match, b: Builder, attention: Attention, mask: str | None = Non
     return b.Expand(mask, shape)
 
 
-def summed_mask(b: Builder, attention: Attention) -> str | None:
-    """The attention's mask, with its further terms added (Attention.more_masks). The terms
-    are the same tensors in every layer: the sum is built once."""
-    if attention.mask is None or not attention.more_masks:
-        return attention.mask
-    terms = (attention.mask, *attention.more_masks)
-    return b.once("attention-mask-sum:" + "+".join(terms), lambda b: functools.reduce(b.Add, terms))
-
-
-def mask_without_lowest(m: Match, b: Builder, attention: Attention, mask: str) -> str:
-    """`mask` (the attention's, summed) with its entries of the dtype's lowest value moved one step up.
+def mask_without_lowest(m: Match, b: Builder, attention: Attention) -> str:
+    """The mask with its entries of the dtype's lowest value moved one step up.
 
     transformers masks with that value, and a query row masked everywhere then gets a uniform
     softmax, as the spec's Attention adds the mask. onnxruntime's Attention kernel reads the
@@ -540,7 +514,7 @@ def mask_without_lowest(m: Match, b: Builder, attention: Attention, mask: str) -
     (In float16 a row masked everywhere is not uniform in the original either: adding the mask
     rounds its scores to a step of 32, which the kernel, computing in float32, does not.)
     """
-    dtype = attention.dtype
+    mask, dtype = attention.mask, attention.dtype
     lowest = np.finfo(dtype).min
     value = m.graph.constant_value(mask)
     if value is not None and not np.any(value == lowest):

@@ -31,7 +31,6 @@ from fuser.rules._attention import (
     merged,
     multihead_pays,
     require_fusable_dtype,
-    summed_mask,
     trace_attention,
     zero_fully_masked_rows,
 )
@@ -57,7 +56,7 @@ def attention_multihead(m: Match, b: Builder):
         "then run the same MatMul, Softmax and MatMul as onnxruntime's own kernels: slower, not faster",
     )
     absorb_attention(m, attention, attention.reads)
-    mask = full_mask(m, b, attention, summed_mask(b, attention)) if attention.mask is not None else None
+    mask = full_mask(m, b, attention) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     # The kernel takes Q as [B, S, N*H], K and V both as [B, L, N*H] or both as [B, N, L, H].
     q = heads_merged(b, attention.q, m.rank_of(attention.q), n, h)

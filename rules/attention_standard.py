@@ -22,7 +22,6 @@ from fuser.rules._attention import (
     mask_without_lowest,
     merged,
     require_fusable_dtype,
-    summed_mask,
     trace_attention,
 )
 
@@ -35,10 +34,7 @@ def attention_standard(m: Match, b: Builder):
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
     absorb_attention(m, attention, attention.reads)
-    if attention.mask is not None:
-        mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention, summed_mask(b, attention)))
-    else:
-        mask = None
+    mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention)) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
     ranks = {m.rank_of(attention.q), m.rank_of(attention.k), m.rank_of(attention.v)}
     if ranks == {3}:

@@ -51,7 +51,6 @@ def attention_model(
     cache_input=False,
     merge="constant",
     split="zero",
-    position_bias=False,
     opset=17,
     seed=0,
 ):
@@ -74,8 +73,7 @@ def attention_model(
     heads-splitting Reshapes' targets are "zero" [0, 0, N, H], "inferred" [0, -1, N, H] (OPT's
     view(batch, -1, N, H): with a symbolic sequence, shape inference cannot name the -1) or
     "halved" [0, -1, N, H/2] (a valid model whose "heads" run over twice the sequence: not
-    attention over x's tokens; merged back by [0, -1, D]). position_bias: a constant [1, N, S, S]
-    added to the scaled scores before the mask (MPNet's relative position bias; static dims).
+    attention over x's tokens; merged back by [0, -1, D]).
     """
     rng = np.random.default_rng(seed)
     batch, seq = B, S
@@ -213,10 +211,6 @@ def attention_model(
         inits["score_scale"] = np.array(np.sqrt(H) if scale == "scores_div" else H**-0.5, dtype)
         nodes.append(helper.make_node("Div" if scale == "scores_div" else "Mul", [scores, "score_scale"], ["scaled"]))
         scores = "scaled"
-    if position_bias:
-        inits["position_bias"] = rng.standard_normal((1, N, seq, seq)).astype(dtype)
-        nodes.append(helper.make_node("Add", [scores, "position_bias"], ["biased"]))
-        scores = "biased"
     if mask_tensor is not None and not mask_before_scale:
         nodes.append(helper.make_node("Add", [scores, mask_tensor], ["masked"]))
         scores = "masked"
@@ -458,21 +452,6 @@ def test_heads_split_that_changes_the_sequence_is_declined(symbolic):
     model, feeds = attention_model(split="halved", symbolic=symbolic, scale="none")
     run(model, feeds)  # a valid model, just not attention over x's tokens
     assert_declined(model, attention_multihead, "Reshape keeps batch and sequence", target="onnxruntime")
-
-
-@pytest.mark.parametrize("mask", [None, "padding"])
-def test_a_position_bias_and_the_mask_go_in_as_one_attention_bias(mask):
-    """MPNet adds a relative position bias [1, N, S, L] to the scaled scores, then the padding
-    mask: the fused op gets their sum, already [.., S, L], so nothing is expanded."""
-    model, feeds = attention_model(position_bias=True, mask=mask)
-    masking = ["Unsqueeze", "Sub", "Mul", "Add"] if mask else []
-    after, _ = fuse(model, feeds, expected_ops=PROJECTIONS + masking + ["MultiHeadAttention"])
-    (mha,) = nodes_of(after, "MultiHeadAttention")
-    if mask:
-        (add,) = [n for n in after.graph.node if n.output[0] == mha.input[5]]
-        assert add.op_type == "Add" and sorted(add.input) == ["additive_mask", "position_bias"]
-    else:
-        assert mha.input[5] == "position_bias"
 
 
 def test_grouped_query_attention_is_declined():

@@ -60,16 +60,6 @@ def test_heads_split_with_the_sequence_left_to_minus_one():
     np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mask", ["padding", "padding_lowest"])
-def test_a_position_bias_and_the_mask_go_in_as_one_mask(mask):
-    """The sum of the bias and a mask of the dtype's lowest value has that value where the row
-    is padded: it moves one step up like a mask of its own (a row padded everywhere stays uniform)."""
-    model, feeds = attention_model(position_bias=True, mask=mask, opset=23)
-    after, _ = fuse(
-        model, feeds, expected_ops=PROJECTIONS + ["Unsqueeze", "Sub", "Mul", "Add", "Equal", "Where", "Attention"]
-    )
-
-
 def test_heads_split_that_changes_the_sequence_is_declined():
     model, _ = attention_model(split="halved", symbolic=True, scale="none", opset=23)
     assert_declined(model, attention_standard, "Reshape keeps batch and sequence")
