@@ -540,12 +540,12 @@ def zero_fully_masked_rows(m: Match, b: Builder, attention: Attention, mask: str
     return b.Where(masked, np.zeros((), attention.dtype), heads)
 
 
-def multihead_pays(m: Match, attention: Attention) -> bool:
-    """Whether com.microsoft MultiHeadAttention can be faster than the attention as it is: it
-    takes Q as [B, S, N*H], so Q rotated as heads [B, N, S, H] needs a Transpose back, and
-    unless the fusion removes more than MatMul, Softmax and MatMul (the NaN guard's IsNaN and
-    Where over every score), that Transpose is not paid for (measured: rules/attention_multihead.py)."""
-    return m.rank_of(attention.q) == 3 or attention.nan_guard
+def multihead_pays(attention: Attention) -> bool:
+    """Whether com.microsoft MultiHeadAttention can be faster than the attention as it is: only
+    where the fusion removes work beyond MatMul, Softmax and MatMul, the NaN guard of
+    scaled_dot_product_attention's exports (IsNaN and Where over every probability). Measured
+    in rules/attention_multihead.py."""
+    return attention.nan_guard
 
 
 def require_fusable_dtype(m: Match, attention: Attention) -> None:
