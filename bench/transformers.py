@@ -1,6 +1,10 @@
 """Transformer exports side by side: the original, fuser's targets and two peer fusers.
 
     python bench/transformers.py [--size tiny|real] [--runs 30] [--threads 2] [--models bert_legacy,...]
+                                 [--sequence N] [--past N]
+
+The *_past models take a KV cache: `--sequence 1 --past 512` times one decoding step after 512
+cached tokens.
 
 Reads the corpus `tests/data/make_transformers.py` writes: tiny models from
 tests/data/transformers/ (checked in), real-size ones from bench/models/ (make them first with
@@ -84,9 +88,12 @@ def dimensions(kind: str, size: str) -> tuple[int, int, int]:
     return config.get("vocab_size", 0), config["num_attention_heads"], config["hidden_size"]
 
 
-def realistic_inputs(model: onnx.ModelProto, kind: str, size: str, batch: int, sequence: int) -> dict:
+def realistic_inputs(model: onnx.ModelProto, kind: str, size: str, batch: int, sequence: int, past: int = 0) -> dict:
+    """Inputs for `sequence` new tokens; for a model with a KV cache (past_key_values.*), after
+    `past` cached ones, which the attention mask then spans too."""
     rng = np.random.default_rng(0)
     vocabulary, _, _ = dimensions(kind, size)
+    cached = any(value.name.startswith("past_key_values") for value in model.graph.input)
     feeds = {}
     for value in model.graph.input:
         tensor = value.type.tensor_type
@@ -100,7 +107,9 @@ def realistic_inputs(model: onnx.ModelProto, kind: str, size: str, batch: int, s
         elif value.name == "token_type_ids":
             feeds[value.name] = rng.integers(0, 2, (batch, sequence), dtype=np.int64)
         elif value.name == "attention_mask":
-            feeds[value.name] = np.ones((batch, sequence), dtype=np.int64)
+            feeds[value.name] = np.ones((batch, sequence + past if cached else sequence), dtype=np.int64)
+        elif value.name.startswith("past_key_values"):
+            feeds[value.name] = rng.standard_normal((batch, dims[1], past, dims[3])).astype(np.float32)
         else:
             raise SystemExit(f"bench/transformers.py: no realistic value for input '{value.name}'")
     return feeds
@@ -250,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--sequence", type=int, default=None)
+    parser.add_argument("--past", type=int, default=128, help="cached tokens given to the *_past models")
     parser.add_argument(
         "--split-levels",
         action=argparse.BooleanOptionalAction,
@@ -271,7 +281,10 @@ def main(argv=None) -> int:
             )
         return 2
 
-    print(f"size {args.size}, batch {batch}, sequence {sequence}, {args.runs} runs, {args.threads} threads")
+    print(
+        f"size {args.size}, batch {batch}, sequence {sequence} (after {args.past} cached for *_past), "
+        f"{args.runs} runs, {args.threads} threads"
+    )
     tables = {key: {} for key in ("nodes", "patterns", "diff", "off", "all", "ratio_off", "ratio_all")}
     notes = []
     for name in names:
@@ -279,7 +292,7 @@ def main(argv=None) -> int:
         kind = family(name)
         started = time.perf_counter()
         original = onnx.load(path)
-        feeds = realistic_inputs(original, kind, args.size, batch, sequence)
+        feeds = realistic_inputs(original, kind, args.size, batch, sequence, args.past)
         cells = make_cells(path, original, kind, args.size, feeds)
         diffs = max_abs_diff(cells, feeds, args.threads)
         for rows in tables.values():

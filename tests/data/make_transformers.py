@@ -15,6 +15,10 @@ Files, for NAME in bert, gpt2, vit, llama (a LlamaModel with grouped-query atten
   NAME_legacy_eager.onnx, ..._eager     eager attention (explicit MatMul, Softmax, MatMul)
   bert/gpt2_legacy_opset14.onnx         opset 14, where LayerNorm is still decomposed (tiny only)
   bert/llama_legacy_fp16.onnx           float16, legacy exporter, eager attention (see export_fp16)
+  gpt2/llama_EXPORTER_past.onnx         with a KV cache, as models for generation are exported: inputs
+                                        input_ids, attention_mask and past_key_values.L.key/.value
+                                        [batch, kv heads, past_sequence, head size]; outputs
+                                        last_hidden_state and present.L.key/.value (see export_past)
 
 Every model has dynamic batch and sequence dimensions (ViT: dynamic batch; its image size is
 fixed by the position embeddings). Tiny files are single files; real-size files keep their
@@ -117,7 +121,8 @@ SIZES = {
 }
 
 # Dimensions used for the example inputs the exporters trace with; dynamic dims are exported symbolic.
-EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 8
+EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 8, 5
+PAST_MODELS = ("gpt2", "llama")
 FP16_MODELS = ("bert", "llama")
 # At opset 17+ both exporters write LayerNormalization; an older opset shows the decomposed form
 # (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add) that older exports carry.
@@ -209,6 +214,117 @@ class Positional:
 
         front = {"bert": Encoder, "vit": Vision}.get(kind, Decoder)
         return front().eval()
+
+
+class WithPast:
+    """The decoder with a KV cache given and returned as flat tensors, as exports for generation
+    have it: (input_ids, attention_mask, past key 0, past value 0, key 1, ...) -> (last hidden
+    state, present key 0, present value 0, ...); the mask spans the past and the new tokens."""
+
+    @staticmethod
+    def make(model, layers: int):
+        import torch
+        from transformers import DynamicCache
+
+        class Decoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, *past):
+                cache = DynamicCache()
+                for layer in range(layers):
+                    cache.update(past[2 * layer], past[2 * layer + 1], layer)
+                out = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+                )
+                present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+                return (out.last_hidden_state, *present)
+
+        return Decoder().eval()
+
+    @staticmethod
+    def shape(config) -> tuple[int, int, int]:
+        """Layers, key/value heads and head size."""
+        if hasattr(config, "n_layer"):
+            return config.n_layer, config.n_head, config.n_embd // config.n_head
+        heads = config.num_attention_heads
+        return config.num_hidden_layers, config.num_key_value_heads or heads, config.hidden_size // heads
+
+    @staticmethod
+    def inputs(config, batch=EXAMPLE_BATCH, seq=EXAMPLE_SEQ, past=EXAMPLE_PAST) -> dict:
+        import torch
+
+        layers, kv_heads, head = WithPast.shape(config)
+        generator = torch.Generator().manual_seed(SEED)
+        inputs = {
+            "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=generator),
+            "attention_mask": torch.ones(batch, past + seq, dtype=torch.int64),
+        }
+        for layer in range(layers):
+            for part in ("key", "value"):
+                inputs[f"past_key_values.{layer}.{part}"] = torch.randn(
+                    batch, kv_heads, past, head, generator=generator
+                )
+        return inputs
+
+
+def export_past(model, config, exporter: str, path: str, external: bool) -> None:
+    """A KV-cache export. The legacy one names the mask's length `past_sequence + sequence`;
+    the dynamo one is asked for a dynamic dim there (torch.export.Dim.DYNAMIC), which it names
+    with a symbol of its own, as it does for anyone who does not spell the sum out."""
+    import torch
+
+    layers = WithPast.shape(config)[0]
+    inputs = WithPast.inputs(config)
+    names = list(inputs)
+    past_names = names[2:]
+    outputs = ["last_hidden_state"] + [name.replace("past_key_values", "present") for name in past_names]
+    module = WithPast.make(model, layers)
+    args = tuple(inputs.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "legacy":
+            axes = {
+                "input_ids": {0: "batch", 1: "sequence"},
+                "attention_mask": {0: "batch", 1: "past_sequence + sequence"},
+                "last_hidden_state": {0: "batch", 1: "sequence"},
+                **{name: {0: "batch", 2: "past_sequence"} for name in past_names},
+                **{name: {0: "batch", 2: "past_sequence + sequence"} for name in outputs[1:]},
+            }
+            torch.onnx.export(
+                module,
+                args,
+                path,
+                input_names=names,
+                output_names=outputs,
+                dynamic_axes=axes,
+                opset_version=OPSET,
+                dynamo=False,
+                do_constant_folding=True,
+            )
+        else:
+            batch = torch.export.Dim("batch", min=1, max=64)
+            sequence = torch.export.Dim("sequence", min=1, max=256)
+            past = torch.export.Dim("past_sequence", min=1, max=256)
+            shapes = (
+                {0: batch, 1: sequence},
+                {0: batch, 1: torch.export.Dim.DYNAMIC},
+                tuple({0: batch, 2: past} for _ in past_names),
+            )
+            program = torch.onnx.export(
+                module,
+                args,
+                input_names=names,
+                output_names=outputs,
+                dynamic_shapes=shapes,
+                opset_version=OPSET,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+            program.save(path, external_data=False)
+    normalize(path, external)
 
 
 def export(kind: str, model, config, exporter: str, path: str, external: bool, dtype=None, opset=OPSET) -> None:
@@ -318,13 +434,16 @@ def verify(path: str, kind: str, config) -> None:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    inputs, _ = example_inputs(kind, config)
+    past = path.endswith("_past.onnx")
+    inputs = WithPast.inputs(config) if past else example_inputs(kind, config)[0]
     feeds = {}
     for spec in session.get_inputs():
         value = inputs[spec.name].numpy()
         feeds[spec.name] = value.astype(np.float16) if spec.type == "tensor(float16)" else value
-    (output,) = session.run(None, feeds)
-    if not np.isfinite(output).all():
+    outputs = session.run(None, feeds)
+    if len(outputs) != (1 + 2 * WithPast.shape(config)[0] if past else 1):
+        raise SystemExit(f"{path}: {len(outputs)} outputs")
+    if not all(np.isfinite(output).all() for output in outputs):
         raise SystemExit(f"{path}: non-finite output")
 
 
@@ -352,6 +471,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="bert,gpt2,vit,llama")
     parser.add_argument("--exporters", default="legacy,dynamo")
     parser.add_argument(
+        "--past",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also export gpt2 and llama with a KV cache (*_past); default: for --size tiny only",
+    )
+    parser.add_argument(
         "--eager",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -365,6 +490,8 @@ def main(argv=None) -> int:
     external = args.size != "tiny"
     if args.eager is None:
         args.eager = args.size == "tiny"
+    if args.past is None:
+        args.past = args.size == "tiny"
 
     exporters = args.exporters.split(",")
     for kind in args.models.split(","):
@@ -383,6 +510,11 @@ def main(argv=None) -> int:
             finish(path, kind, config)
         if kind in FP16_MODELS and "legacy" in exporters:
             export_fp16(kind, args.size, os.path.join(out, f"{kind}_legacy_fp16.onnx"), external)
+        if kind in PAST_MODELS and args.past:
+            for exporter in exporters:
+                path = os.path.join(out, f"{kind}_{exporter}_past.onnx")
+                export_past(model, config, exporter, path, external)
+                finish(path, kind, config)
     return 0
 
 

@@ -16,7 +16,9 @@ from tests.data.make_transformers import SIZES
 from tests.helpers import make_model, run
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers")
-FILES = sorted(os.path.basename(p)[: -len(".onnx")] for p in glob.glob(os.path.join(CORPUS, "*.onnx")))
+ALL_FILES = sorted(os.path.basename(p)[: -len(".onnx")] for p in glob.glob(os.path.join(CORPUS, "*.onnx")))
+PAST_FILES = [name for name in ALL_FILES if name.endswith("_past")]  # with a KV cache
+FILES = [name for name in ALL_FILES if name not in PAST_FILES]
 
 # (layernorm, rmsnorm, gelu, silu, attention) decomposed in each family's export: two layers;
 # LayerNorm is one operator from opset 17 on, so only the opset-14 files decompose it.
@@ -51,6 +53,7 @@ def test_the_corpus_is_complete():
         for variant in ("legacy", "dynamo", "legacy_eager", "dynamo_eager"):
             assert f"{kind}_{variant}" in FILES
     assert {"bert_legacy_fp16", "llama_legacy_fp16", "bert_legacy_opset14", "gpt2_legacy_opset14"} <= set(FILES)
+    assert PAST_FILES == ["gpt2_dynamo_past", "gpt2_legacy_past", "llama_dynamo_past", "llama_legacy_past"]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -72,7 +75,41 @@ def test_export_is_a_small_valid_single_file_with_dynamic_dims(name):
         assert np.isfinite(output.astype(np.float32)).all()
 
 
-@pytest.mark.parametrize("name", FILES)
+def past_feeds(model: onnx.ModelProto, batch: int, past: int, sequence: int) -> dict:
+    feeds = feeds_for(model, batch, sequence)
+    feeds["attention_mask"] = np.ones((batch, past + sequence), np.int64)
+    feeds["attention_mask"][0, :2] = 0  # the first row's oldest tokens are padding
+    rng = np.random.default_rng(2)
+    for value in model.graph.input[2:]:
+        heads, size = (d.dim_value for d in value.type.tensor_type.shape.dim[1::2])
+        feeds[value.name] = rng.standard_normal((batch, heads, past, size)).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("name", PAST_FILES)
+def test_kv_cache_export_takes_and_returns_the_cache(name):
+    path = os.path.join(CORPUS, f"{name}.onnx")
+    assert os.path.getsize(path) < 1_000_000
+    model = onnx.load(path)
+    onnx.checker.check_model(model, full_check=True)
+    params = SIZES["tiny"][name.split("_")[0]]
+    layers = params.get("n_layer") or params["num_hidden_layers"]
+    caches = [f"past_key_values.{layer}.{part}" for layer in range(layers) for part in ("key", "value")]
+    names = ["input_ids", "attention_mask", *caches]
+    assert [value.name for value in model.graph.input] == names
+    past_dims = {tuple(d.dim_param for d in value.type.tensor_type.shape.dim[::2]) for value in model.graph.input[2:]}
+    assert past_dims == {("batch", "past_sequence")}
+    mask_length = model.graph.input[1].type.tensor_type.shape.dim[1].dim_param
+    # The legacy export spells the sum out; the dynamo one names it with a symbol of its own.
+    assert mask_length == "past_sequence + sequence" if "legacy" in name else mask_length not in ("", "sequence")
+    for batch, past, sequence in ((1, 4, 3), (3, 6, 1)):  # a prompt after a cache, and one decoding step
+        outputs = run(model, past_feeds(model, batch, past, sequence))
+        assert outputs[0].shape[:2] == (batch, sequence) and len(outputs) == 1 + 2 * layers
+        assert all(present.shape[2] == past + sequence for present in outputs[1:])
+        assert all(np.isfinite(output).all() for output in outputs)
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
 def test_patterns_left_counts_each_exports_decomposed_patterns(name):
     layernorm, rmsnorm, gelu, silu, attention, rotary = EXPECTED[name.split("_")[0]]
     if name.endswith("opset14"):
@@ -89,6 +126,12 @@ def test_both_exporters_give_the_same_function():
         dynamo = onnx.load(os.path.join(CORPUS, f"{kind}_dynamo.onnx"))
         feeds = feeds_for(legacy, 2, 7)
         np.testing.assert_allclose(run(legacy, feeds)[0], run(dynamo, feeds)[0], rtol=1e-4, atol=1e-5)
+    for kind in ("gpt2", "llama"):
+        legacy = onnx.load(os.path.join(CORPUS, f"{kind}_legacy_past.onnx"))
+        dynamo = onnx.load(os.path.join(CORPUS, f"{kind}_dynamo_past.onnx"))
+        feeds = past_feeds(legacy, 2, 5, 3)
+        for expected, actual in zip(run(legacy, feeds), run(dynamo, feeds), strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
 
 
 X = ("x", np.float32, [2, 8])

@@ -481,8 +481,9 @@ def test_not_on_the_onnx_target():
 # ------------------------------------------------------------------- real exports
 
 
-def export_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8) -> dict:
-    """Realistic inputs: token ids within the vocabulary, token types in [0, 2), masks of ones."""
+def export_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8, past: int = 5) -> dict:
+    """Realistic inputs: token ids within the vocabulary, token types in [0, 2), masks of ones;
+    a KV cache (past_key_values.*) of `past` tokens, which the mask then spans too."""
     rng = np.random.default_rng(0)
     vocab = min(
         (
@@ -501,7 +502,10 @@ def export_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8) -> dict:
         elif value.name == "token_type_ids":
             feeds[value.name] = rng.integers(0, 2, (batch, seq)).astype(dtype)
         elif value.name == "attention_mask":
-            feeds[value.name] = np.ones((batch, seq), dtype)
+            cached = any(v.name.startswith("past_key_values") for v in model.graph.input)
+            feeds[value.name] = np.ones((batch, past + seq if cached else seq), dtype)
+        elif value.name.startswith("past_key_values"):
+            feeds[value.name] = rng.standard_normal((batch, dims[1], past, dims[3])).astype(dtype)
         elif value.name == "position_ids":
             feeds[value.name] = np.arange(seq, dtype=dtype)[None].repeat(batch, 0)
         else:
@@ -518,6 +522,7 @@ EXPORTS = [
     for exporter in ("legacy", "dynamo")
     for variant in ("", "_eager")
 ] + ["bert_legacy_fp16", "bert_legacy_opset14", "gpt2_legacy_opset14", "llama_dynamo", "llama_dynamo_eager"]
+EXPORTS += ["gpt2_legacy_past", "gpt2_dynamo_past", "llama_dynamo_past"]  # with a KV cache
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -541,3 +546,20 @@ def test_real_exports_fuse_the_attention_that_has_the_nan_guard(name):
     tol = 1e-2 if name.endswith("fp16") else 1e-4
     for expected, actual in zip(run(model, feeds), run(after, feeds)):
         np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "name", [f"{arch}_{exporter}_past" for arch in ("gpt2", "llama") for exporter in ("legacy", "dynamo")]
+)
+def test_kv_cache_exports_fuse_with_every_rule_and_decode_the_same(name):
+    """With a KV cache the attention reads the past keys and values concatenated with the new
+    ones; fused, a prompt after a cache and a single decoding step give the original's outputs."""
+    model = onnx.load(os.fspath(TRANSFORMERS / f"{name}.onnx"))
+    after, report = fuser.optimize(model, target="onnxruntime", inputs=export_feeds(model))
+    assert report.counts[RULE] == 2 and report.verdict.passed
+    assert not [n for n in after.graph.node if n.op_type == "Softmax"]
+    for batch, seq, past in ((2, 8, 5), (3, 1, 9), (1, 1, 1)):
+        feeds = export_feeds(model, batch, seq, past)
+        feeds["attention_mask"][0, :1] = 0  # the first row's oldest token is padding
+        for expected, actual in zip(run(model, feeds), run(after, feeds), strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)

@@ -5,7 +5,8 @@ variants), in tests/data/transformers.
 Each file is optimized with every built-in rule for the onnxruntime target, with fuser's own
 check fed realistic inputs: input_ids in [0, vocab) with the vocabulary size read from the
 embedding table the ids index, token_type_ids in [0, 2), an attention_mask of ones, normal
-pixel_values; batch 2, sequence 7. The check compares every output in onnxruntime (graph
+pixel_values, and for the exports with a KV cache (*_past) 5 cached tokens of normal keys and
+values, which the mask then spans too; batch 2, sequence 7. The check compares every output in onnxruntime (graph
 optimizations off) with fuser's per-dtype tolerances (float32 rtol 1e-4, atol 1e-5; float16
 rtol 1e-2, atol 1e-3). Then, per file:
   - every Erf/Tanh of the original became a GELU op (Gelu, FastGelu or BiasGelu), none is left;
@@ -33,7 +34,7 @@ import fuser
 DATA = Path(__file__).resolve().parents[1] / "data" / "transformers"
 FILES = sorted(DATA.glob("*.onnx")) if DATA.is_dir() else []
 GELU_OPS = {"Gelu", "FastGelu", "BiasGelu"}
-BATCH, SEQUENCE = 2, 7
+BATCH, SEQUENCE, PAST = 2, 7, 5
 
 
 def vocabulary_size(model: onnx.ModelProto) -> int:
@@ -59,15 +60,19 @@ def vocabulary_size(model: onnx.ModelProto) -> int:
 
 def realistic_inputs(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
+    cached = any(graph_input.name.startswith("past_key_values") for graph_input in model.graph.input)
     feeds = {}
     for graph_input in model.graph.input:
         name, elem_type = graph_input.name, graph_input.type.tensor_type.elem_type
-        if name == "input_ids":
+        if name.startswith("past_key_values"):
+            heads, size = (d.dim_value for d in graph_input.type.tensor_type.shape.dim[1::2])
+            feeds[name] = rng.standard_normal((BATCH, heads, PAST, size)).astype(np.float32)
+        elif name == "input_ids":
             feeds[name] = rng.integers(0, vocabulary_size(model), (BATCH, SEQUENCE)).astype(np.int64)
         elif name == "token_type_ids":
             feeds[name] = rng.integers(0, 2, (BATCH, SEQUENCE)).astype(np.int64)
         elif name == "attention_mask":
-            feeds[name] = np.ones((BATCH, SEQUENCE), np.int64)
+            feeds[name] = np.ones((BATCH, PAST + SEQUENCE if cached else SEQUENCE), np.int64)
         elif name == "pixel_values":
             dims = [d.dim_value for d in graph_input.type.tensor_type.shape.dim[1:]]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
