@@ -540,6 +540,13 @@ def shape_candidates(
     in the model's metadata if it says one, then IMAGE_SIZES; other symbolic dims take
     SEQUENCE_SIZES; dims named like `a + b` follow the values of `a` and `b`; `dims` and
     `shapes` given by the user are kept in every candidate.
+
+    A symbolic dim found in one input only (a lone dim) may be a sum the exporter did not write
+    down: a KV-cache export's attention mask spans the past and the new tokens, and the dynamo
+    exporter names its length `s53` when asked for a dynamic dim. Where the same sizes for all
+    fail, each lone dim in turn next takes each value the model's outputs state as a sum of the
+    inputs' dims (`past_sequence + sequence`; the dims a sum names are its parts, not lone), then
+    twice its size.
     """
     dims, shapes = dims or {}, shapes or {}
     specs = [spec for spec in sess.get_inputs() if spec.name not in shapes]
@@ -566,6 +573,9 @@ def shape_candidates(
     has_free = any(kind != "batch" for kind in kinds.values())
     attempts = max(len(image_sizes), len(SEQUENCE_SIZES)) if has_free else 0
     sizes = {"image": image_sizes, "sequence": list(SEQUENCE_SIZES)}
+    sums = _stated_sums(model, set(kinds) | set(dims))
+    parts = {name for total in sums for name in _expression_names(total)}
+    lone = [key for key in _lone_dims(specs, kinds) if key not in parts]
     candidates = []
     # The last attempt sets every free dim to 1, as fuser always did, for models no typical size fits.
     for index in [*range(attempts), None]:
@@ -575,15 +585,43 @@ def shape_candidates(
                 values[key] = DEFAULT_DIM
             else:
                 values[key] = sizes[kind][min(index, len(sizes[kind]) - 1)]
-        candidate = {name: tuple(shape) for name, shape in shapes.items()}
-        for spec in specs:
-            candidate[spec.name] = tuple(
-                d if isinstance(d, int) and d >= 0 else _dim_value(_symbol(spec.name, axis, d), values)
-                for axis, d in enumerate(spec.shape or [])
-            )
-        if candidate not in candidates:
-            candidates.append(candidate)
+        alternatives = [values]
+        for key in lone:
+            for size in [_dim_value(total, values) for total in sums] + [2 * values[key]]:
+                alternatives.append({**values, key: size})
+        for chosen in alternatives:
+            candidate = {name: tuple(shape) for name, shape in shapes.items()}
+            for spec in specs:
+                candidate[spec.name] = tuple(
+                    d if isinstance(d, int) and d >= 0 else _dim_value(_symbol(spec.name, axis, d), chosen)
+                    for axis, d in enumerate(spec.shape or [])
+                )
+            if candidate not in candidates:
+                candidates.append(candidate)
     return candidates
+
+
+def _lone_dims(specs, kinds: dict[str, str]) -> list[str]:
+    """The free sequence-like symbols that name a dim of one input only, in input order (an
+    image's height and width are lone by nature)."""
+    seen: dict[str, int] = {}
+    for spec in specs:
+        for axis, d in enumerate(spec.shape or []):
+            key = _symbol(spec.name, axis, d)
+            if kinds.get(key) == "sequence":
+                seen[key] = seen.get(key, 0) + 1
+    return [key for key, count in seen.items() if count == 1]
+
+
+def _stated_sums(model: onnx.ModelProto, known: set[str]) -> list[str]:
+    """The dims of the model's outputs written as expressions of the inputs' symbols only."""
+    stated = []
+    for output in model.graph.output:
+        for d in output.type.tensor_type.shape.dim:
+            names = _expression_names(d.dim_param) if d.dim_param else []
+            if names and set(names) <= known and d.dim_param not in stated:
+                stated.append(d.dim_param)
+    return stated
 
 
 def _symbol(input_name: str, axis: int, dim) -> str:

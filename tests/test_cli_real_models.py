@@ -169,6 +169,45 @@ def test_a_dim_written_as_a_sum_follows_its_parts():
     assert shapes["mask"][1] == shapes["past"][1] + shapes["new"][1] == 256
 
 
+def kv_mask_model(mask_dim: str, total: str | None) -> onnx.ModelProto:
+    """A KV cache's concatenation times a mask whose length is the past's plus the new tokens',
+    the mask's dim named `mask_dim` (an exporter's own symbol), the output's `total` (None: not stated)."""
+    return make_model(
+        [helper.make_node("Concat", ["past", "new"], ["all"], axis=1), helper.make_node("Mul", ["all", "mask"], ["y"])],
+        [
+            ("past", np.float32, ["batch", "past_len"]),
+            ("new", np.float32, ["batch", "seq"]),
+            ("mask", np.float32, ["batch", mask_dim]),
+        ],
+        [("y", np.float32, ["batch", total])],
+    )
+
+
+def test_a_lone_dim_takes_the_sum_the_outputs_state():
+    model = kv_mask_model("s53", "past_len + seq")
+    candidates = shape_candidates(session(model), model, dims={"past_len": 5})
+    assert candidates[0] == {"past": (1, 5), "new": (1, 128), "mask": (1, 128)}  # the same sizes first
+    assert candidates[1] == {"past": (1, 5), "new": (1, 128), "mask": (1, 133)}  # then the stated sum
+    shapes = Checker(model, CheckOptions(dims={"past_len": 5})).input_shapes
+    assert shapes == {"past": (1, 5), "new": (1, 128), "mask": (1, 133)}
+
+
+def test_a_lone_dim_no_output_explains_tries_twice_its_size():
+    model = kv_mask_model("s53", None)
+    with pytest.raises(Exception, match="cannot run"):
+        Checker(model, CheckOptions(shapes={"past": (1, 128), "new": (1, 128), "mask": (1, 128)}))
+    assert Checker(model).input_shapes == {"past": (1, 128), "new": (1, 128), "mask": (1, 256)}
+
+
+def test_dims_that_repeat_or_name_a_sum_are_not_lone():
+    model = kv_mask_model("s53", "past_len + seq")
+    candidates = shape_candidates(session(model), model)
+    # `seq` is in one input only, but the outputs name it as a part: only the mask's dim varies.
+    assert {c["new"] for c in candidates} == {(1, size) for size in (128, 64, 32, 16, 1)}
+    assert {c["past"] for c in candidates} == {(1, size) for size in (128, 64, 32, 16, 1)}
+    assert (1, 256) in {c["mask"] for c in candidates}
+
+
 def test_optimize_a_detector_with_symbolic_image_dims_by_default(cli, tmp_path):
     onnx.save(yolo_like(), tmp_path / "detector.onnx")
     result = cli(tmp_path, "optimize", "detector.onnx", "--report", "r.json")
@@ -194,7 +233,9 @@ def test_optimize_a_bert_like_model_by_default(cli, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["bert_legacy", "bert_dynamo", "gpt2_legacy", "gpt2_dynamo", "vit_legacy", "vit_dynamo", "llama_legacy"]
+    "name",
+    ["bert_legacy", "bert_dynamo", "gpt2_legacy", "gpt2_dynamo", "vit_legacy", "vit_dynamo", "llama_legacy"]
+    + [f"{kind}_{exporter}_past" for kind in ("gpt2", "llama") for exporter in ("legacy", "dynamo")],
 )
 def test_tiny_torch_exports_get_inputs_they_run_on(name):
     path = EXPORTS / f"{name}.onnx"
@@ -208,6 +249,23 @@ def test_tiny_torch_exports_get_inputs_they_run_on(name):
     if "attention_mask" in checker.input_shapes:
         assert (checker.feeds[0]["attention_mask"] == 1).all()
     assert all(d > 1 for shape in checker.input_shapes.values() for d in shape[1:])
+    if name.endswith("_past"):  # the mask spans the cache and the new tokens
+        past, sequence = checker.input_shapes["past_key_values.0.key"][2], checker.input_shapes["input_ids"][1]
+        assert checker.input_shapes["attention_mask"] == (1, past + sequence)
+
+
+def test_optimize_a_dynamo_kv_cache_export_by_default(cli, tmp_path):
+    """The dynamo exporter names a KV-cache mask's length with a symbol of its own (s53); the
+    check still finds inputs it runs on, and the attention with the cache is fused."""
+    source = EXPORTS / "llama_dynamo_past.onnx"
+    assert [d.dim_param for d in onnx.load(source).graph.input[1].type.tensor_type.shape.dim][1].startswith("s")
+    (tmp_path / "llama.onnx").write_bytes(source.read_bytes())
+    result = cli(tmp_path, "optimize", "llama.onnx", "--target", "onnxruntime", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    shapes = report["numerics"]["input_shapes"]
+    assert shapes["attention_mask"][1] == shapes["input_ids"][1] + shapes["past_key_values.1.value"][2]
+    assert report["numerics"]["passed"] and report["rule_counts"]["attention-multihead"] == 2
 
 
 # --------------------------------------------------------------------------- checks that mean something
