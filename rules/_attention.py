@@ -68,6 +68,9 @@ class Attention:
     # The model's own merge (Reshape target, allowzero), applied again to the fused op's
     # [B, S, N*Hv] when the shapes do not show what the merge gives (see _check_merge).
     merge_target: tuple[str, int] | None = None
+    # K and V as [B, Nkv, L, H] before grouped-query attention repeated their heads to N
+    # (_unrepeated): a fused op that repeats them itself reads these instead.
+    kv_unrepeated: tuple[str, str] | None = None
     nodes: set[int] = field(default_factory=set)
 
     @property
@@ -200,6 +203,10 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
     dtype = m.dtype_of(q)
     for name, tensor in (("K", k), ("V", v)):
         m.require(m.dtype_of(tensor) == dtype, f"{name} is {m.dtype_of(tensor)} but Q is {dtype}")
+    k_source, v_source = _unrepeated(walk, k, num_heads), _unrepeated(walk, v, num_heads)
+    kv_unrepeated = None
+    if k_source is not None and v_source is not None and k_source[1] == v_source[1]:
+        kv_unrepeated = (k_source[0], v_source[0])
     mask_is_full = False
     if mask is not None:
         m.require(m.dtype_of(mask) == dtype, f"the mask is {m.dtype_of(mask)}, not {dtype} like Q")
@@ -225,6 +232,7 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
         merged_rank=merged_rank,
         dtype=dtype,
         merge_target=merge_target,
+        kv_unrepeated=kv_unrepeated,
         nodes=walk.nodes,
     )
 
@@ -346,6 +354,56 @@ def _split_heads(walk: _Walk, split: str, what: str) -> tuple[str, int, int]:
         f"cannot tell from the shapes that {what}'s Reshape keeps batch and sequence ({before} -> {after})",
     )
     return source, hidden // head_size, head_size
+
+
+def _unrepeated(walk: _Walk, heads: str, num_heads: int) -> tuple[str, int] | None:
+    """Where `heads` [B, N, L, H] are [B, Nkv, L, H] with each head repeated N/Nkv times in a row,
+    as transformers' repeat_kv does (Unsqueeze at axis 2, Expand to [B, Nkv, N/Nkv, L, H],
+    Reshape to [B, N, L, H]): (the [B, Nkv, L, H] tensor, Nkv). None unless the shapes prove it:
+    an Expand of unknown dims could broadcast the batch where the heads should repeat."""
+    m = walk.m
+    standard = ("", "ai.onnx")
+    reshape = m.graph.producer(heads)
+    if reshape is None or m.graph.node(reshape).op_type != "Reshape" or m.graph.node(reshape).domain not in standard:
+        return None
+    expand_output = m.graph.node(reshape).inputs[0]
+    expand = m.graph.producer(expand_output)
+    if expand is None or m.graph.node(expand).op_type != "Expand" or m.graph.node(expand).domain not in standard:
+        return None
+    unsqueeze_output = m.graph.node(expand).inputs[0]
+    unsqueeze = m.graph.producer(unsqueeze_output)
+    if unsqueeze is None or m.graph.node(unsqueeze).op_type != "Unsqueeze":
+        return None
+    unsqueeze = m.graph.node(unsqueeze)
+    if unsqueeze.domain not in standard:
+        return None
+    axes = unsqueeze.attr("axes")
+    if axes is None and len(unsqueeze.inputs) > 1:
+        value = m.graph.constant_value(unsqueeze.inputs[1])
+        axes = None if value is None else [int(a) for a in value.reshape(-1)]
+    source = unsqueeze.inputs[0]
+    before, expanded, after = walk.shape(source), walk.shape(expand_output), walk.shape(heads)
+    if axes not in ([2], [-3]) or None in (before, expanded, after):
+        return None
+    if (len(before), len(expanded), len(after)) != (4, 5, 4):
+        return None
+    kv_heads, head_size, repeats = before[1], before[3], expanded[2]
+    if not all(isinstance(d, int) and d > 0 for d in (kv_heads, head_size, repeats)) or repeats == 1:
+        return None
+    repeated_only = (
+        _same_dim(expanded[0], before[0])
+        and expanded[1] == kv_heads
+        and _same_dim(expanded[3], before[2])
+        and expanded[4] == head_size
+    )
+    # [B, Nkv, R, L, H] merged at axes 1, 2 in row-major order; the element count fixes the
+    # one of B and L not known equal.
+    merged_heads = (
+        after[1] == kv_heads * repeats == num_heads
+        and after[3] == head_size
+        and (_same_dim(after[0], before[0]) or _same_dim(after[2], before[2]))
+    )
+    return (source, kv_heads) if repeated_only and merged_heads else None
 
 
 def _check_passthrough(walk: _Walk, reshape, q_heads: str, v_heads: str) -> None:

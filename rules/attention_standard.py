@@ -9,9 +9,16 @@ operator gives 0 for a query row whose mask is -inf everywhere (the spec's fully
 rule), where a model without the NaN guard of scaled_dot_product_attention gives NaN: hence
 `stabilizes`. The kernel reads the dtype's lowest value as -inf too, so entries of that value
 (transformers' masks) move one step up first (mask_without_lowest).
+
+Grouped-query attention: where K and V are heads repeated from fewer (transformers'
+repeat_kv: Unsqueeze, Expand, Reshape), Attention reads the heads before the repeat, which it
+repeats in the same order itself: a KV cache is then not copied N/Nkv times per layer for
+every token decoded.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from fuser.rules._attention import (
     MERGE_HEADS,
@@ -33,6 +40,9 @@ def attention_standard(m: Match, b: Builder):
     """Q·Kᵀ scaled, masked, Softmax, ·V between head reshapes  =>  Attention (opset 23)."""
     attention = trace_attention(m)
     require_fusable_dtype(m, attention)
+    if attention.kv_unrepeated is not None:
+        k, v = attention.kv_unrepeated
+        attention = replace(attention, k=k, v=v)
     absorb_attention(m, attention, attention.reads)
     mask = full_mask(m, b, attention, mask_without_lowest(m, b, attention)) if attention.mask is not None else None
     n, h, hv = attention.num_heads, attention.head_size, attention.v_head_size
@@ -42,7 +52,8 @@ def attention_standard(m: Match, b: Builder):
             attention.q, attention.k, attention.v, mask, q_num_heads=n, kv_num_heads=n, scale=attention.scale
         )
         return merged(b, attention, output)
-    # Heads given as [B, N, S, H] (after rotary embeddings, or repeated): all inputs 4-D.
+    # Heads given as [B, N, S, H] (after rotary embeddings, or repeated): all inputs 4-D; K and V
+    # may have fewer heads than Q (grouped-query attention), which Attention reads from their shapes.
     q = heads_split(b, attention.q, m.rank_of(attention.q), n, h)
     k = heads_split(b, attention.k, m.rank_of(attention.k), n, h)
     v = heads_split(b, attention.v, m.rank_of(attention.v), n, hv)

@@ -125,15 +125,65 @@ def test_real_exports_upgraded_to_opset_23(name):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_rotary_heads_and_repeated_kv_heads_take_four_dimensional_inputs():
-    model, feeds = attention_model(k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, opset=23)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rotary_heads_and_repeated_kv_heads_take_four_dimensional_inputs(dtype):
+    """Grouped-query attention: Attention reads K and V before repeat_kv (it repeats each head
+    in turn itself), so the Unsqueeze, Expand and Reshape of both go."""
+    model, feeds = attention_model(dtype=dtype, k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, opset=23)
     after, report = fuser.optimize(model, rules=[attention_standard], inputs=feeds)
     assert report.counts == {RULE: 1} and report.verdict.passed
     (node,) = nodes_of(after, "Attention")
-    assert list(node.input[1:3]) == ["k_repeated", "v_repeated"]
+    assert list(node.input[1:3]) == ["k_rotated", "v_heads"]  # [B, 2, S, H] each
     assert "q_num_heads" not in {a.name for a in node.attribute}  # only for 3-D inputs
-    assert not nodes_of(after, "Softmax")
-    np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
+    assert not nodes_of(after, "Softmax") and not nodes_of(after, "Expand") and not nodes_of(after, "Unsqueeze")
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(
+        run(after, feeds)[0].astype(np.float64), run(model, feeds)[0].astype(np.float64), rtol=1e-4, atol=tol
+    )
+
+
+def tiled_kv_heads(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with K and V repeated as a whole (heads 0, 1, 0, 1, ...: Unsqueeze at axis 1,
+    Expand to [B, R, Nkv, L, H]) rather than each head in turn as repeat_kv does."""
+    tiled = onnx.ModelProto()
+    tiled.CopyFrom(model)
+    for tensor in tiled.graph.initializer:
+        if tensor.name == "axis_2":
+            tensor.CopyFrom(onnx.numpy_helper.from_array(np.array([1], np.int64), "axis_2"))
+        if tensor.name == "repeat_shape":
+            batch, kv_heads, repeats, seq, head = onnx.numpy_helper.to_array(tensor)
+            shape = np.array([batch, repeats, kv_heads, seq, head], np.int64)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(shape, "repeat_shape"))
+    return tiled
+
+
+def test_heads_repeated_in_another_order_stay_repeated():
+    model, feeds = attention_model(k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, opset=23)
+    tiled = tiled_kv_heads(model)
+    assert not np.allclose(run(tiled, feeds)[0], run(model, feeds)[0], atol=1e-3)  # another function
+    after, report = fuser.optimize(tiled, rules=[attention_standard], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    (node,) = nodes_of(after, "Attention")
+    assert list(node.input[1:3]) == ["k_repeated", "v_repeated"]
+    np.testing.assert_allclose(run(after, feeds)[0], run(tiled, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_dynamo", "llama_dynamo_past"])
+def test_real_grouped_query_exports_read_the_heads_before_the_repeat(name):
+    """The dynamo Llama exports (2 of 4 heads for K and V) upgraded to opset 23: each Attention
+    reads the rotated K (or the KV cache's present.L.key) and V as they are, not repeated, and a
+    decoding step after a cache gives the original's outputs."""
+    model = onnx.load(str(TRANSFORMERS / f"{name}.onnx"))
+    after, report = fuser.optimize(model, opset=23, inputs=export_feeds(model))
+    assert report.counts[RULE] == 2 and report.verdict.passed
+    producers = {o: n for n in after.graph.node for o in n.output}
+    for node in nodes_of(after, "Attention"):
+        for tensor in node.input[1:3]:
+            assert tensor.startswith("present.") or producers[tensor].op_type in ("RotaryEmbedding", "Transpose")
+    for batch, seq, past in ((2, 8, 5), (1, 1, 9)):
+        feeds = export_feeds(model, batch, seq, past)
+        for expected, actual in zip(run(model, feeds), run(after, feeds), strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_merge_to_the_inputs_dims_is_kept_where_shapes_cannot_show_what_it_gives():
