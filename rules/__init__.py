@@ -32,6 +32,7 @@ ORDER = [
     "transpose_chain",
     "dropout_elimination",
     "reshape_dims_fold",
+    "shape_where_fold",
     # Affine maps folded into convolutions: BatchNormalization, a per-channel scale, a bias.
     "conv_bn_fold",
     "conv_mul_scale",

@@ -14,81 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 from fuser.rules._common import same_dim
-from fuser.rules._simplify import SIMPLIFY_PHASE
+from fuser.rules._simplify import SIMPLIFY_PHASE, shape_entries
 
 from fuser import Builder, Match, op, rule, var
 
 PARTS = 8
-
-
-def _axes(m: Match, node) -> list[int] | None:
-    """Unsqueeze's axes: an attribute before opset 13, a constant input from 13."""
-    if len(node.inputs) > 1:
-        value = m.graph.constant_value(node.inputs[1])
-        return None if value is None else [int(a) for a in value.reshape(-1)]
-    axes = node.attr("axes")
-    return None if axes is None else list(axes)
-
-
-def _dims_of_shape(m: Match, shape_node, indices) -> list | None:
-    """('dim', tensor, axis) for each index into Shape(tensor)."""
-    tensor = shape_node.inputs[0]
-    rank = m.rank_of(tensor)
-    if rank is None or int(shape_node.attr("start", 0) or 0) != 0 or shape_node.attr("end") is not None:
-        return None
-    return [("dim", tensor, int(i) % rank) for i in indices]
-
-
-def _shape_dim(m: Match, tensor: str) -> list | None:
-    """[('dim', x, axis)] when `tensor` is one dim of Shape(x), read as a scalar: Gather(Shape(x), i)
-    or Squeeze(Slice(Shape(x), i, i + 1)); else None."""
-    producer = m.graph.producer(tensor)
-    node = m.graph.node(producer) if producer is not None else None
-    if node is None:
-        return None
-    if node.op_type == "Gather" and int(node.attr("axis", 0) or 0) == 0:
-        index = m.graph.constant_value(node.inputs[1])
-        source = m.graph.producer(node.inputs[0])
-        if index is None or index.size != 1 or source is None or m.graph.node(source).op_type != "Shape":
-            return None
-        return _dims_of_shape(m, m.graph.node(source), [int(index.reshape(()))])
-    if node.op_type == "Squeeze":
-        inner = m.graph.producer(node.inputs[0])
-        sliced = m.graph.node(inner) if inner is not None else None
-        if sliced is None or sliced.op_type != "Slice" or len(sliced.inputs) < 3:
-            return None
-        source = m.graph.producer(sliced.inputs[0])
-        bounds = [m.graph.constant_value(t) for t in sliced.inputs[1:]]
-        if source is None or m.graph.node(source).op_type != "Shape" or any(v is None for v in bounds):
-            return None
-        rank = m.rank_of(m.graph.node(source).inputs[0])
-        axes = [int(a) for a in bounds[2].reshape(-1)] if len(bounds) > 2 else [0]
-        steps = [int(a) for a in bounds[3].reshape(-1)] if len(bounds) > 3 else [1]
-        if rank is None or axes != [0] or steps != [1]:
-            return None
-        start, end = (int(v.reshape(-1)[0]) for v in bounds[:2])
-        start, end = start + rank if start < 0 else start, min(end + rank if end < 0 else end, rank)
-        if end - start != 1:
-            return None
-        return _dims_of_shape(m, m.graph.node(source), [start])
-    return None
-
-
-def _entries(m: Match, tensor: str) -> list | None:
-    """What one Concat part holds, entry by entry: ints, ('dim', tensor, axis), or None (unknown)."""
-    value = m.graph.constant_value(tensor)
-    if value is not None:
-        return [int(v) for v in np.asarray(value).reshape(-1)]
-    producer = m.graph.producer(tensor)
-    node = m.graph.node(producer) if producer is not None else None
-    if node is not None and node.op_type == "Unsqueeze" and _axes(m, node) in ([0], [-1]):
-        found = _shape_dim(m, node.inputs[0])
-        if found is not None:
-            return found
-    length = m.shape_of(tensor)
-    if length is None or len(length) != 1 or not isinstance(length[0], int):
-        return None
-    return [None] * length[0]
 
 
 def _inferred(m: Match, entry):
@@ -126,7 +56,7 @@ def reshape_dims_fold(m: Match, b: Builder):
     for i in range(PARTS):
         if not m.has(f"p{i}"):
             break
-        part = _entries(m, m[f"p{i}"])
+        part = shape_entries(m, m[f"p{i}"])
         m.require(part is not None, f"the length of target part {i} is unknown")
         entries.extend(part)
     data_shape = m.shape("data")
