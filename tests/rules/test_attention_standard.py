@@ -14,6 +14,7 @@ import pytest
 from onnx import helper
 
 import fuser
+from fuser.rules.attention_multihead import attention_multihead
 from fuser.rules.attention_standard import attention_standard
 from tests.helpers import assert_declined, assert_rewritten, nodes_of, run
 from tests.rules.test_attention_multihead import H, N, PROJECTIONS, TRANSFORMERS, attention_model, export_feeds
@@ -211,3 +212,21 @@ def test_merge_to_the_inputs_dims_is_kept_where_shapes_cannot_show_what_it_gives
     (merge,) = [n for n in after.graph.node if n.output[0] == "y"]
     assert merge.op_type == "Reshape" and merge.input[1] == "computed_merge_shape"
     assert len(nodes_of(after, "Reshape")) == len(nodes_of(model, "Reshape"))
+
+
+def test_on_the_onnxruntime_target_grouped_query_attention_takes_the_standard_operator():
+    """At opset 23 MultiHeadAttention leaves grouped-query attention to Attention, which reads K
+    and V before their repeat; below 23 (no Attention) it still fuses it, repeat and all."""
+    model, feeds = attention_model(
+        k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, mask="boolean", nan_guard=True, opset=23
+    )
+    rules = [attention_multihead, attention_standard]
+    after, report = fuser.optimize(model, target="onnxruntime", rules=rules, inputs=feeds, trace=True)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    assert [d for d in report.engine.declined if "grouped-query attention at opset 23" in d.reason]
+    (node,) = nodes_of(after, "Attention")
+    assert list(node.input[1:3]) == ["k_rotated", "v_heads"]
+    older, _ = attention_model(k_form="0132", rotary=True, repeat_kv=True, kv_heads=2, mask="boolean", nan_guard=True)
+    _, report = fuser.optimize(older, target="onnxruntime", rules=rules, inputs=feeds)
+    assert report.counts == {"attention-multihead": 1}
+
