@@ -312,18 +312,7 @@ def export_past(model, config, exporter: str, path: str, external: bool) -> None
                 {0: batch, 1: torch.export.Dim.DYNAMIC},
                 tuple({0: batch, 2: past} for _ in past_names),
             )
-            program = torch.onnx.export(
-                module,
-                args,
-                input_names=names,
-                output_names=outputs,
-                dynamic_shapes=shapes,
-                opset_version=OPSET,
-                dynamo=True,
-                external_data=False,
-                verbose=False,
-            )
-            program.save(path, external_data=False)
+            dynamo_export(module, args, path, names, outputs, shapes, OPSET)
     normalize(path, external)
 
 
@@ -359,19 +348,26 @@ def export(kind: str, model, config, exporter: str, path: str, external: bool, d
         dynamic_shapes = {name: dims for name in names}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                module,
-                args,
-                input_names=names,
-                output_names=["last_hidden_state"],
-                dynamic_shapes=dynamic_shapes,
-                opset_version=opset,
-                dynamo=True,
-                external_data=False,
-                verbose=False,
-            )
-        program.save(path, external_data=False)
+            dynamo_export(module, args, path, names, ["last_hidden_state"], dynamic_shapes, opset)
     normalize(path, external)
+
+
+def dynamo_export(module, args, path: str, names: list, outputs: list, dynamic_shapes, opset: int) -> None:
+    """torch.onnx.export with dynamo=True, saved as one file (normalize() then lays it out)."""
+    import torch
+
+    program = torch.onnx.export(
+        module,
+        args,
+        input_names=names,
+        output_names=outputs,
+        dynamic_shapes=dynamic_shapes,
+        opset_version=opset,
+        dynamo=True,
+        external_data=False,
+        verbose=False,
+    )
+    program.save(path, external_data=False)
 
 
 def normalize(path: str, external: bool) -> None:

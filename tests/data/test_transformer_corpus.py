@@ -56,13 +56,18 @@ def test_the_corpus_is_complete():
     assert PAST_FILES == ["gpt2_dynamo_past", "gpt2_legacy_past", "llama_dynamo_past", "llama_legacy_past"]
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_export_is_a_small_valid_single_file_with_dynamic_dims(name):
+def small_valid_single_file(name: str) -> onnx.ModelProto:
     path = os.path.join(CORPUS, f"{name}.onnx")
     assert os.path.getsize(path) < 1_000_000
     model = onnx.load(path)
     onnx.checker.check_model(model, full_check=True)
     assert not any(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+    return model
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_export_is_a_small_valid_single_file_with_dynamic_dims(name):
+    model = small_valid_single_file(name)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     assert opset == (14 if name.endswith("opset14") else 18)
     dynamic = [[d.dim_param for d in value.type.tensor_type.shape.dim][:2] for value in model.graph.input]
@@ -88,10 +93,7 @@ def past_feeds(model: onnx.ModelProto, batch: int, past: int, sequence: int) -> 
 
 @pytest.mark.parametrize("name", PAST_FILES)
 def test_kv_cache_export_takes_and_returns_the_cache(name):
-    path = os.path.join(CORPUS, f"{name}.onnx")
-    assert os.path.getsize(path) < 1_000_000
-    model = onnx.load(path)
-    onnx.checker.check_model(model, full_check=True)
+    model = small_valid_single_file(name)
     params = SIZES["tiny"][name.split("_")[0]]
     layers = params.get("n_layer") or params["num_hidden_layers"]
     caches = [f"past_key_values.{layer}.{part}" for layer in range(layers) for part in ("key", "value")]
