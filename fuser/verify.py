@@ -539,16 +539,22 @@ def shape_candidates(
     Leading (batch) dims are 1; symbolic image dims (axes 2, 3 of a 4-D input) take the size
     in the model's metadata if it says one, then IMAGE_SIZES; other symbolic dims take
     SEQUENCE_SIZES; dims named like `a + b` follow the values of `a` and `b`; `dims` and
-    `shapes` given by the user are kept in every candidate.
+    `shapes` given by the user are kept in every candidate (the symbols of a shape given
+    count as given too).
 
-    A symbolic dim found in one input only (a lone dim) may be a sum the exporter did not write
-    down: a KV-cache export's attention mask spans the past and the new tokens, and the dynamo
-    exporter names its length `s53` when asked for a dynamic dim. Where the same sizes for all
-    fail, each lone dim in turn next takes each value the model's outputs state as a sum of the
-    inputs' dims (`past_sequence + sequence`; the dims a sum names are its parts, not lone), then
-    twice its size.
+    A named dim found once among the inputs (a lone dim) may be a sum the exporter did not
+    write down: a KV-cache export's attention mask spans the past and the new tokens, and the
+    dynamo exporter names its length `s53` when asked for a dynamic dim. Where the sizes chosen
+    fail, each lone dim in turn next takes each sum the model's outputs state of the inputs'
+    dims (`past_sequence + sequence`; the dims a sum names are its parts, not lone), then each
+    sum of two other dims' sizes.
     """
-    dims, shapes = dims or {}, shapes or {}
+    dims, shapes = dict(dims or {}), shapes or {}
+    for spec in sess.get_inputs():
+        if spec.name in shapes:
+            for d, size in zip(spec.shape or [], shapes[spec.name]):
+                if isinstance(d, str) and d and not _expression_names(d):
+                    dims.setdefault(d, int(size))
     specs = [spec for spec in sess.get_inputs() if spec.name not in shapes]
     kinds: dict[str, str] = {}  # symbol -> "batch" | "image" | "sequence"
     for spec in specs:
@@ -575,7 +581,7 @@ def shape_candidates(
     sizes = {"image": image_sizes, "sequence": list(SEQUENCE_SIZES)}
     sums = _stated_sums(model, set(kinds) | set(dims))
     parts = {name for total in sums for name in _expression_names(total)}
-    lone = [key for key in _lone_dims(specs, kinds) if key not in parts]
+    lone = [key for key in _lone_dims(sess.get_inputs(), kinds) if key not in parts]
     candidates = []
     # The last attempt sets every free dim to 1, as fuser always did, for models no typical size fits.
     for index in [*range(attempts), None]:
@@ -587,8 +593,11 @@ def shape_candidates(
                 values[key] = sizes[kind][min(index, len(sizes[kind]) - 1)]
         alternatives = [values]
         for key in lone:
-            for size in [_dim_value(total, values) for total in sums] + [2 * values[key]]:
-                alternatives.append({**values, key: size})
+            others = sorted({values[k] for k, kind in kinds.items() if kind != "batch" and k != key})
+            pairs = [a + b for i, a in enumerate(others) for b in others[i:]]
+            for size in dict.fromkeys([_dim_value(total, values) for total in sums] + pairs):
+                if 1 <= size <= MAX_LONE_SIZE and size != values[key]:
+                    alternatives.append({**values, key: size})
         for chosen in alternatives:
             candidate = {name: tuple(shape) for name, shape in shapes.items()}
             for spec in specs:
@@ -601,27 +610,43 @@ def shape_candidates(
     return candidates
 
 
+# A lone dim takes sums of other sizes up to this (two image sizes of 640, say).
+MAX_LONE_SIZE = 4096
+
+
 def _lone_dims(specs, kinds: dict[str, str]) -> list[str]:
-    """The free sequence-like symbols that name a dim of one input only, in input order (an
-    image's height and width are lone by nature)."""
+    """The free sequence-like symbols named at one axis of one input only, in input order (an
+    image's height and width are lone by nature, and an unnamed dim has no name to share)."""
     seen: dict[str, int] = {}
     for spec in specs:
-        for axis, d in enumerate(spec.shape or []):
-            key = _symbol(spec.name, axis, d)
-            if kinds.get(key) == "sequence":
-                seen[key] = seen.get(key, 0) + 1
-    return [key for key, count in seen.items() if count == 1]
+        for d in spec.shape or []:
+            if isinstance(d, str) and d:
+                seen[d] = seen.get(d, 0) + 1
+    return [key for key, count in seen.items() if count == 1 and kinds.get(key) == "sequence"]
 
 
 def _stated_sums(model: onnx.ModelProto, known: set[str]) -> list[str]:
-    """The dims of the model's outputs written as expressions of the inputs' symbols only."""
+    """The dims of the model's outputs written as sums of the inputs' symbols only."""
     stated = []
     for output in model.graph.output:
         for d in output.type.tensor_type.shape.dim:
-            names = _expression_names(d.dim_param) if d.dim_param else []
-            if names and set(names) <= known and d.dim_param not in stated:
+            if d.dim_param and d.dim_param not in stated and _is_sum(d.dim_param, known):
                 stated.append(d.dim_param)
     return stated
+
+
+def _is_sum(symbol: str, known: set[str]) -> bool:
+    """Whether `symbol` reads `a + b (+ ...)` of names in `known`."""
+    try:
+        tree = ast.parse(symbol, mode="eval").body
+    except SyntaxError:
+        return False
+    terms = []
+    while isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Add):
+        terms.append(tree.right)
+        tree = tree.left
+    terms.append(tree)
+    return len(terms) > 1 and all(isinstance(t, ast.Name) and t.id in known for t in terms)
 
 
 def _symbol(input_name: str, axis: int, dim) -> str:
@@ -860,10 +885,11 @@ class Checker:
         """Feeds of the first candidate shapes the original runs on, and its outputs for them."""
         candidates = shape_candidates(self.session, original, dims, shapes)
         for number, candidate in enumerate(candidates):
-            feeds = [
-                synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges) for i in range(runs)
-            ]
             try:
+                feeds = [
+                    synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges)
+                    for i in range(runs)
+                ]
                 return feeds, [self._run_original(f) for f in feeds]
             except InputError:
                 if number == len(candidates) - 1:

@@ -170,42 +170,72 @@ def test_a_dim_written_as_a_sum_follows_its_parts():
 
 
 def kv_mask_model(mask_dim: str, total: str | None) -> onnx.ModelProto:
-    """A KV cache's concatenation times a mask whose length is the past's plus the new tokens',
-    the mask's dim named `mask_dim` (an exporter's own symbol), the output's `total` (None: not stated)."""
+    """A KV cache [batch, 2, past_len, 4] concatenated with new keys [batch, 2, seq, 4], summed
+    over the last axis and times a mask [batch, mask_dim] whose length must be past_len + seq;
+    token ids [batch, seq] as well. The output's length is named `total` (None: not stated)."""
     return make_model(
-        [helper.make_node("Concat", ["past", "new"], ["all"], axis=1), helper.make_node("Mul", ["all", "mask"], ["y"])],
         [
-            ("past", np.float32, ["batch", "past_len"]),
-            ("new", np.float32, ["batch", "seq"]),
-            ("mask", np.float32, ["batch", mask_dim]),
+            helper.make_node("Concat", ["past", "new"], ["all"], axis=2),
+            helper.make_node("ReduceSum", ["all", "last"], ["summed"], keepdims=0),
+            helper.make_node("Unsqueeze", ["mask", "heads_axis"], ["mask_3d"]),
+            helper.make_node("Mul", ["summed", "mask_3d"], ["y"]),
+            helper.make_node("Cast", ["ids"], ["ids_float"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["ids_float"], ["id_sum"], keepdims=0),
         ],
-        [("y", np.float32, ["batch", total])],
+        [
+            ("ids", np.int64, ["batch", "seq"]),
+            ("mask", np.float32, ["batch", mask_dim]),
+            ("past", np.float32, ["batch", 2, "past_len", 4]),
+            ("new", np.float32, ["batch", 2, "seq", 4]),
+        ],
+        [("y", np.float32, ["batch", 2, total]), ("id_sum", np.float32, [])],
+        {"last": np.array([-1], np.int64), "heads_axis": np.array([1], np.int64)},
     )
 
 
 def test_a_lone_dim_takes_the_sum_the_outputs_state():
     model = kv_mask_model("s53", "past_len + seq")
     candidates = shape_candidates(session(model), model, dims={"past_len": 5})
-    assert candidates[0] == {"past": (1, 5), "new": (1, 128), "mask": (1, 128)}  # the same sizes first
-    assert candidates[1] == {"past": (1, 5), "new": (1, 128), "mask": (1, 133)}  # then the stated sum
+    first = {"ids": (1, 128), "mask": (1, 128), "past": (1, 2, 5, 4), "new": (1, 2, 128, 4)}
+    assert candidates[:2] == [first, {**first, "mask": (1, 133)}]  # the same sizes, then the stated sum
     shapes = Checker(model, CheckOptions(dims={"past_len": 5})).input_shapes
-    assert shapes == {"past": (1, 5), "new": (1, 128), "mask": (1, 133)}
+    assert shapes == {**first, "mask": (1, 133)}
 
 
-def test_a_lone_dim_no_output_explains_tries_twice_its_size():
+def test_a_lone_dim_no_output_explains_tries_sums_of_other_sizes():
     model = kv_mask_model("s53", None)
     with pytest.raises(Exception, match="cannot run"):
-        Checker(model, CheckOptions(shapes={"past": (1, 128), "new": (1, 128), "mask": (1, 128)}))
-    assert Checker(model).input_shapes == {"past": (1, 128), "new": (1, 128), "mask": (1, 256)}
+        Checker(
+            model,
+            CheckOptions(shapes={"ids": (1, 128), "mask": (1, 128), "past": (1, 2, 224, 4), "new": (1, 2, 128, 4)}),
+        )
+    # the cache's length is an image-like axis 2 of a 4-D input (224), the new tokens' 128
+    shapes = Checker(model).input_shapes
+    assert shapes == {"ids": (1, 128), "mask": (1, 352), "past": (1, 2, 224, 4), "new": (1, 2, 128, 4)}
 
 
 def test_dims_that_repeat_or_name_a_sum_are_not_lone():
     model = kv_mask_model("s53", "past_len + seq")
     candidates = shape_candidates(session(model), model)
-    # `seq` is in one input only, but the outputs name it as a part: only the mask's dim varies.
-    assert {c["new"] for c in candidates} == {(1, size) for size in (128, 64, 32, 16, 1)}
-    assert {c["past"] for c in candidates} == {(1, size) for size in (128, 64, 32, 16, 1)}
-    assert (1, 256) in {c["mask"] for c in candidates}
+    assert {c["new"][2] for c in candidates} == {c["ids"][1] for c in candidates} == {128, 64, 32, 16, 1}
+    assert all(c["new"][2] == c["ids"][1] for c in candidates)  # seq is in two inputs: never varied alone
+    assert {c["past"][2] for c in candidates} == {224, 640, 320, 64, 32, 1}  # image-like, and a part of the sum
+    assert (1, 352) in {c["mask"] for c in candidates}
+    unstated = kv_mask_model("s53", None)
+    # With no sum stated, past_len is still not lone: an image-like axis (2 of a 4-D input).
+    assert {c["past"][2] for c in shape_candidates(session(unstated), unstated)} == {224, 640, 320, 64, 32, 1}
+
+
+def test_a_shape_given_binds_its_symbols_for_the_others():
+    model = kv_mask_model("s53", "past_len + seq")
+    given = {"ids": (1, 1)}
+    shapes = Checker(model, CheckOptions(shapes=given)).input_shapes
+    assert shapes["new"] == (1, 2, 1, 4) and shapes["mask"] == (1, shapes["past"][2] + 1)
+
+
+def test_a_stated_dim_that_is_not_a_sum_is_not_tried():
+    model = kv_mask_model("s53", "past_len - seq - 1")
+    assert Checker(model).input_shapes["mask"] == (1, 352)  # the sums of the other sizes
 
 
 def test_optimize_a_detector_with_symbolic_image_dims_by_default(cli, tmp_path):
