@@ -276,7 +276,8 @@ def main(argv=None) -> int:
         print(f"bench/transformers.py: no {', '.join(missing)} in {folder}", file=sys.stderr)
         if args.size == "real":
             print(
-                "make them with: python tests/data/make_transformers.py --size real --out bench/models/",
+                "make them with: python tests/data/make_transformers.py --size real --out bench/models/"
+                + (" --past" if any(n.endswith("_past") for n in missing) else ""),
                 file=sys.stderr,
             )
         return 2

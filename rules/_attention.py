@@ -26,6 +26,7 @@ import onnx
 
 from fuser import Builder, Decline, Match, op, var
 from fuser.graph import NodeInfo
+from fuser.rules._simplify import unsqueeze_axes
 
 FUSABLE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -377,10 +378,7 @@ def _unrepeated(walk: _Walk, heads: str, num_heads: int) -> tuple[str, int] | No
     unsqueeze = m.graph.node(unsqueeze)
     if unsqueeze.domain not in standard:
         return None
-    axes = unsqueeze.attr("axes")
-    if axes is None and len(unsqueeze.inputs) > 1:
-        value = m.graph.constant_value(unsqueeze.inputs[1])
-        axes = None if value is None else [int(a) for a in value.reshape(-1)]
+    axes = unsqueeze_axes(m, unsqueeze)
     source = unsqueeze.inputs[0]
     before, expanded, after = walk.shape(source), walk.shape(expand_output), walk.shape(heads)
     if axes not in ([2], [-3]) or None in (before, expanded, after):

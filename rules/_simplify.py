@@ -78,8 +78,10 @@ def _dims_of_shape(m: Match, shape_node, indices) -> list | None:
     """('dim', tensor, axis) for each index into Shape(tensor)."""
     tensor = shape_node.inputs[0]
     rank = m.rank_of(tensor)
-    if rank is None or int(shape_node.attr("start", 0) or 0) != 0 or shape_node.attr("end") is not None:
+    if not rank or int(shape_node.attr("start", 0) or 0) != 0 or shape_node.attr("end") is not None:
         return None
+    if not all(-rank <= int(i) < rank for i in indices):
+        return None  # out of range: the model fails there, nothing to read
     return [("dim", tensor, int(i) % rank) for i in indices]
 
 
@@ -134,3 +136,19 @@ def shape_entries(m: Match, tensor: str) -> list | None:
     if length is None or len(length) != 1 or not isinstance(length[0], int):
         return None
     return [None] * length[0]
+
+
+def concat_entries(m: Match, tensor: str) -> list | None:
+    """shape_entries of a 1-D shape tensor, or of each part of the Concat that makes it."""
+    producer = m.graph.producer(tensor)
+    node = m.graph.node(producer) if producer is not None else None
+    if node is None or node.op_type != "Concat" or int(node.attr("axis", 0)) not in (0, -1):
+        return shape_entries(m, tensor)
+    entries: list = []
+    for part in node.inputs:
+        found = shape_entries(m, part)
+        if found is None:
+            return None
+        entries.extend(found)
+    return entries
+

@@ -1,4 +1,4 @@
-"""Where(Equal(s, -1), ones, s) of a shape s that holds no -1  =>  s.
+"""Where(Equal(s, -1), ones, s) of a shape s that holds no -1  =>  s (any compared constant, any fill).
 
 torch's legacy exporter writes `expand(..., shape)` as Expand(x, Where(Equal(s, -1), ones, s)),
 in case an entry of s is -1 ("keep this dim"). When s is concatenated from constants that are
@@ -10,24 +10,9 @@ needs to see that grouped-query attention repeats each K and V head in turn.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._simplify import SIMPLIFY_PHASE, shape_entries
+from fuser.rules._simplify import SIMPLIFY_PHASE, concat_entries
 
 from fuser import Builder, Match, const, op, rule, var
-
-
-def _entries(m: Match, shape: str) -> list | None:
-    """shape_entries of `shape`, or of each part of the Concat that makes it."""
-    producer = m.graph.producer(shape)
-    node = m.graph.node(producer) if producer is not None else None
-    if node is None or node.op_type != "Concat" or int(node.attr("axis", 0)) not in (0, -1):
-        return shape_entries(m, shape)
-    entries: list = []
-    for part in node.inputs:
-        found = shape_entries(m, part)
-        if found is None:
-            return None
-        entries.extend(found)
-    return entries
 
 
 @rule(
@@ -39,8 +24,9 @@ def _entries(m: Match, shape: str) -> list | None:
 def shape_where_fold(m: Match, b: Builder):
     """Where(Equal(s, c), fill, s) where no entry of s can equal c  =>  s."""
     sentinel = m.value("sentinel")
-    m.require(np.issubdtype(sentinel.dtype, np.integer) and sentinel.ndim <= 1, "the compared value is not integers")
-    entries = _entries(m, m["shape"])
+    m.require(np.issubdtype(sentinel.dtype, np.integer), "the compared value is not integers")
+    m.require(sentinel.ndim <= 1, f"the compared value is {sentinel.ndim}-D, not a scalar or a vector")
+    entries = concat_entries(m, m["shape"])
     m.require(entries is not None and None not in entries, "not every entry of the shape is known")
     m.require(sentinel.size in (1, len(entries)), "the compared value does not match the shape entry by entry")
     compared = np.broadcast_to(sentinel.reshape(-1), (len(entries),))
@@ -49,6 +35,7 @@ def shape_where_fold(m: Match, b: Builder):
             m.require(entry != value, f"an entry of the shape is {entry}, the value compared with")
         else:
             m.require(value < 0, f"a dim read at run time may be {value}")
-    result, shape = m.shape("where"), m.shape("shape")
-    m.require(result is not None and result == shape, f"the Where gives shape {result}, not the shape's {shape}")
+    # The condition and the fill broadcast with the shape: the Where must give its 1-D shape.
+    result = m.shape("where")
+    m.require(result == (len(entries),), f"the Where gives shape {result}, not [{len(entries)}]")
     return m["shape"]

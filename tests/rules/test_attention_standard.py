@@ -16,7 +16,7 @@ from onnx import helper
 import fuser
 from fuser.rules.attention_multihead import attention_multihead
 from fuser.rules.attention_standard import attention_standard
-from tests.helpers import assert_declined, assert_rewritten, nodes_of, run
+from tests.helpers import assert_declined, assert_rewritten, make_model, nodes_of, run
 from tests.rules.test_attention_multihead import H, N, PROJECTIONS, TRANSFORMERS, attention_model, export_feeds
 
 RULE = "attention-standard"
@@ -169,14 +169,81 @@ def test_heads_repeated_in_another_order_stay_repeated():
     np.testing.assert_allclose(run(after, feeds)[0], run(tiled, feeds)[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_dynamo", "llama_dynamo_past"])
+def repeated_heads_model(q_shape, k_shape, expand_to, reshape_to):
+    """Q given as heads; K [k_shape] and V [2, 2, 5, 8] each Unsqueezed at axis 2, Expanded to
+    `expand_to` and Reshaped to `reshape_to` before Q·Kᵀ/√8, Softmax, ·V and the heads' merge."""
+    rng = np.random.default_rng(3)
+    nodes = []
+    for name in ("k", "v"):
+        nodes += [
+            helper.make_node("Unsqueeze", [name, "axis_2"], [f"{name}_5d"]),
+            helper.make_node("Expand", [f"{name}_5d", "expand_to"], [f"{name}_expanded"]),
+            helper.make_node("Reshape", [f"{name}_expanded", "reshape_to"], [f"{name}_repeated"]),
+        ]
+    nodes += [
+        helper.make_node("Transpose", ["k_repeated"], ["k_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
+        helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
+        helper.make_node("Softmax", ["scaled"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "v_repeated"], ["context"]),
+        helper.make_node("Transpose", ["context"], ["context_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["context_t", "merge_to"], ["y"]),
+    ]
+    v_shape = (2, 2, 5, 8)
+    model = make_model(
+        nodes,
+        [("q", np.float32, list(q_shape)), ("k", np.float32, list(k_shape)), ("v", np.float32, list(v_shape))],
+        [("y", np.float32, [None, None, None])],
+        {
+            "axis_2": np.array([2], np.int64),
+            "expand_to": np.array(expand_to, np.int64),
+            "reshape_to": np.array(reshape_to, np.int64),
+            "scale": np.array(8**-0.5, np.float32),
+            "merge_to": np.array([0, 0, 32], np.int64),
+        },
+        opset=23,
+    )
+    feeds = {
+        name: rng.standard_normal(shape).astype(np.float32) for name, shape in zip("qkv", (q_shape, k_shape, v_shape))
+    }
+    return model, feeds
+
+
+def fused_kv_inputs(model, feeds) -> list[str]:
+    after, report = fuser.optimize(model, rules=[attention_standard], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
+    (node,) = nodes_of(after, "Attention")
+    return list(node.input[1:3])
+
+
+def test_heads_repeated_each_in_turn_are_read_before_the_repeat():
+    model, feeds = repeated_heads_model((2, 4, 5, 8), (2, 2, 5, 8), [2, 2, 2, 5, 8], [2, 4, 5, 8])
+    assert fused_kv_inputs(model, feeds) == ["k", "v"]
+
+
+def test_an_expand_that_broadcasts_another_axis_too_keeps_the_repeat():
+    """K's length 1 broadcast to 5 by the same Expand: K before the repeat is not K's heads."""
+    model, feeds = repeated_heads_model((2, 4, 5, 8), (2, 2, 1, 8), [2, 2, 2, 5, 8], [2, 4, 5, 8])
+    assert fused_kv_inputs(model, feeds) == ["k_repeated", "v_repeated"]
+
+
+def test_a_reshape_other_than_the_heads_merge_keeps_the_repeat():
+    """[2, 2, 2, 5, 8] reshaped to [5, 4, 2, 8]: four "heads", but batch and length mixed up."""
+    model, feeds = repeated_heads_model((5, 4, 5, 8), (2, 2, 5, 8), [2, 2, 2, 5, 8], [5, 4, 2, 8])
+    assert fused_kv_inputs(model, feeds) == ["k_repeated", "v_repeated"]
+
+
+@pytest.mark.parametrize("name", ["llama_dynamo", "llama_dynamo_past", "llama_legacy", "llama_legacy_past"])
 def test_real_grouped_query_exports_read_the_heads_before_the_repeat(name):
-    """The dynamo Llama exports (2 of 4 heads for K and V) upgraded to opset 23: each Attention
+    """The Llama exports (2 of 4 heads for K and V) upgraded to opset 23 (the legacy ones' repeat
+    spelled out with shape-where-fold's Where): each Attention
     reads the rotated K (or the KV cache's present.L.key) and V as they are, not repeated, and a
     decoding step after a cache gives the original's outputs."""
     model = onnx.load(str(TRANSFORMERS / f"{name}.onnx"))
     after, report = fuser.optimize(model, opset=23, inputs=export_feeds(model))
     assert report.counts[RULE] == 2 and report.verdict.passed
+    assert report.counts.get("shape-where-fold", 0) == (4 if "legacy" in name else 0)  # K and V, 2 layers
     producers = {o: n for n in after.graph.node for o in n.output}
     for node in nodes_of(after, "Attention"):
         for tensor in node.input[1:3]:

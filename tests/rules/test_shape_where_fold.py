@@ -31,7 +31,7 @@ def repeat(middle=(2, 3), sentinel=-1, fill_shape=(5,), first="dim") -> onnx.Mod
         "two": np.array([2], np.int64),
         "middle": np.array(middle, np.int64),
         "last": np.array([8], np.int64),
-        "sentinel": np.full(5, sentinel, np.int64) if sentinel is not None else np.array(-1, np.int64),
+        "sentinel": np.full(5, sentinel, np.int64) if sentinel != "scalar" else np.array(-1, np.int64),
         "fill": np.ones(fill_shape, np.int64),
         **index("b", 0),
         **index("l", 2),
@@ -58,8 +58,9 @@ def repeat(middle=(2, 3), sentinel=-1, fill_shape=(5,), first="dim") -> onnx.Mod
     return make_model(nodes, inputs, [("y", np.float32, [None] * 5)], inits, opset=18)
 
 
-def test_the_shape_is_used_as_it_is():
-    model = repeat()
+@pytest.mark.parametrize("sentinel", [-1, "scalar"])
+def test_the_shape_is_used_as_it_is(sentinel):
+    model = repeat(sentinel=sentinel)
     after, _ = assert_rewritten(model, [shape_where_fold], counts={RULE: 1}, feeds=FEEDS)
     (expand,) = [n for n in after.graph.node if n.op_type == "Expand"]
     assert expand.input[1] == "s"
@@ -81,3 +82,24 @@ def test_a_value_a_dim_can_take_keeps_the_where(sentinel):
 
 def test_a_fill_that_broadcasts_wider_keeps_the_where():
     assert_declined(repeat(fill_shape=(2, 5)), shape_where_fold, "the Where gives shape")
+
+
+def test_a_dim_of_a_scalar_is_declined_not_an_error():
+    """Gather(Shape(scalar), 0) names no dim (the model would fail there): a decline, not a crash."""
+    nodes = [
+        helper.make_node("Shape", ["s"], ["scalar_shape"]),
+        helper.make_node("Gather", ["scalar_shape", "zero"], ["dim"], axis=0),
+        helper.make_node("Unsqueeze", ["dim", "zero_axis"], ["dim_1d"]),
+        helper.make_node("Concat", ["dim_1d", "rest"], ["shape"], axis=0),
+        helper.make_node("Equal", ["shape", "minus_one"], ["is_minus_one"]),
+        helper.make_node("Where", ["is_minus_one", "ones", "shape"], ["y"]),
+    ]
+    inits = {
+        "zero": np.array(0, np.int64),
+        "zero_axis": np.array([0], np.int64),
+        "rest": np.array([3], np.int64),
+        "minus_one": np.array(-1, np.int64),
+        "ones": np.ones(2, np.int64),
+    }
+    model = make_model(nodes, [("s", np.float32, [])], [("y", np.int64, [2])], inits, opset=18, check=False)
+    assert_declined(model, shape_where_fold, "not every entry of the shape is known", check=False)
