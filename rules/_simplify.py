@@ -151,4 +151,3 @@ def concat_entries(m: Match, tensor: str) -> list | None:
             return None
         entries.extend(found)
     return entries
-
