@@ -49,9 +49,12 @@ LEVELS = {
 
 
 def session(model: onnx.ModelProto, level: str, threads: int):
+    """No spinning threads: the sessions are timed round-robin, and a session's spinning threads
+    would take the cores from the next one (see fuser/measure.py's session)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     options.graph_optimization_level = LEVELS[level]
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

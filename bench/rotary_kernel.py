@@ -21,7 +21,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-LEVELS = {"off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+from fuser.measure import session
+
+LEVELS = ("off", "all")
 SIZES = [(8, 128, 64), (4, 7, 16)]  # heads, sequence, head size
 
 
@@ -95,14 +97,9 @@ def main() -> None:
     for size in SIZES:
         inputs = feeds(*size)
         sessions = {}
-        for level_name, level in LEVELS.items():
+        for level_name in LEVELS:
             for name, model in models(*size).items():
-                options = ort.SessionOptions()
-                options.graph_optimization_level = level
-                options.intra_op_num_threads = args.threads
-                sessions[level_name, name] = ort.InferenceSession(
-                    model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-                )
+                sessions[level_name, name] = session(model, level_name, args.threads)
         difference = float(
             np.abs(
                 sessions["off", "written out"].run(None, inputs)[0] - sessions["off", "fused"].run(None, inputs)[0]
@@ -110,9 +107,9 @@ def main() -> None:
         )
         times = {key: [] for key in sessions}
         for _ in range(args.runs):
-            for key, session in sessions.items():
+            for key, timed in sessions.items():
                 started = time.perf_counter()
-                session.run(None, inputs)
+                timed.run(None, inputs)
                 times[key].append(time.perf_counter() - started)
         label = "x".join(map(str, size))
         for level_name in LEVELS:

@@ -21,7 +21,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-LEVELS = {"off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+from fuser.measure import session
+
+LEVELS = ("off", "all")
 SIZES = [(128, 512, "simplified"), (128, 768, "layer"), (197, 768, "layer"), (16, 64, "simplified")]
 
 
@@ -69,14 +71,8 @@ def main() -> None:
     for sequence, hidden, kind in SIZES:
         sessions = {}
         for name, model in models(sequence, hidden, kind).items():
-            for level, value in LEVELS.items():
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = args.threads
-                options.log_severity_level = 3
-                options.graph_optimization_level = value
-                sessions[f"{name}/{level}"] = ort.InferenceSession(
-                    model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-                )
+            for level in LEVELS:
+                sessions[f"{name}/{level}"] = session(model, level, args.threads)
         rng = np.random.default_rng(1)
         feeds = {n: rng.standard_normal((1, sequence, hidden)).astype(np.float32) for n in ("x", "residual")}
         samples = {key: [] for key in sessions}

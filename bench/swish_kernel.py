@@ -14,14 +14,15 @@ import statistics
 import time
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from fuser.measure import session as measured_session
+
 SHAPES = ([1, 64, 112, 112], [1, 256, 28, 28], [8, 128, 2048])
-LEVELS = {"off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+LEVELS = ("off", "all")
 
 
-def session(kind: str, shape: list[int], level, threads: int) -> ort.InferenceSession:
+def session(kind: str, shape: list[int], level: str, threads: int):
     if kind == "Swish":
         nodes = [helper.make_node("Swish", ["x"], ["y"], alpha=1.0)]
     elif kind == "QuickGelu":
@@ -36,10 +37,7 @@ def session(kind: str, shape: list[int], level, threads: int) -> ort.InferenceSe
     )
     opsets = [helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=11)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = level
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return measured_session(model, level, threads)
 
 
 def main() -> None:
@@ -51,8 +49,8 @@ def main() -> None:
     print(f"{'shape':>18} {'level':>5} " + " ".join(f"{k:>12}" for k in kinds) + f" {'Swish / Sigmoid+Mul':>20}")
     for shape in SHAPES:
         x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-        for name, level in LEVELS.items():
-            sessions = {kind: session(kind, shape, level, args.threads) for kind in kinds}
+        for name in LEVELS:
+            sessions = {kind: session(kind, shape, name, args.threads) for kind in kinds}
             times: dict[str, list[float]] = {kind: [] for kind in kinds}
             for _ in range(args.runs):
                 for kind, sess in sessions.items():

@@ -63,7 +63,12 @@ class Timing:
 
 def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_dir=None):
     """An onnxruntime CPU session at one of LEVELS with a fixed intra-op thread count; external
-    data is read from `base_dir`, the model's folder."""
+    data is read from `base_dir`, the model's folder.
+
+    Its threads do not spin waiting for work. Timed round by round against another session,
+    a session's spinning threads take the cores the other one runs on: two 2-thread sessions of
+    a Llama export, interleaved on 2 cores, ran in 38 ms each instead of 17.5 ms, and their
+    ratio moved by 30% from run to run (bench/transformers.py's tables had the same noise)."""
     import onnxruntime as ort
 
     from fuser.verify import open_session
@@ -80,6 +85,7 @@ def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_d
     options.graph_optimization_level = levels[level]
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     return open_session(model, options, base_dir)
 

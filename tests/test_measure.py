@@ -107,3 +107,14 @@ def test_measure_reads_external_data_from_the_models_folder_not_the_working_dire
     result = fuser_cli("optimize", folder / "m.onnx", "-o", elsewhere / "out.onnx", "--measure", "off", cwd=elsewhere)
     assert result.returncode == 0, result.stderr
     assert "matmul-add-gemm" in result.stderr and "--measure: latency" in result.stderr
+
+
+def test_timed_sessions_do_not_spin():
+    """Interleaved sessions whose idle threads spin take each other's cores."""
+    from fuser.measure import session
+
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2])], [("y", np.float32, [2])])
+    options = session(model, threads=2).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert options.intra_op_num_threads == 2
+
