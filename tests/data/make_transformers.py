@@ -292,17 +292,7 @@ def export_past(model, config, exporter: str, path: str, external: bool) -> None
                 **{name: {0: "batch", 2: "past_sequence"} for name in past_names},
                 **{name: {0: "batch", 2: "past_sequence + sequence"} for name in outputs[1:]},
             }
-            torch.onnx.export(
-                module,
-                args,
-                path,
-                input_names=names,
-                output_names=outputs,
-                dynamic_axes=axes,
-                opset_version=OPSET,
-                dynamo=False,
-                do_constant_folding=True,
-            )
+            legacy_export(module, args, path, names, outputs, axes, OPSET)
         else:
             batch = torch.export.Dim("batch", min=1, max=64)
             sequence = torch.export.Dim("sequence", min=1, max=256)
@@ -330,17 +320,7 @@ def export(kind: str, model, config, exporter: str, path: str, external: bool, d
         dynamic_axes["last_hidden_state"] = {0: "batch"} if kind == "vit" else {0: "batch", 1: "sequence"}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module,
-                args,
-                path,
-                input_names=names,
-                output_names=["last_hidden_state"],
-                dynamic_axes=dynamic_axes,
-                opset_version=opset,
-                dynamo=False,
-                do_constant_folding=True,
-            )
+            legacy_export(module, args, path, names, ["last_hidden_state"], dynamic_axes, opset)
     else:
         batch = torch.export.Dim("batch", min=1, max=1024)
         sequence = torch.export.Dim("sequence", min=2, max=1024 if kind != "gpt2" else config.n_positions)
@@ -350,6 +330,23 @@ def export(kind: str, model, config, exporter: str, path: str, external: bool, d
             warnings.simplefilter("ignore")
             dynamo_export(module, args, path, names, ["last_hidden_state"], dynamic_shapes, opset)
     normalize(path, external)
+
+
+def legacy_export(module, args, path: str, names: list, outputs: list, dynamic_axes: dict, opset: int) -> None:
+    """torch.onnx.export with the TorchScript-based exporter (dynamo=False), constants folded."""
+    import torch
+
+    torch.onnx.export(
+        module,
+        args,
+        path,
+        input_names=names,
+        output_names=outputs,
+        dynamic_axes=dynamic_axes,
+        opset_version=opset,
+        dynamo=False,
+        do_constant_folding=True,
+    )
 
 
 def dynamo_export(module, args, path: str, names: list, outputs: list, dynamic_shapes, opset: int) -> None:
