@@ -66,9 +66,9 @@ def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_d
     data is read from `base_dir`, the model's folder.
 
     Its threads do not spin waiting for work. Timed round by round against another session,
-    a session's spinning threads take the cores the other one runs on: two 2-thread sessions of
-    a Llama export, interleaved on 2 cores, ran in 38 ms each instead of 17.5 ms, and their
-    ratio moved by 30% from run to run (bench/transformers.py's tables had the same noise)."""
+    a session's spinning threads take the cores the other one runs on: three 2-thread sessions
+    of a Llama export, interleaved on 2 cores, ran in 38 ms each instead of 17.5 ms, and their
+    ratios moved by up to 20% from run to run (bench/transformers.py's tables had the same noise)."""
     import onnxruntime as ort
 
     from fuser.verify import open_session
