@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+from fuser.rules._simplify import unsqueeze_axes
 
 from fuser import Builder, Decline, Match, op, var
 from fuser.graph import NodeInfo
-from fuser.rules._simplify import unsqueeze_axes
 
 FUSABLE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -363,21 +363,18 @@ def _unrepeated(walk: _Walk, heads: str, num_heads: int) -> tuple[str, int] | No
     Reshape to [B, N, L, H]): (the [B, Nkv, L, H] tensor, Nkv). None unless the shapes prove it:
     an Expand of unknown dims could broadcast the batch where the heads should repeat."""
     m = walk.m
-    standard = ("", "ai.onnx")
-    reshape = m.graph.producer(heads)
-    if reshape is None or m.graph.node(reshape).op_type != "Reshape" or m.graph.node(reshape).domain not in standard:
+
+    def producer(tensor: str, op_type: str) -> NodeInfo | None:
+        node_id = m.graph.producer(tensor)
+        node = m.graph.node(node_id) if node_id is not None else None
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    reshape = producer(heads, "Reshape")
+    expand = producer(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None:
         return None
-    expand_output = m.graph.node(reshape).inputs[0]
-    expand = m.graph.producer(expand_output)
-    if expand is None or m.graph.node(expand).op_type != "Expand" or m.graph.node(expand).domain not in standard:
-        return None
-    unsqueeze_output = m.graph.node(expand).inputs[0]
-    unsqueeze = m.graph.producer(unsqueeze_output)
-    if unsqueeze is None or m.graph.node(unsqueeze).op_type != "Unsqueeze":
-        return None
-    unsqueeze = m.graph.node(unsqueeze)
-    if unsqueeze.domain not in standard:
-        return None
+    expand_output = reshape.inputs[0]
     axes = unsqueeze_axes(m, unsqueeze)
     source = unsqueeze.inputs[0]
     before, expanded, after = walk.shape(source), walk.shape(expand_output), walk.shape(heads)
