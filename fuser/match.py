@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -492,9 +493,10 @@ def inferred_types(model: onnx.ModelProto) -> InferredTypes:
             if entry is _UNREAD:
                 entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
             if entry is not None:
-                table[value.name] = entry
+                # The graph holds its tensor names interned: the table shares those strings.
+                table[sys.intern(value.name)] = entry
         for tensor in graph.initializer:
-            table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+            table.setdefault(sys.intern(tensor.name), (tensor.data_type, tuple(tensor.dims)))
     untyped: set[str] = set()
     for graph in graphs:
         for node in graph.node:

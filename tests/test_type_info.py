@@ -334,7 +334,7 @@ def test_the_rewrite_takes_its_first_types_from_the_model():
     skeleton = onnx.shape_inference.infer_shapes(Model(source).to_proto(weights=False), data_prop=True)
     given = next(value for value in skeleton.graph.input if value.name == "x")
     given.type.CopyFrom(helper.make_tensor_type_proto(TensorProto.FLOAT, [1, 1, 784]))
-    model = Model(source, inferred=skeleton.SerializeToString())
+    model = Model(source, inferred=inferred_types(skeleton))
     report = fuser.optimize(model, check=False, rules=[matmul_add_gemm])[1]
     assert report.counts == {"matmul-add-gemm": 1}
 
