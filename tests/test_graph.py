@@ -322,6 +322,31 @@ def test_replace_nodes_reconnects_consumers_and_drops_unused_constants():
     assert [t.name for t in out.graph.initializer] == []
 
 
+def test_added_nodes_are_the_graphs_own_copies_and_stay_valid_as_more_follow():
+    """The graph keeps each node a rewrite adds as a copy in one message of its own: later
+    changes to the rule's proto do not reach it, and the copies stay intact as the message grows."""
+    length = 600
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"relu{i}") for i in range(length)]
+    proto = make_model(nodes, [("t0", F32, [2])], [(f"t{length}", F32, [2])])
+    model = Model(proto)
+    g = model.graph
+    ids = _ids_by_name(g)
+    given = []
+    for i in range(length):
+        sigmoid = helper.make_node("Sigmoid", [f"t{i}"], [f"t{i + 1}"], name=f"sigmoid{i}")
+        given.append(sigmoid)
+        g.replace_nodes([ids[f"relu{i}"]], [sigmoid], [], g.sort_key(ids[f"relu{i}"]), "test")
+    for sigmoid in given:
+        sigmoid.op_type, sigmoid.input[0] = "Neg", "elsewhere"
+    g.redirect("t1", "t0")  # the node reading t1 now reads t0: changed in the graph's copy only
+    assert given[1].input[0] == "elsewhere"
+    out = model.to_proto()
+    assert [n.op_type for n in out.graph.node] == ["Sigmoid"] * length
+    assert [n.input[0] for n in out.graph.node][:3] == ["t0", "t0", "t2"]
+    assert [n.name for n in out.graph.node] == [f"sigmoid{i}" for i in range(length)]
+    assert all(n.output[0] == f"t{i + 1}" for i, n in enumerate(out.graph.node))
+
+
 def test_topological_order_repairs_nodes_listed_out_of_order():
     nodes = [
         helper.make_node("Neg", ["t"], ["y"], name="second"),
