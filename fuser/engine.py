@@ -182,7 +182,7 @@ class Engine:
         # the root), and per scope the depth of the deepest that can match there (_reach).
         self._phase_patterns: list[tuple[int, tuple, tuple]] = []
         self._reaches: dict[int, tuple[int, int]] = {}  # id(graph) -> (its op_types_version, reach)
-        self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types)
+        self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types())
         self._max_rewrites = max_rewrites
         self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
         # During a pass over a whole scope: the nodes each rule with `candidates` is tried at, and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -509,11 +509,11 @@ def inferred_types(model: onnx.ModelProto) -> InferredTypes:
 class TypeInfo:
     """Element types and shapes of tensors, from the model's annotations and shape inference."""
 
-    def __init__(self, model_proto_factory, seed: Callable[[], InferredTypes | None] | None = None):
-        """model_proto_factory: the model's skeleton, for inference. seed: the types of an
-        inference already made, used for the first table when it gives them (Model.take_inferred_types)."""
+    def __init__(self, model_proto_factory, seed: InferredTypes | None = None):
+        """model_proto_factory: the model's skeleton, for inference. seed: the types an inference
+        of the model as it is now found (Model.take_inferred_types), the first table: held from
+        the start, it also answers for the tensors a first rewrite leaves as they were."""
         self._factory = model_proto_factory
-        self._seed = seed
         self._table: dict[str, Entry] | None = None
         self._previous: dict[str, Entry] = {}
         self._stale = False
@@ -525,6 +525,8 @@ class TypeInfo:
         self._input_symbols: set[str] = set()
         # Tensors the last inference saw produced and could not type.
         self._untyped: set[str] = set()
+        if seed is not None:
+            self._install(seed)
 
     def invalidate(self, produced=()) -> None:
         """The graph changed: tensors created since the last inference are looked up anew, and so
@@ -532,9 +534,6 @@ class TypeInfo:
         the names of what it replaces, which inference may now be able to type)."""
         self._stale = True
         self._untyped.difference_update(produced)
-        if self._seed is not None:
-            self._seed()  # a changed model's seed no longer applies: asking drops it
-            self._seed = None
 
     def refresh(self) -> None:
         """Infer every shape again at the next query: rewrites (folded Reshape targets, say)
@@ -575,23 +574,24 @@ class TypeInfo:
 
     def _load(self) -> dict[str, Entry]:
         if self._table is None:
-            found = self._seed() if self._seed is not None else None
-            self._seed = None
-            if found is None:
-                # Serialized at once, so that the skeleton is freed before inference makes its copy.
-                skeleton = self._factory().SerializeToString()
-                try:
-                    model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
-                except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
-                    model = onnx.load_from_string(skeleton)
-                del skeleton
-                found = inferred_types(model)
-                del model
-            self._input_symbols, self._untyped = found.input_symbols, found.untyped
-            self._runs += 1
-            self._table = {**found.table, **_carried(self._previous, found.table, self._runs - 1)}
-            self._previous = {}
+            # Serialized at once, so that the skeleton is freed before inference makes its copy.
+            skeleton = self._factory().SerializeToString()
+            try:
+                model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+            except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
+                model = onnx.load_from_string(skeleton)
+            del skeleton
+            found = inferred_types(model)
+            del model
+            self._install(found)
         return self._table
+
+    def _install(self, found: InferredTypes) -> None:
+        """Make an inference's types the table, completed with what earlier runs knew."""
+        self._input_symbols, self._untyped = found.input_symbols, found.untyped
+        self._runs += 1
+        self._table = {**found.table, **_carried(self._previous, found.table, self._runs - 1)}
+        self._previous = {}
 
     def dtype(self, tensor: str | None) -> np.dtype | None:
         entry = self._entry(tensor)

@@ -260,14 +260,35 @@ def test_the_inferred_types_are_given_once_and_not_for_a_changed_model():
     assert changed.take_inferred_types() is None
 
 
-def test_a_rewrite_before_any_shape_question_drops_the_models_inference():
-    """conv-bn-fold asks no shapes: its first rewrite changes the model, whose kept inference
-    can no longer serve, and is not held for the rest of the run."""
+def test_the_engine_takes_the_models_inference_at_its_start():
+    """conv-bn-fold asks no shapes: the model hands its types over before the first rewrite
+    changes it, and holds them no longer."""
     model = Model.load(SAMPLES / "resnet_small.onnx")
     assert model._inferred is not None
     report = fuser.optimize(model, check=False, rules=[conv_bn_fold])[1]
     assert report.counts["conv-bn-fold"] > 0
     assert model._inferred is None
+
+
+def test_the_models_inference_answers_for_the_tensors_a_change_left_as_they_were():
+    """Asked after the graph changed, a tensor the load's inference typed is answered from it;
+    only one it does not know makes TypeInfo infer the whole graph again."""
+    model = Model.load(SAMPLES / "resnet_small.onnx")
+    seed = model.take_inferred_types()
+    inferences = []
+
+    def skeleton():
+        inferences.append(1)
+        return model.to_proto(weights=False)
+
+    types = TypeInfo(skeleton, seed=seed)
+    types.invalidate(produced=[])
+    produced = {output for info in model.graph.nodes() for output in info.outputs}
+    tensor, entry = next((name, e) for name, e in seed.table.items() if name in produced)
+    assert types.shape(tensor) == entry[1]
+    assert inferences == []
+    assert types.shape("made-since") is None
+    assert inferences == [1]
 
 
 def body_tensors_annotated_in_the_main_graph() -> onnx.ModelProto:
