@@ -62,7 +62,7 @@ class Model:
         `base_dir`); Model.load gives the one that knows the weights read in place from the
         file, and a model derived from another (opset, fix-shapes) shares its store.
         inferred: the types shape inference found in `proto` (Model.load's check infers them),
-        for the first rewrite's first question (take_inferred_types)."""
+        the engine's first table of types (take_inferred_types)."""
         self.path = path
         self._inferred = inferred
         self.base_dir = base_dir
