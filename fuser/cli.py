@@ -684,6 +684,7 @@ def compare(
                     f"{o.name:<24} {o.status:<10} max abs {o.max_abs_error:.3g}  max rel {o.max_rel_error:.3g}"
                     f"  out of tolerance {o.fraction_out_of_tolerance:.2%}"
                 )
+            _say("\n".join(o.rounding_text() for o in verdict.rounded), quiet=not verdict.rounded)
         return code
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("compare", error, ctx.debug, report_path, fmt)

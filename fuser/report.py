@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from fuser.measure import Timing
     from fuser.verify import Verdict
 
-SCHEMA_VERSION = 4  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage
+SCHEMA_VERSION = 5  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
+# 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors)
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -44,7 +45,7 @@ _OUTPUT_CHECK = {
         "name": {"type": "string"},
         "dtype": {"type": "string"},
         "shape": {"type": "array", "items": {"type": "integer"}},
-        "status": {"enum": ["ok", "mismatch", "stabilized"]},
+        "status": {"enum": ["ok", "mismatch", "stabilized", "rounding"]},
         "max_abs_error": {"type": "number"},
         "max_rel_error": {"type": "number"},
         "fraction_out_of_tolerance": {"type": "number"},
@@ -53,6 +54,9 @@ _OUTPUT_CHECK = {
         "atol": {"type": "number"},
         "stabilized_elements": {"type": "integer"},
         "nonfinite_mismatches": {"type": "integer"},
+        "reference_error": {"type": ["number", "null"]},
+        "original_reference_error": {"type": ["number", "null"]},
+        "twins_error": {"type": ["number", "null"]},
     },
 }
 
@@ -286,6 +290,7 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
         worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
         on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
         lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        lines += [f"  {o.rounding_text()}" for o in result.verdict.rounded]
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")

@@ -1,0 +1,126 @@
+"""A 16-bit float model's float32 twin: the same graph computing in float32.
+
+The check compares a float16 (or bfloat16) output with the tolerance of its dtype, but a
+rewrite that only changes the order of the arithmetic (a fused attention scaling the query
+before the product rather than the scores after it) moves such outputs by a few units in their
+last place, and through a deep model by more than any fixed tolerance allows. The twin tells
+that rounding apart from an error: run in float32, the original's twin is the closer answer
+both 16-bit models are measured against, and the optimized model's twin must agree with it at
+float32's tolerance (fuser/verify.py weighs the two).
+
+The twin widens every float16 and bfloat16 tensor the model states: initializers, Constant
+and ConstantOfShape values, the types of inputs, outputs and value_info, and the element type
+attributes (`Cast.to`, `dtype`, `output_dtype`) that name them. Operators are unchanged; every
+one that takes a 16-bit float also takes float32.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, numpy_helper
+
+from fuser.graph import all_graph_protos
+from fuser.tensors import TensorStore, uses_external_data
+
+SIXTEEN_BIT_FLOATS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+SIXTEEN_BIT_FLOAT_NAMES = ("float16", "bfloat16")
+# Integer attributes that name an element type, as the standard operators spell them.
+_TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")
+
+
+def has_sixteen_bit_float_output(model: ModelProto) -> bool:
+    return any(_names_sixteen_bit(value.type) for value in model.graph.output)
+
+
+def float32_twin(model: ModelProto, base_dir: str | os.PathLike | None = None) -> ModelProto:
+    """A copy of `model` computing in float32 wherever it computes in a 16-bit float; its
+    16-bit initializers stored in external data are read from `base_dir` into the copy."""
+    twin = ModelProto()
+    twin.CopyFrom(model)
+    store = TensorStore(None if base_dir is None else Path(base_dir))
+    for graph in all_graph_protos(twin.graph):
+        _widen_graph(graph, store)
+    for function in twin.functions:
+        for node in function.node:
+            _widen_node(node, store)
+        for value in function.value_info:
+            _widen_type(value.type)
+    return twin
+
+
+def is_sixteen_bit_float(array: np.ndarray) -> bool:
+    return array.dtype == np.float16 or str(array.dtype) == "bfloat16"
+
+
+def widen_array(array: np.ndarray) -> np.ndarray:
+    """A 16-bit float array as float32; any other array as it is."""
+    return array.astype(np.float32) if is_sixteen_bit_float(array) else array
+
+
+def _widen_graph(graph: GraphProto, store: TensorStore) -> None:
+    for tensor in graph.initializer:
+        _widen_tensor(tensor, store)
+    for sparse in graph.sparse_initializer:
+        _widen_tensor(sparse.values, store)
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        _widen_type(value.type)
+    for node in graph.node:
+        _widen_node(node, store)  # its subgraphs are graphs all_graph_protos gives in turn
+
+
+def _widen_node(node: NodeProto, store: TensorStore) -> None:
+    for attribute in node.attribute:
+        if attribute.type == AttributeProto.TENSOR:
+            _widen_tensor(attribute.t, store)
+        elif attribute.type == AttributeProto.TENSORS:
+            for tensor in attribute.tensors:
+                _widen_tensor(tensor, store)
+        elif attribute.type == AttributeProto.INT and attribute.name in _TYPE_ATTRIBUTES:
+            if attribute.i in SIXTEEN_BIT_FLOATS:
+                attribute.i = TensorProto.FLOAT
+        elif attribute.type == AttributeProto.TYPE_PROTO:
+            _widen_type(attribute.tp)
+
+
+def _widen_tensor(tensor: TensorProto, store: TensorStore) -> None:
+    if tensor.data_type not in SIXTEEN_BIT_FLOATS:
+        return
+    if uses_external_data(tensor):
+        inline = TensorProto()
+        inline.CopyFrom(tensor)
+        del inline.external_data[:]
+        inline.data_location = TensorProto.DEFAULT
+        inline.raw_data = store.raw_bytes(tensor)
+        source = inline
+    else:
+        source = tensor
+    value = numpy_helper.to_array(source).astype(np.float32)
+    tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+
+
+def _widen_type(type_proto: TypeProto) -> None:
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        inner = getattr(type_proto, kind)
+        if inner.elem_type in SIXTEEN_BIT_FLOATS:
+            inner.elem_type = TensorProto.FLOAT
+    elif kind == "sequence_type":
+        _widen_type(type_proto.sequence_type.elem_type)
+    elif kind == "optional_type":
+        _widen_type(type_proto.optional_type.elem_type)
+    elif kind == "map_type":
+        _widen_type(type_proto.map_type.value_type)
+
+
+def _names_sixteen_bit(type_proto: TypeProto) -> bool:
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        return getattr(type_proto, kind).elem_type in SIXTEEN_BIT_FLOATS
+    if kind == "sequence_type":
+        return _names_sixteen_bit(type_proto.sequence_type.elem_type)
+    if kind == "optional_type":
+        return _names_sixteen_bit(type_proto.optional_type.elem_type)
+    return False

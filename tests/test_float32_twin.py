@@ -1,0 +1,243 @@
+"""16-bit float outputs weighed against float32 twins (fuser/float32_twin.py, Checker).
+
+A float16 model's outputs move when a rewrite changes the order of its arithmetic; the check
+tells that rounding from an error by running both models' float32 twins. Everything runs in
+real onnxruntime.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser.float32_twin import float32_twin
+from fuser.report import REPORT_SCHEMA
+from fuser.verify import ROUNDING_FACTOR, Checker, CheckOptions, session
+from tests.helpers import in_process_cli
+
+F16, F32 = TensorProto.FLOAT16, TensorProto.FLOAT
+BFLOAT16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+BIG = 100.0  # float16's unit in the last place at 100 is 1/16: x + 100 - 100 keeps little of x
+WIDTH = 64
+
+
+def _model(nodes, initializers=(), elem=F16, width=WIDTH, output_elem=None) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", elem, [1, width])],
+        [helper.make_tensor_value_info("y", output_elem or elem, [1, width])],
+        list(initializers),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _constant(name: str, value: float, dtype=np.float16, width: int = 1) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.full([width], value, dtype), name)
+
+
+def cancelling(big: float = BIG, width: int = WIDTH) -> onnx.ModelProto:
+    """y = (x + big) - big, the sum rounded to float16 by a Cast, as mixed-precision exports
+    round between float32 stretches; then scaled by float16 ones."""
+    return _model(
+        [
+            helper.make_node("Cast", ["x"], ["x32"], to=F32),
+            helper.make_node("Add", ["x32", "big"], ["s32"]),
+            helper.make_node("Cast", ["s32"], ["s"], to=F16),
+            helper.make_node("Cast", ["s"], ["t32"], to=F32),
+            helper.make_node("Sub", ["t32", "big"], ["d32"]),
+            helper.make_node("Cast", ["d32"], ["d"], to=F16),
+            helper.make_node("Mul", ["d", "ones"], ["y"]),
+        ],
+        [_constant("big", big, np.float32), _constant("ones", 1.0, width=width)],
+        width=width,
+    )
+
+
+def accurate(width: int = WIDTH) -> onnx.ModelProto:
+    """The same sum kept in float32: accurate to float16's last place of y."""
+    return _model(
+        [
+            helper.make_node("Cast", ["x"], ["x32"], to=F32),
+            helper.make_node("Add", ["x32", "big"], ["s32"]),
+            helper.make_node("Sub", ["s32", "big"], ["d32"]),
+            helper.make_node("Cast", ["d32"], ["d"], to=F16),
+            helper.make_node("Mul", ["d", "ones"], ["y"]),
+        ],
+        [_constant("big", BIG, np.float32), _constant("ones", 1.0, width=width)],
+        width=width,
+    )
+
+
+def scaled(factor: float) -> onnx.ModelProto:
+    return _model([helper.make_node("Mul", ["x", "factor"], ["y"])], [_constant("factor", factor)])
+
+
+def checker(original, **options) -> Checker:
+    # Inputs in [-1, 1): near 0, where float16's relative precision is finest, the cancellation
+    # loses most.
+    names = {"ranges": {"x": (-1.0, 1.0)}, **options}
+    return Checker(original, CheckOptions(**names))
+
+
+# --------------------------------------------------------------------------- the twin
+
+
+def _sixteen_bit_mentions(model: onnx.ModelProto) -> list[str]:
+    text = str(model)
+    return [word for word in ("elem_type: 10", "data_type: 10", "elem_type: 16", "data_type: 16") if word in text]
+
+
+def test_the_twin_widens_every_sixteen_bit_tensor_the_model_states():
+    then = helper.make_graph(
+        [helper.make_node("Constant", [], ["t"], value=_constant("tv", 2.0))],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", F16, [1])],
+    )
+    otherwise = helper.make_graph(
+        [helper.make_node("Constant", [], ["e"], value=_constant("ev", 3.0))],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", F16, [1])],
+    )
+    model = _model(
+        [
+            helper.make_node("Constant", [], ["one"], value=_constant("ov", 1.0)),
+            helper.make_node("ConstantOfShape", ["shape"], ["half"], value=_constant("hv", 0.5)),
+            helper.make_node("Cast", ["flag"], ["flag16"], to=F16),
+            helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=otherwise),
+            helper.make_node("Add", ["x", "one"], ["a"]),
+            helper.make_node("Mul", ["a", "half"], ["b"]),
+            helper.make_node("Mul", ["b", "flag16"], ["c"]),
+            helper.make_node("Mul", ["c", "branch"], ["d"]),
+            helper.make_node("Mul", ["d", "w"], ["y"]),
+        ],
+        [
+            numpy_helper.from_array(np.array([1, WIDTH], np.int64), "shape"),
+            numpy_helper.from_array(np.array([1.0], np.float32), "flag"),
+            numpy_helper.from_array(np.array(True), "cond"),
+            numpy_helper.from_array(np.linspace(0.5, 1.5, WIDTH).astype(np.float16), "w"),
+        ],
+    )
+    assert _sixteen_bit_mentions(model)
+    twin = float32_twin(model)
+    assert _sixteen_bit_mentions(twin) == []
+    assert _sixteen_bit_mentions(model), "the model itself is left as it was"
+    onnx.checker.check_model(twin, full_check=True)
+    x = np.linspace(-1, 1, WIDTH, dtype=np.float32).reshape(1, WIDTH)
+    (narrow,) = session(model).run(None, {"x": x.astype(np.float16)})
+    (wide,) = session(twin).run(None, {"x": x})
+    assert wide.dtype == np.float32
+    weights = np.linspace(0.5, 1.5, WIDTH).astype(np.float16).astype(np.float64)  # as stored
+    expected = (x + 1) * 0.5 * 2.0 * weights
+    np.testing.assert_allclose(wide, expected, rtol=1e-6)
+    np.testing.assert_allclose(narrow, expected, rtol=2e-3)
+
+
+def test_the_twin_widens_bfloat16_and_the_dtype_attributes():
+    model = _model(
+        [
+            helper.make_node("EyeLike", ["x"], ["eye"], dtype=TensorProto.FLOAT16),
+            helper.make_node("Cast", ["eye"], ["brain"], to=TensorProto.BFLOAT16),
+            helper.make_node("Add", ["brain", "w"], ["y"]),
+        ],
+        [numpy_helper.from_array(np.full([WIDTH], 0.5, np.float32).astype(BFLOAT16), "w")],
+        elem=F32,
+        output_elem=TensorProto.BFLOAT16,
+    )
+    twin = float32_twin(model)
+    assert _sixteen_bit_mentions(twin) == []
+    onnx.checker.check_model(twin, full_check=True)
+    (wide,) = session(twin).run(None, {"x": np.zeros([1, WIDTH], np.float32)})
+    np.testing.assert_array_equal(wide, np.eye(1, WIDTH, dtype=np.float32) + 0.5)
+
+
+# --------------------------------------------------------------------------- the check
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [pytest.param(accurate(), id="more-accurate"), pytest.param(cancelling(BIG + 1 / 32), id="rounded-elsewhere")],
+)
+def test_float16_rounding_beyond_the_tolerance_passes_as_rounding(candidate):
+    verdict = checker(cancelling()).check(candidate, exact=False)
+    (output,) = verdict.outputs
+    # The direct comparison alone fails: x + 100 rounds x to a sixteenth.
+    assert output.max_abs_error > 0.01 and output.fraction_out_of_tolerance > 0
+    assert verdict.passed and output.status == "rounding" and verdict.rounded == [output]
+    assert output.reference_error <= ROUNDING_FACTOR * output.original_reference_error
+    assert output.twins_error < 1e-4
+    assert "float16 rounding: 'y' differs by up to" in output.rounding_text()
+
+
+def test_a_wrong_float16_rewrite_stays_a_mismatch():
+    verdict = checker(scaled(1.0)).check(scaled(1.05), exact=False)
+    (output,) = verdict.outputs
+    assert not verdict.passed and output.status == "mismatch"
+    assert output.twins_error > 0.01  # in float32 the two compute different things
+
+
+def test_a_rewrite_that_drops_an_upcast_stays_a_mismatch():
+    """In float32 the twins agree (the Casts to float16 become no-ops), but rounding the sum to
+    float16 loses far more than ROUNDING_FACTOR times what the original's final rounding does."""
+    verdict = checker(accurate()).check(cancelling(), exact=False)
+    (output,) = verdict.outputs
+    assert not verdict.passed and output.status == "mismatch"
+    assert output.twins_error < 1e-4
+    assert output.reference_error > ROUNDING_FACTOR * output.original_reference_error
+
+
+def test_tolerances_the_user_gives_are_not_weighed():
+    verdict = checker(cancelling(), rtol=1e-2, atol=1e-3).check(accurate(), exact=False)
+    (output,) = verdict.outputs
+    assert not verdict.passed and output.status == "mismatch" and output.reference_error is None
+
+
+def test_float32_outputs_are_not_weighed():
+    def times(factor):
+        return _model(
+            [helper.make_node("Mul", ["x", "factor"], ["y"])], [_constant("factor", factor, np.float32)], elem=F32
+        )
+
+    verdict = checker(times(1.0)).check(times(1.01), exact=False)
+    assert not verdict.passed and verdict.outputs[0].reference_error is None
+
+
+def test_weights_fed_to_the_session_are_widened_too(tmp_path):
+    """float16 weights of 80 KB in external data: fed to the check's sessions as inputs, and to
+    the twins widened."""
+    width = 40_000
+    path = tmp_path / "m.onnx"
+    onnx.save(cancelling(width=width), path, save_as_external_data=True, location="m.data", size_threshold=0)
+    original = onnx.load(path, load_external_data=False)
+    check = Checker(original, CheckOptions(ranges={"x": (-1.0, 1.0)}), base_dir=tmp_path)
+    assert check._twin_source[1], "the weights are fed"
+    verdict = check.check(accurate(width), exact=False)
+    (output,) = verdict.outputs
+    assert verdict.passed and output.status == "rounding"
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+def test_fuser_compare_says_why_a_float16_output_passed(cli, tmp_path):
+    onnx.save(cancelling(), tmp_path / "a.onnx")
+    onnx.save(accurate(), tmp_path / "b.onnx")
+    result = cli(tmp_path, "compare", "a.onnx", "b.onnx", "--input-range", "x:-1,1", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    assert "float16 rounding: 'y' differs by up to" in result.stderr + result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    (output,) = report["numerics"]["outputs"]
+    assert output["status"] == "rounding" and output["twins_error"] < 1e-4
