@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, numpy_helper
 
-from fuser.graph import all_graph_protos
 from fuser.tensors import TensorStore, uses_external_data
 
 SIXTEEN_BIT_FLOATS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SIXTEEN_BIT_FLOAT_NAMES = ("float16", "bfloat16")
-# Integer attributes that name an element type, as the standard operators spell them.
-_TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")
+# Integer attributes that name an element type, as the standard operators spell them (the
+# type a result is cast to or made in, and the one a norm or attention computes in).
+_TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype", "stash_type", "softmax_precision")
 
 
 def has_sixteen_bit_float_output(model: ModelProto) -> bool:
@@ -41,8 +41,7 @@ def float32_twin(model: ModelProto, base_dir: str | os.PathLike | None = None) -
     twin = ModelProto()
     twin.CopyFrom(model)
     store = TensorStore(None if base_dir is None else Path(base_dir))
-    for graph in all_graph_protos(twin.graph):
-        _widen_graph(graph, store)
+    _widen_graph(twin.graph, store)
     for function in twin.functions:
         for node in function.node:
             _widen_node(node, store)
@@ -68,7 +67,7 @@ def _widen_graph(graph: GraphProto, store: TensorStore) -> None:
     for value in (*graph.input, *graph.output, *graph.value_info):
         _widen_type(value.type)
     for node in graph.node:
-        _widen_node(node, store)  # its subgraphs are graphs all_graph_protos gives in turn
+        _widen_node(node, store)
 
 
 def _widen_node(node: NodeProto, store: TensorStore) -> None:
@@ -78,11 +77,24 @@ def _widen_node(node: NodeProto, store: TensorStore) -> None:
         elif attribute.type == AttributeProto.TENSORS:
             for tensor in attribute.tensors:
                 _widen_tensor(tensor, store)
+        elif attribute.type == AttributeProto.SPARSE_TENSOR:
+            _widen_tensor(attribute.sparse_tensor.values, store)
+        elif attribute.type == AttributeProto.SPARSE_TENSORS:
+            for sparse in attribute.sparse_tensors:
+                _widen_tensor(sparse.values, store)
         elif attribute.type == AttributeProto.INT and attribute.name in _TYPE_ATTRIBUTES:
             if attribute.i in SIXTEEN_BIT_FLOATS:
                 attribute.i = TensorProto.FLOAT
         elif attribute.type == AttributeProto.TYPE_PROTO:
             _widen_type(attribute.tp)
+        elif attribute.type == AttributeProto.TYPE_PROTOS:
+            for type_proto in attribute.type_protos:
+                _widen_type(type_proto)
+        elif attribute.type == AttributeProto.GRAPH:
+            _widen_graph(attribute.g, store)
+        elif attribute.type == AttributeProto.GRAPHS:
+            for graph in attribute.graphs:
+                _widen_graph(graph, store)
 
 
 def _widen_tensor(tensor: TensorProto, store: TensorStore) -> None:

@@ -22,6 +22,7 @@ import onnx
 from fuser.errors import InputError, UsageError
 from fuser.float32_twin import (
     SIXTEEN_BIT_FLOAT_NAMES,
+    SIXTEEN_BIT_FLOATS,
     float32_twin,
     has_sixteen_bit_float_output,
     is_sixteen_bit_float,
@@ -889,6 +890,7 @@ class Checker:
         # copied now, as the caller may change `original` once the session has its copy.
         self._twin_source = _twin_source(original, base_dir, self.weights)
         self._reference = None  # the original's float32 twin, once a check needed it
+        self._widened: dict[int, np.ndarray] = {}  # its weights, by id of the fed array
         self.session = session(original, base_dir, self.weights, on_serialized)
         if inputs is not None:
             self.feeds = [self._named(inputs)]
@@ -1005,7 +1007,7 @@ class Checker:
         verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir, progress or silent)
         verdict.input_shapes = dict(self.input_shapes)
         verdict.padded_masks = list(self.padded_masks)
-        verdict.warnings = list(self.warnings)
+        verdict.warnings = [*self.warnings, *verdict.warnings]
         return verdict
 
     def _check(
@@ -1062,7 +1064,9 @@ class Checker:
             return
         from fuser.jobs import available_memory
 
-        needed = sum(2 * array.nbytes for array in self._twin_source[1].values() if is_sixteen_bit_float(array))
+        skeleton, feeds = self._twin_source
+        needed = sum(2 * array.nbytes for array in feeds.values() if is_sixteen_bit_float(array))
+        needed += sum(2 * nbytes(t) for t in skeleton.graph.initializer if t.data_type in SIXTEEN_BIT_FLOATS)
         available = available_memory()
         if available is not None and needed > available // 2:
             verdict.warnings.append(
@@ -1071,25 +1075,24 @@ class Checker:
                 "memory available, so it was not tried"
             )
             return
-        candidate_source = _twin_source(candidate, base_dir, self.weights)
-        if candidate_source is None:
-            return
-        widened: dict[int, np.ndarray] = {}  # a weight both models share is widened once
+        # A twin that cannot be built, loaded or run (beyond protobuf's 2 GB, say) decides
+        # nothing: the mismatch stands.
         try:
-            if self._reference is None:
-                self._reference = _twin_session(*self._twin_source, base_dir=self.base_dir, widened=widened)
-            twin = _twin_session(*candidate_source, base_dir=base_dir, widened=widened)
-        except InputError:
-            return  # a twin onnxruntime cannot load decides nothing: the mismatch stands
-        weighed = {o.name: _Weighing() for o in suspects}
-        for feeds, expected, actual in zip(self.feeds, self.expected, actuals):
-            wide = {name: widen_array(value) for name, value in feeds.items()}
-            try:
-                reference, twins = run(self._reference, wide), run(twin, wide)
-            except Exception:  # noqa: BLE001 - a twin that cannot run decides nothing either
+            candidate_source = _twin_source(candidate, base_dir, self.weights)
+            if candidate_source is None:
                 return
-            for name, weighing in weighed.items():
-                weighing.add(expected[name], actual[name], reference[name], twins[name])
+            if self._reference is None:
+                self._reference = _twin_session(*self._twin_source, base_dir=self.base_dir, widened=self._widened)
+            # The weights both models share are widened once; the candidate's own, for this check only.
+            twin = _twin_session(*candidate_source, base_dir=base_dir, widened=dict(self._widened))
+            weighed = {o.name: _Weighing() for o in suspects}
+            for feeds, expected, actual in zip(self.feeds, self.expected, actuals):
+                wide = {name: widen_array(value) for name, value in feeds.items()}
+                reference, twins = run(self._reference, wide), run(twin, wide)
+                for name, weighing in weighed.items():
+                    weighing.add(expected[name], actual[name], reference[name], twins[name])
+        except Exception:  # noqa: BLE001 - onnxruntime, protobuf and numpy raise many types
+            return
         for check in suspects:
             weighed[check.name].settle(check)
 
@@ -1098,18 +1101,28 @@ class _Weighing:
     """One 16-bit output's errors against the original's float32 twin, over the input sets."""
 
     def __init__(self) -> None:
+        self.comparable = True  # same dtype, shape and inf/NaN in every input set: rounding can explain the rest
         self.twins_agree = True
         self.twins_error = 0.0
         self.original = [0.0, 0.0, 0]  # largest error, sum of errors, elements
         self.optimized = [0.0, 0.0, 0]
 
     def add(self, original: np.ndarray, optimized: np.ndarray, reference: np.ndarray, twin: np.ndarray) -> None:
+        if original.dtype != optimized.dtype or original.shape != optimized.shape or reference.shape != original.shape:
+            self.comparable = False
+            return
+        values = [original.astype(np.float64), optimized.astype(np.float64)]
+        finite = np.isfinite(values[0])
+        if not np.array_equal(finite, np.isfinite(values[1])) or not np.array_equal(
+            values[0][~finite], values[1][~finite], equal_nan=True
+        ):
+            self.comparable = False  # inf/NaN where the other has none, or another one: never rounding
+            return
         agreement = compare("", reference, twin, exact=False, allow_stabilized=False)
         self.twins_agree &= agreement.status == "ok"
         self.twins_error = max(self.twins_error, agreement.max_abs_error)
         wide = reference.astype(np.float64)
-        values = [original.astype(np.float64), optimized.astype(np.float64)]
-        finite = np.isfinite(wide) & np.isfinite(values[0]) & np.isfinite(values[1])
+        finite &= np.isfinite(wide)
         for errors, value in zip((self.original, self.optimized), values):
             difference = np.abs(value[finite] - wide[finite])
             if difference.size:
@@ -1118,6 +1131,8 @@ class _Weighing:
                 errors[2] += difference.size
 
     def settle(self, check: OutputCheck) -> None:
+        if not self.comparable:
+            return
         (worst, total, count), (own_worst, own_total, _) = self.optimized, self.original
         check.reference_error, check.original_reference_error = worst, own_worst
         check.twins_error = self.twins_error
@@ -1146,11 +1161,7 @@ def _twin_session(skeleton: onnx.ModelProto, feeds: dict[str, np.ndarray], *, ba
     for array in feeds.values():
         if id(array) not in widened:
             widened[id(array)] = widen_array(array)
-    try:
-        twin = float32_twin(skeleton, base_dir)
-    except (OSError, ValueError, InputError) as error:
-        raise InputError(f"no float32 twin: {error}") from error
-    inner = session(twin, base_dir)
+    inner = session(float32_twin(skeleton, base_dir), base_dir)
     return FedSession(inner, {name: widened[id(a)] for name, a in feeds.items()}) if feeds else inner
 
 

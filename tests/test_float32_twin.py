@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuser.float32_twin import float32_twin
 from fuser.report import REPORT_SCHEMA
-from fuser.verify import ROUNDING_FACTOR, Checker, CheckOptions, session
+from fuser.verify import ROUNDING_FACTOR, Checker, CheckOptions, OutputCheck, _Weighing, session
 from tests.helpers import in_process_cli
 
 F16, F32 = TensorProto.FLOAT16, TensorProto.FLOAT
@@ -44,9 +44,9 @@ def _constant(name: str, value: float, dtype=np.float16, width: int = 1) -> onnx
     return numpy_helper.from_array(np.full([width], value, dtype), name)
 
 
-def cancelling(big: float = BIG, width: int = WIDTH) -> onnx.ModelProto:
+def cancelling(big: float = BIG, width: int = WIDTH, bias: float = 0.0) -> onnx.ModelProto:
     """y = (x + big) - big, the sum rounded to float16 by a Cast, as mixed-precision exports
-    round between float32 stretches; then scaled by float16 ones."""
+    round between float32 stretches; then scaled by float16 ones (and `bias` added)."""
     return _model(
         [
             helper.make_node("Cast", ["x"], ["x32"], to=F32),
@@ -55,9 +55,10 @@ def cancelling(big: float = BIG, width: int = WIDTH) -> onnx.ModelProto:
             helper.make_node("Cast", ["s"], ["t32"], to=F32),
             helper.make_node("Sub", ["t32", "big"], ["d32"]),
             helper.make_node("Cast", ["d32"], ["d"], to=F16),
-            helper.make_node("Mul", ["d", "ones"], ["y"]),
+            helper.make_node("Mul", ["d", "ones"], ["e"]),
+            helper.make_node("Add", ["e", "bias"], ["y"]),
         ],
-        [_constant("big", big, np.float32), _constant("ones", 1.0, width=width)],
+        [_constant("big", big, np.float32), _constant("ones", 1.0, width=width), _constant("bias", bias)],
         width=width,
     )
 
@@ -194,6 +195,80 @@ def test_a_rewrite_that_drops_an_upcast_stays_a_mismatch():
     assert not verdict.passed and output.status == "mismatch"
     assert output.twins_error < 1e-4
     assert output.reference_error > ROUNDING_FACTOR * output.original_reference_error
+
+
+def test_a_rewrite_rounding_more_than_twice_as_far_stays_a_mismatch():
+    """Both round x + big, but at 400 float16's step is 1/4: four times the original's error."""
+    verdict = checker(cancelling()).check(cancelling(400.0), exact=False)
+    (output,) = verdict.outputs
+    assert not verdict.passed and output.status == "mismatch"
+    assert output.twins_error < 1e-4
+    assert output.reference_error > ROUNDING_FACTOR * output.original_reference_error > 0
+
+
+def test_a_small_error_within_the_rounding_stays_a_mismatch_when_the_twins_disagree():
+    """0.02 added: in float16 within twice the original's rounding, in float32 plainly wrong."""
+    verdict = checker(cancelling()).check(cancelling(bias=0.02), exact=False)
+    (output,) = verdict.outputs
+    assert output.reference_error <= ROUNDING_FACTOR * output.original_reference_error
+    assert not verdict.passed and output.status == "mismatch" and output.twins_error > 0.01
+
+
+def test_an_inf_in_one_input_set_is_never_rounding():
+    weighing = _Weighing()
+    x = np.linspace(-1, 1, WIDTH).reshape(1, WIDTH)
+    reference = x.astype(np.float32)
+    rounded = (np.round(x * 16) / 16).astype(np.float16)
+    weighing.add(rounded, x.astype(np.float16), reference, reference)
+    with_inf = x.astype(np.float16)
+    with_inf[0, -1] = np.inf
+    weighing.add(rounded, with_inf, reference, reference)
+    check = OutputCheck("y", "float16", (1, WIDTH), "mismatch")
+    weighing.settle(check)
+    assert check.status == "mismatch"
+
+
+@pytest.mark.parametrize("changed", ["dtype", "shape"])
+def test_an_output_of_another_dtype_or_shape_stays_a_mismatch(changed):
+    candidate = accurate()
+    output = candidate.graph.output[0]
+    if changed == "dtype":
+        candidate.graph.node[-1].output[0] = "y16"
+        candidate.graph.node.append(helper.make_node("Cast", ["y16"], ["y"], to=F32))
+        output.type.tensor_type.elem_type = F32
+    else:
+        candidate.graph.node[-1].output[0] = "flat"
+        candidate.graph.initializer.append(numpy_helper.from_array(np.array([WIDTH, 1], np.int64), "column"))
+        candidate.graph.node.append(helper.make_node("Reshape", ["flat", "column"], ["y"]))
+        del output.type.tensor_type.shape.dim[:]
+        output.type.tensor_type.shape.dim.add().dim_value = WIDTH
+        output.type.tensor_type.shape.dim.add().dim_value = 1
+    onnx.checker.check_model(candidate, full_check=True)
+    verdict = checker(cancelling()).check(candidate, exact=False)
+    assert not verdict.passed and verdict.outputs[0].status == "mismatch"
+
+
+def test_the_twin_is_of_the_original_as_it_was_when_the_check_was_prepared():
+    original = cancelling()
+
+    def change_it():  # the caller may change the model once the session has its copy
+        for node in original.graph.node:
+            if node.op_type == "Sub":
+                node.op_type = "Add"
+
+    check = Checker(original, CheckOptions(ranges={"x": (-1.0, 1.0)}), on_serialized=change_it)
+    assert any(node.op_type == "Add" and "t32" in node.input for node in original.graph.node)
+    verdict = check.check(accurate(), exact=False)
+    assert verdict.passed and verdict.outputs[0].status == "rounding"
+
+
+def test_weighing_that_would_take_too_much_memory_is_not_tried_and_says_so(monkeypatch):
+    import fuser.jobs
+
+    monkeypatch.setattr(fuser.jobs, "available_memory", lambda: 100)
+    verdict = checker(cancelling()).check(accurate(), exact=False)
+    assert not verdict.passed and verdict.outputs[0].reference_error is None
+    assert any("telling rounding from error takes float32 copies" in w for w in verdict.warnings)
 
 
 def test_tolerances_the_user_gives_are_not_weighed():
