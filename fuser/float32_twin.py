@@ -8,10 +8,11 @@ that rounding apart from an error: run in float32, the original's twin is the cl
 both 16-bit models are measured against, and the optimized model's twin must agree with it at
 float32's tolerance (fuser/verify.py weighs the two).
 
-The twin widens every float16 and bfloat16 tensor the model states: initializers, Constant
-and ConstantOfShape values, the types of inputs, outputs and value_info, and the element type
-attributes (`Cast.to`, `dtype`, `output_dtype`) that name them. Operators are unchanged; every
-one that takes a 16-bit float also takes float32.
+The twin widens every float16 and bfloat16 tensor the model states, in every subgraph and
+function: initializers, tensor attributes (Constant and ConstantOfShape values), the types of
+inputs, outputs and value_info, and the integer attributes that name an element type
+(_TYPE_ATTRIBUTES: `Cast.to`, `dtype`, a norm's `stash_type`, ...). Operators are unchanged;
+every one that takes a 16-bit float also takes float32.
 """
 
 from __future__ import annotations
