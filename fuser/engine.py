@@ -134,6 +134,9 @@ PHASE_ROUNDS = 4
 # A pass over the nodes below earlier changes names each rule's candidates (a look at the whole
 # graph) when it visits at least 1/NOMINATE_ABOVE of the graph's nodes.
 NOMINATE_ABOVE = 4
+# A rewrite that stops reading one output of a node with several looks for that output's sole
+# remaining reader only if the node has at most this many readers: the look lists them all.
+SOLE_READER_SCAN_LIMIT = 64
 
 
 class Engine:
@@ -629,6 +632,8 @@ class Engine:
             self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
+        no_longer_read = {i for n in removed for i in graph.node(n).inputs if i} - removed_outputs
+        no_longer_read -= {i for node in builder.nodes for i in node.input}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
         self._types.invalidate(produced=[o for node in builder.nodes for o in node.output])
@@ -640,7 +645,7 @@ class Engine:
             created=[graph.node(i).label for i in created],
         )
         self._log(rewrite)
-        touched = set(created) | neighbours | redirected_readers
+        touched = set(created) | neighbours | redirected_readers | _sole_reader_gained(graph, no_longer_read)
         return {n for n in touched if graph.has_node(n)}
 
     def _log(self, rewrite: Rewrite) -> None:
@@ -806,6 +811,28 @@ def _visible(graph: Graph | None, name: str) -> bool:
             return True
         graph = graph.outer
     return False
+
+
+def _sole_reader_gained(graph: Graph, no_longer_read: set[str]) -> set[int]:
+    """The nodes to look at again when a rewrite stops reading `no_longer_read`: a tensor left
+    with one reader may now be fused into it (a rule wanting its producer's sole consumer), so
+    that reader and the tensor's producer are revisited.
+
+    Tensors still read by several are not: a weight shared by thousands of nodes would put them
+    all back at every rewrite. Their readers are not even listed unless the producer has several
+    outputs (one of a Split's may have one reader while the node has many) and few readers."""
+    revisit: set[int] = set()
+    for tensor in no_longer_read:
+        bound = graph.readers_at_most(tensor)
+        producer = graph.producer(tensor)
+        if bound > 1 and (producer is None or len(graph.node(producer).outputs) == 1 or bound > SOLE_READER_SCAN_LIMIT):
+            continue
+        readers = graph.op_consumers(tensor)
+        if len(readers) <= 1:
+            revisit.update(readers)
+            if producer is not None:
+                revisit.add(producer)
+    return revisit
 
 
 def _identity(source: str, target: str, builder: Builder, graph: Graph):

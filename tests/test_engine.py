@@ -1219,6 +1219,49 @@ def test_a_node_behind_is_still_revisited_when_a_later_rewrite_changes_what_it_r
     assert sorted(op_types(loaded.to_proto())) == ["Neg", "Relu", "Tanh"]
 
 
+@rule("relu-of-relu", pattern=op.Relu(op.Relu(var("x"), name="inner"), name="outer"))
+def relu_of_relu(m: Match, b: Builder):
+    """Relu(Relu(x)) => Relu(x) (a test rule; the inner Relu must have no other reader)."""
+    return b.Relu(m["x"])
+
+
+@rule("merge-twin-relu", pattern=op.Relu(var("v"), name="relu"))
+def merge_twin_relu(m: Match, b: Builder):
+    """A Relu reading what an earlier Relu reads => the earlier one's output (a test rule)."""
+    graph, node = m.graph, m.node("relu")
+    twins = [
+        other
+        for other in graph.op_consumers(m["v"])
+        if graph.node(other).op_type == "Relu" and graph.sort_key(other) < graph.sort_key(node.id)
+    ]
+    m.require(bool(twins), "no earlier twin")
+    return graph.node(twins[0]).outputs[0]
+
+
+def test_a_rewrite_that_stops_reading_a_tensor_revisits_its_last_reader():
+    # relu_a declines at first (s has two readers); merging relu_b into it leaves relu_a the
+    # only reader of s, though nothing the merge builds reads s or sits below relu_a.
+    model = chain_model(
+        [
+            helper.make_node("Relu", ["x"], ["s"], name="inner"),
+            helper.make_node("Relu", ["s"], ["a"], name="relu_a"),
+            helper.make_node("Relu", ["s"], ["b"], name="relu_b"),
+            helper.make_node("Neg", ["a"], ["na"], name="neg_a"),
+            helper.make_node("Exp", ["b"], ["eb"], name="exp_b"),
+        ],
+        ["x"],
+        ["na", "eb"],
+    )
+    loaded = Model(model)
+    result = Engine(loaded, [merge_twin_relu, relu_of_relu]).run()
+    assert [r.rule for r in result.rewrites] == ["merge-twin-relu", "relu-of-relu"]
+    optimized = loaded.to_proto()
+    assert sorted(op_types(optimized)) == ["Exp", "Neg", "Relu"]
+    assert_same_outputs(model, optimized, feeds_for(model))
+    again = Model(optimized)
+    assert not Engine(again, [merge_twin_relu, relu_of_relu]).run().rewrites
+
+
 def test_a_node_ahead_touched_again_is_looked_below_again():
     # Positions need not be topological (the Relu is listed after its readers): each Neg's
     # rewrite touches the Relu, ahead of it; only after the second does the Sigmoid read s alone.

@@ -135,3 +135,41 @@ def test_a_pass_over_a_chain_without_repeats_looks_for_no_twin(monkeypatch):
     model = make_model(nodes, [("h0", np.float32, [3])], [("h50", np.float32, [3])])
     assert_declined(model, common_subexpression, None, check=False)
     assert asked == []
+
+
+def test_a_merge_that_leaves_one_reader_lets_that_reader_fuse_in_the_same_pass():
+    # Two identical Adds read the Conv: conv-add-bias declines the first (the Conv output has
+    # another reader); once the second is merged into it, it fuses, and a second pass has
+    # nothing left to do.
+    from fuser.rules.conv_add_bias import conv_add_bias
+
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Add", ["c", "b"], ["a1"], name="add_1"),
+        helper.make_node("Add", ["c", "b"], ["a2"], name="add_2"),
+        helper.make_node("Relu", ["a1"], ["y1"]),
+        helper.make_node("Sigmoid", ["a2"], ["y2"]),
+    ]
+    weights = {
+        "w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "b": rng.standard_normal((1, 4, 1, 1)).astype(np.float32),
+    }
+    model = make_model(
+        nodes,
+        [("x", np.float32, [1, 3, 8, 8])],
+        [("y1", np.float32, [1, 4, 6, 6]), ("y2", np.float32, [1, 4, 6, 6])],
+        weights,
+        opset=11,
+    )
+    feeds = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    after, _ = assert_rewritten(
+        model,
+        [common_subexpression, conv_add_bias],
+        counts={RULE: 1, "conv-add-bias": 1},
+        expected_ops=["Conv", "Relu", "Sigmoid"],
+        feeds=feeds,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert_declined(after, conv_add_bias, None, rules=[common_subexpression, conv_add_bias], check=False)
