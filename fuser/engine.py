@@ -256,16 +256,25 @@ class Engine:
                 self._enter_phase(phase)
                 # Shapes inferred anew after a round of rewrites (a folded Reshape target fixes
                 # the dims below it) can let the phase's rules do more: its fixed point includes them.
+                # So can what its own sweeps change (dead code removed after a fold leaves a tensor
+                # one reader): the next run looks at the nodes they touched.
                 touched: set[int] = set()
+                pass_seeds = seeds
                 for _ in range(PHASE_ROUNDS):
                     before = len(self.result.rewrites)
-                    touched |= self._run_sweeps(graph, scope, apply, phase)
-                    touched |= self._run_phase(graph, scope, apply, seeds)
-                    touched |= self._run_sweeps(graph, scope, apply, phase)
+                    swept = self._run_sweeps(graph, scope, apply, phase)
+                    touched |= swept
+                    touched |= self._run_phase(graph, scope, apply, None if pass_seeds is None else pass_seeds | swept)
+                    swept = self._run_sweeps(graph, scope, apply, phase)
+                    touched |= swept
                     if len(self.result.rewrites) == before or self._limit_reached():
                         break
                     inferred_at = len(self.result.rewrites)
-                    if not self._types.learns_more():
+                    if self._types.learns_more():
+                        pass_seeds = None if seeds is None else seeds | swept
+                    elif swept:
+                        pass_seeds = swept
+                    else:
                         break
                 changes.append(touched)
                 seen_changes[phase] = len(changes)  # its own changes it has revisited already
@@ -332,6 +341,7 @@ class Engine:
             self.result.opportunities.append(Opportunity(candidate.name, scope, matched))
             return set()
         touched: set[int] = set()
+        graph.take_lost_readers()
         for old, new in change.redirects:
             touched.update(graph.op_consumers(old))
             graph.redirect(old, new)
@@ -345,6 +355,7 @@ class Engine:
             graph.replace_nodes(nodes, [], list(change.values), (), candidate.name)
         for name in change.initializers:
             graph.remove_if_unused(name)
+        touched |= _sole_reader_gained(graph, graph.take_lost_readers())
         self._types.invalidate()
         self._log(Rewrite(len(self.result.rewrites), candidate.name, scope, matched, created))
         return {n for n in touched if graph.has_node(n)}
@@ -632,8 +643,9 @@ class Engine:
             self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
-        no_longer_read = {i for n in removed for i in graph.node(n).inputs if i} - removed_outputs
-        no_longer_read -= {i for node in builder.nodes for i in node.input}
+        graph.take_lost_readers()  # whatever earlier changes left there has been looked at
+        # A tensor the replacement reads is still read: its sole reader, if any, is new and visited anyway.
+        read_by_new = {i for node in builder.nodes for i in node.input}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
         self._types.invalidate(produced=[o for node in builder.nodes for o in node.output])
@@ -645,7 +657,8 @@ class Engine:
             created=[graph.node(i).label for i in created],
         )
         self._log(rewrite)
-        touched = set(created) | neighbours | redirected_readers | _sole_reader_gained(graph, no_longer_read)
+        freed = _sole_reader_gained(graph, graph.take_lost_readers() - read_by_new)
+        touched = set(created) | neighbours | redirected_readers | freed
         return {n for n in touched if graph.has_node(n)}
 
     def _log(self, rewrite: Rewrite) -> None:
@@ -813,19 +826,20 @@ def _visible(graph: Graph | None, name: str) -> bool:
     return False
 
 
-def _sole_reader_gained(graph: Graph, no_longer_read: set[str]) -> set[int]:
-    """The nodes to look at again when a rewrite stops reading `no_longer_read`: a tensor left
-    with one reader may now be fused into it (a rule wanting its producer's sole consumer), so
-    that reader and the tensor's producer are revisited.
+def _sole_reader_gained(graph: Graph, lost_readers: set[str]) -> set[int]:
+    """The nodes to look at again when removed nodes no longer read `lost_readers`: a tensor
+    left with one reader may now be fused into it (a rule wanting its producer's sole consumer),
+    so that reader and the tensor's producer are revisited.
 
     Tensors still read by several are not: a weight shared by thousands of nodes would put them
     all back at every rewrite. Their readers are not even listed unless the producer has several
     outputs (one of a Split's may have one reader while the node has many) and few readers."""
     revisit: set[int] = set()
-    for tensor in no_longer_read:
+    for tensor in lost_readers:
         bound = graph.readers_at_most(tensor)
         producer = graph.producer(tensor)
-        if bound > 1 and (producer is None or len(graph.node(producer).outputs) == 1 or bound > SOLE_READER_SCAN_LIMIT):
+        single_output = producer is None or len(graph.node(producer).outputs) == 1
+        if bound > 1 and (single_output or bound > SOLE_READER_SCAN_LIMIT):
             continue
         readers = graph.op_consumers(tensor)
         if len(readers) <= 1:

@@ -184,6 +184,8 @@ class Graph:
         self._outputs = list(proto.output)
         self._constants = ConstantValues(self)
         self.shared: dict[str, str] = {}  # Builder.once: key -> the tensor rewrites share
+        # Tensors a removed node read, since the engine last took them (take_lost_readers).
+        self._lost_readers: set[str] = set()
         # The nodes rewrites add, and loaded ones they change, as copies held in one message:
         # a NodeProto of its own costs about 1.6 KB, one among many in a message 0.3 KB (a
         # million-node stack's 333k new Gemms took 0.54 GB of their own). Never removed from,
@@ -510,6 +512,8 @@ class Graph:
 
     def remove_node(self, node_id: int) -> None:
         info = self.node(node_id)
+        self._lost_readers.update(i for i in info.proto.input if i)
+        self._lost_readers.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
         for output in info.proto.output:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
@@ -521,6 +525,12 @@ class Graph:
         self._holders.pop(node_id, None)
         self.nx.remove_node(node_id)
         self.modified = True
+
+    def take_lost_readers(self) -> set[str]:
+        """The tensors that lost a reader to a removed node since the last call: a rule wanting
+        a tensor's sole reader may match now that fewer read it."""
+        lost, self._lost_readers = self._lost_readers, set()
+        return lost
 
     def redirect(self, old: str, new: str) -> None:
         """Make every consumer of tensor `old` (not graph outputs) read `new` instead."""

@@ -1262,6 +1262,46 @@ def test_a_rewrite_that_stops_reading_a_tensor_revisits_its_last_reader():
     assert not Engine(again, [merge_twin_relu, relu_of_relu]).run().rewrites
 
 
+def _reshape_below_a_folded_shape(reader: onnx.NodeProto) -> onnx.ModelProto:
+    """Reshape(Reshape(x)) whose inner output `t` has a second reader, `reader` (t -> d), read
+    only by a Shape that shape-fold turns into a constant: d then has no reader left."""
+    nodes = [
+        helper.make_node("Reshape", ["x", "s1"], ["t"], name="r1"),
+        helper.make_node("Reshape", ["t", "s2"], ["u"], name="r2"),
+        reader,
+        helper.make_node("Shape", ["d"], ["sh"], name="shape"),
+        helper.make_node("Reshape", ["y", "sh"], ["v"], name="r3"),
+    ]
+    return make_model(
+        nodes,
+        [("x", np.float32, [2, 3]), ("y", np.float32, [3, 2])],
+        [("u", np.float32, [2, 3]), ("v", np.float32, [6])],
+        {"s1": np.array([6], np.int64), "s2": np.array([2, 3], np.int64)},
+        extra_opsets={"ai.onnx.ml": 3},
+    )
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        # Removed at once with the Shape that was its only reader (a computable node left unused).
+        helper.make_node("Neg", ["t"], ["d"], name="reader"),
+        # Not computable here (another domain): left to the dead-code sweep after the pass.
+        helper.make_node("Binarizer", ["t"], ["d"], name="reader", domain="ai.onnx.ml"),
+    ],
+    ids=["removed-with-its-reader", "removed-by-a-sweep"],
+)
+@pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
+def test_a_tensor_left_with_one_reader_lets_it_fuse_in_the_same_pass(reader, target):
+    model = _reshape_below_a_folded_shape(reader)
+    optimized, report = fuser.optimize(model, target=target)
+    assert "reshape-chain" in report.counts
+    assert report.verdict.passed
+    assert not fuser.optimize(optimized, target=target, check=False)[1].rewrites
+    feeds = {"x": RNG.standard_normal((2, 3)).astype(F32), "y": RNG.standard_normal((3, 2)).astype(F32)}
+    assert_same_outputs(model, optimized, feeds)
+
+
 def test_a_node_ahead_touched_again_is_looked_below_again():
     # Positions need not be topological (the Relu is listed after its readers): each Neg's
     # rewrite touches the Relu, ahead of it; only after the second does the Sigmoid read s alone.
