@@ -328,6 +328,8 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
                     "output",
                     "matmul4d",
                     "nhwc",
+                    "twin",
+                    "dead",
                 ]
             ),
             min_size=1,
@@ -389,6 +391,18 @@ def models(draw, max_blocks: int = 5) -> onnx.ModelProto:
             nhwc = g.node("Transpose", [cur], perm=[0, 2, 3, 1])
             scale = g.const(g.channel_constant((1, shape[1], 1, 1), "one", True).repeat(shape[1]), "s")
             cur = g.node("Transpose", [g.node("Mul", [nhwc, scale])], perm=[0, 3, 1, 2])
+        elif block == "twin" and g.nodes:  # an exporter's repeat of the last node: merged, it frees a reader
+            last = g.nodes[-1]
+            twin = helper.make_node(last.op_type, list(last.input), [g.fresh("twin_") for _ in last.output])
+            twin.attribute.extend(last.attribute)
+            twin.name = g.fresh("Twin") if last.name else ""
+            g.nodes.append(twin)
+            if last.output[0] == cur and draw(st.booleans()):
+                cur = g.node(draw(st.sampled_from(["Add", "Mul"])), [cur, twin.output[0]])
+            else:
+                g.outputs.append(twin.output[0])
+        elif block == "dead":  # a reader whose result nothing uses: its removal frees a reader
+            g.node(draw(st.sampled_from(["Neg", "Abs", "Sigmoid"])), [cur])
         pool.append((cur, shape))
 
     _, c, hh, ww = shape
