@@ -177,13 +177,22 @@ def test_weights_of_com_microsoft_ops_stay_initializers():
 def test_the_check_with_fed_weights_passes_equal_models_and_catches_a_changed_weight():
     checker = Checker(mlp(seed=0))
     assert checker.check(mlp(seed=0), exact=True).passed
-    assert [spec.name for spec in checker.session.get_inputs()] == ["x"]
+    assert checker.input_names == ["x"]
     changed = mlp(seed=0)
     weight = onnx.numpy_helper.to_array(changed.graph.initializer[0]).copy()
     weight += 0.5
     changed.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(weight, "w"))
     verdict = checker.check(changed, exact=False)
     assert not verdict.passed
+
+
+def test_the_original_session_is_closed_once_its_outputs_are_known_and_opened_again_if_asked():
+    # Open through the checks, it would hold its memory and slow the next session's start.
+    checker = Checker(mlp(seed=0))
+    assert checker.session is None
+    assert checker.check(mlp(seed=0), exact=True).passed
+    assert checker.unsteady_outputs() == []
+    assert checker.session is None
 
 
 @pytest.mark.parametrize("elements", [100, 20_000])  # under and over SKELETON_BYTES
