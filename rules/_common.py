@@ -41,16 +41,28 @@ def scalar(m: Match, name: str) -> float | None:
     return float(np.asarray(value, dtype=np.float64).reshape(()))
 
 
-def require_scalar(m: Match, name: str, expected: float, what: str, rtol: float = 1e-4) -> None:
+def require_no_broadcast(m: Match, name: str, tensor: str, what: str) -> None:
+    """Decline unless the one-element constant `name` has at most `tensor`'s rank: a [1, 1, 1, 1]
+    constant combined with a 3-D activation makes the result 4-D, which the fused op would not."""
+    ndim = m.value(name).ndim
+    rank = m.rank(tensor)
+    m.require(ndim == 0 or (rank is not None and ndim <= rank), f"{what} may broadcast {tensor} to a higher rank")
+
+
+def require_scalar(
+    m: Match, name: str, expected: float, what: str, rtol: float = 1e-4, combined_with: str = "x"
+) -> None:
     """Decline unless `name` is a one-element constant within `rtol` of `expected`, or as
-    near it as the constant's own dtype can be (float16 holds sqrt(2) as 1.4140625)."""
+    near it as the constant's own dtype can be (float16 holds sqrt(2) as 1.4140625), that does
+    not broadcast the tensor it is `combined_with` to a higher rank."""
     value = scalar(m, name)
     m.require(value is not None, f"{what} is not a single constant")
+    require_no_broadcast(m, name, combined_with, what)
     dtype = m.value(name).dtype
     if is_float(dtype):
         rtol = max(rtol, 2 * float(np.finfo(np.float16 if dtype.name == "bfloat16" else dtype).eps))
         if dtype.name == "bfloat16":
-            rtol = max(rtol, 2 ** -7)
+            rtol = max(rtol, 2**-7)
     m.require(abs(value - expected) <= rtol * abs(expected), f"{what} is {value:g}, not {expected:g}")
 
 
@@ -102,7 +114,7 @@ def written_out_norm(m: Match, reductions: dict[str, str]) -> tuple[np.dtype, in
     reductions: the pattern's ReduceMean nodes and their axes inputs ({"mean": "mean_axes"}).
     The constants the patterns bind (an exponent "two", a reciprocal's numerator "one") must
     have their exact values, every mean keeps its dims and reduces the same trailing axes, and
-    "eps" is one small non-negative number."""
+    "eps" is one small non-negative number of at most x's rank."""
     dtype = require_float(m, "x")
     if m.has("two"):
         require_scalar(m, "two", 2.0, "the exponent")
@@ -117,6 +129,7 @@ def written_out_norm(m: Match, reductions: dict[str, str]) -> tuple[np.dtype, in
     dims = static_dims(m, "x", axis)
     epsilon = m.value("eps")
     m.require(epsilon.size == 1, "epsilon is not a single value")
+    require_no_broadcast(m, "eps", "x", "epsilon")
     epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
     m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
     return dtype, axis, dims, epsilon

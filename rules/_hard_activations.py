@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fuser.rules._common import require_no_broadcast
+
 from fuser import Match, const, op, var
 
 x = var("x")
@@ -30,10 +32,7 @@ def scalar(m: Match, name: str) -> float:
     """The single value of constant `name`; declines a value that could broadcast x."""
     value = m.value(name)
     m.require(value.size == 1, f"'{name}' has {value.size} values, not one")
-    rank = m.rank("x")
-    m.require(
-        value.ndim == 0 or (rank is not None and value.ndim <= rank), f"'{name}' may broadcast x to a higher rank"
-    )
+    require_no_broadcast(m, name, "x", f"'{name}'")
     m.require(np.issubdtype(value.dtype, np.floating), f"'{name}' is {value.dtype}, not a float type")
     return float(value.reshape(-1)[0])
 

@@ -4,13 +4,16 @@
 The two GELU forms as exports write them (BERT/ViT: erf; GPT-2's "new GELU": tanh). The
 products associate three ways — (x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5) —
 x / sqrt(2) is also written x * (1 / sqrt(2)), and x^3 is Pow(x, 3) or, from torch's legacy
-exporter, x * (x * x); each spelling is a pattern. The
+exporter, x * (x * x). Bloom factors the tanh argument instead: (x * sqrt(2/pi)) *
+(1 + 0.044715 * x * x), the square term as (x * 0.044715) * x or (x * x) * 0.044715. Each
+spelling is a pattern. The
 standard Gelu is opset 20; the onnxruntime target writes com.microsoft Gelu / FastGelu,
 which its CPU kernels run at any opset (bias-gelu then absorbs a bias Add in front).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from fuser.rules._common import require_float, require_scalar
@@ -40,6 +43,20 @@ def _tanh_inner(x, cube_of):
     return op.Add(tanh, const("one"), name="plus")
 
 
+def _factored_tanh_inner(x, square_term_of):
+    polynomial = op.Add(square_term_of(x), const("one_inner"), name="polynomial")
+    scaled = op.Mul(op.Mul(x, const("tanh_scale"), name="scaled_x"), polynomial, name="scaled")
+    return op.Add(op.Tanh(scaled, name="tanh"), const("one"), name="plus")
+
+
+def _scaled_then_squared(x):
+    return op.Mul(op.Mul(x, const("cubic"), name="scaled_square"), x, name="square_term")
+
+
+def _squared_then_scaled(x):
+    return op.Mul(op.Mul(x, x, name="square"), const("cubic"), name="square_term")
+
+
 def _products(inner_of):
     x = var("x")
     yield op.Mul(op.Mul(x, inner_of(x), name="product"), const("half"), name="gelu")
@@ -49,7 +66,15 @@ def _products(inner_of):
 
 ERF_FORMS = tuple(_products(_erf_inner))
 TANH_FORMS = tuple(
-    form for cube_of in (_power_cube, _product_cube) for form in _products(lambda x: _tanh_inner(x, cube_of))
+    form
+    for inner_of in (
+        *(functools.partial(_tanh_inner, cube_of=cube_of) for cube_of in (_power_cube, _product_cube)),
+        *(
+            functools.partial(_factored_tanh_inner, square_term_of=square_term_of)
+            for square_term_of in (_scaled_then_squared, _squared_then_scaled)
+        ),
+    )
+    for form in _products(inner_of)
 )
 
 
@@ -63,6 +88,8 @@ def _approximation(m: Match) -> str:
         return "none"
     if m.has("three"):
         require_scalar(m, "three", 3.0, "the exponent")
+    if m.has("one_inner"):
+        require_scalar(m, "one_inner", 1.0, "the constant term of the factored polynomial")
     require_scalar(m, "cubic", CUBIC, "the cubic coefficient")
     require_scalar(m, "tanh_scale", TANH_SCALE, "the tanh argument's scale")
     return "tanh"

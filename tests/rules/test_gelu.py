@@ -1,12 +1,14 @@
 """Tests for gelu and gelu-ort (rules/gelu.py):
 0.5 * x * (1 + erf(x / sqrt(2)))  =>  Gelu(x);  0.5 * x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-=>  Gelu(x, approximate="tanh") at opset 20 and later; on the onnxruntime target, at any
-opset, com.microsoft Gelu (erf) / FastGelu (tanh).
+or Bloom's factored 0.5 * x * (1 + tanh((sqrt(2/pi) x) (1 + 0.044715 x^2)))  =>
+Gelu(x, approximate="tanh") at opset 20 and later; on the onnxruntime target, at any opset,
+com.microsoft Gelu (erf) / FastGelu (tanh).
 
 Every spelling of the pattern tuple is built: the three associations of the products
 ((x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5)) times the erf argument x / sqrt(2),
-x * (1 / sqrt(2)), and the tanh form. Both models run in onnxruntime (CPU, graph optimizations
-off) on seeded inputs; the result is also compared with a float64 numpy GELU.
+x * (1 / sqrt(2)), and the tanh forms (x^3 as Pow or as products; Bloom's factored argument
+with its square term as (x * c) * x or (x * x) * c). Both models run in onnxruntime (CPU,
+graph optimizations off) on seeded inputs; the result is also compared with a float64 numpy GELU.
 
 Tolerances (|after - before| <= atol + rtol * |before|; see transformer_models.TOL):
   float32  rtol 1e-4, atol 1e-5
@@ -43,6 +45,8 @@ from tests.helpers import (
     run,
 )
 from tests.rules.transformer_models import GELU_FORMS, GELU_KINDS, TOL, feeds_for, gelu_nodes, np_gelu
+
+CUBIC = 0.044715
 
 SHAPE = ["batch", "sequence", 16]
 FEED_SHAPE = (2, 3, 16)
@@ -263,6 +267,37 @@ def test_tanh_constants_declined(constant, value, reason):
     assert_declined(gelu_model("tanh", **{constant: value}), gelu, reason)
 
 
+@pytest.mark.parametrize("kind", ["tanh-factored", "tanh-factored-square"])
+@pytest.mark.parametrize(
+    "constant,value,reason",
+    [
+        ("one_inner", 2.0, "the constant term of the factored polynomial is 2, not 1"),
+        ("cubic", 0.05, "the cubic coefficient is 0.05"),
+        ("tanh_scale", 0.7, "the tanh argument's scale is 0.7"),
+    ],
+)
+def test_factored_tanh_constants_declined(kind, constant, value, reason):
+    assert_declined(gelu_model(kind, **{constant: value}), gelu, reason)
+
+
+@pytest.mark.parametrize(
+    "kind,constant,value", [("erf-div", "half", 0.5), ("erf-mul", "one", 1.0), ("tanh", "cubic", CUBIC)]
+)
+def test_constant_of_higher_rank_declined(kind, constant, value):
+    """A [1, 1, 1, 1] constant makes the written-out GELU of a 3-D x 4-D; Gelu(x) stays 3-D."""
+    nodes, inits = gelu_nodes(kind=kind, **{constant: np.full((1, 1, 1, 1), value, np.float32)})
+    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, [None] * 4)], inits, opset=20)
+    assert_declined(model, gelu, "may broadcast x to a higher rank")
+    assert_declined(model, gelu_ort, "may broadcast x to a higher rank", target="onnxruntime")
+
+
+def test_one_element_constant_of_x_rank_fuses():
+    model = gelu_model("tanh", half=np.full((1, 1, 1), 0.5, np.float32))
+    assert_rewritten(
+        model, [gelu], counts={"gelu": 1}, expected_ops=["Gelu"], feeds=feeds_for(FEED_SHAPE), **TOL[np.float32]
+    )
+
+
 def test_constant_vector_declined():
     assert_declined(gelu_model(half=np.full(16, 0.5, np.float32)), gelu, "the outer factor is not a single constant")
 
@@ -289,6 +324,18 @@ def test_two_different_x_is_no_match():
     """0.5 * z * (1 + erf(x / sqrt(2))) is not a GELU of anything."""
     nodes, inits = gelu_nodes()
     nodes[3].input[0] = "z"  # the Mul(x, plus) of form 0
+    model = make_model(
+        nodes, [("x", np.float32, SHAPE), ("z", np.float32, SHAPE)], [("y", np.float32, [None] * 3)], inits, opset=20
+    )
+    assert_declined(model, gelu, None)
+
+
+@pytest.mark.parametrize("kind", ["tanh-factored", "tanh-factored-square"])
+def test_factored_square_needs_x_twice(kind):
+    """(x * 0.044715) * z in place of 0.044715 * x^2 is not GELU's polynomial."""
+    nodes, inits = gelu_nodes(kind=kind)
+    square = nodes[1] if kind == "tanh-factored" else nodes[0]
+    square.input[list(square.input).index("x")] = "z"
     model = make_model(
         nodes, [("x", np.float32, SHAPE), ("z", np.float32, SHAPE)], [("y", np.float32, [None] * 3)], inits, opset=20
     )

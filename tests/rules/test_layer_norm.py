@@ -285,6 +285,13 @@ def test_epsilon_vector_declined():
     assert_declined(ln_model(eps=np.full(8, 1e-5, np.float32)), layer_norm, "epsilon is not a single value")
 
 
+def test_epsilon_of_higher_rank_declined():
+    """A one-element epsilon of rank 4 makes the written-out norm of a 3-D x 4-D."""
+    rank = len(SHAPE) + 1
+    model = ln_model(eps=np.full((1,) * rank, 1e-5, np.float32), out_shape=[None] * rank)
+    assert_declined(model, layer_norm, "epsilon may broadcast x to a higher rank")
+
+
 @pytest.mark.parametrize("eps", [-1e-5, 2.0])
 def test_epsilon_out_of_range_declined(eps):
     assert_declined(ln_model(eps=eps), layer_norm, "is not a small non-negative number")

@@ -54,9 +54,11 @@ SHAPE = ["batch", "sequence", 8]
 FEED_SHAPE = (2, 3, 8)
 
 
-def rms_model(shape=SHAPE, dtype=np.float32, opset=23, extra_nodes=(), extra_outputs=(), check=True, **kwargs):
+def rms_model(
+    shape=SHAPE, dtype=np.float32, opset=23, out_rank=None, extra_nodes=(), extra_outputs=(), check=True, **kwargs
+):
     nodes, inits = rms_norm_nodes(opset=opset, dtype=dtype, **kwargs)
-    outputs = [(kwargs.get("y", "y"), dtype, [None] * len(shape))]
+    outputs = [(kwargs.get("y", "y"), dtype, [None] * (out_rank or len(shape)))]
     outputs += [(o, dtype, [None] * len(shape)) for o in extra_outputs]
     return make_model(nodes + list(extra_nodes), [("x", dtype, shape)], outputs, inits, opset=opset, check=check)
 
@@ -187,6 +189,13 @@ def test_exponent_three_declined():
 
 def test_numerator_two_declined():
     assert_declined(rms_model(division="one_div", one=2.0), rms_norm, "the numerator of the reciprocal is 2, not 1")
+
+
+def test_epsilon_of_higher_rank_declined():
+    """A one-element epsilon of rank 4 makes the written-out norm of a 3-D x 4-D."""
+    rank = len(SHAPE) + 1
+    model = rms_model(eps=np.full((1,) * rank, 1e-6, np.float32), out_rank=rank)
+    assert_declined(model, rms_norm, "epsilon may broadcast x to a higher rank")
 
 
 def test_epsilon_vector_declined():

@@ -136,12 +136,14 @@ def rms_norm_nodes(
     return nodes, inits
 
 
-GELU_KINDS = ("erf-div", "erf-mul", "tanh", "tanh-products")  # tanh-products: x^3 as x * (x * x)
+# tanh-products: x^3 as x * (x * x); tanh-factored (Bloom): (x * sqrt(2/pi)) * (1 + (x * 0.044715) * x),
+# tanh-factored-square: the same with (x * x) * 0.044715
+GELU_KINDS = ("erf-div", "erf-mul", "tanh", "tanh-products", "tanh-factored", "tanh-factored-square")
 GELU_FORMS = (0, 1, 2)  # (x * inner) * 0.5, (x * 0.5) * inner, x * (inner * 0.5)
 
 
 def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix="", **constants):
-    """A written-out GELU; `constants` override half, one, root_two, three, cubic, tanh_scale."""
+    """A written-out GELU; `constants` override half, one, root_two, three, cubic, tanh_scale, one_inner."""
     p = prefix
     values = {
         "half": 0.5,
@@ -150,6 +152,7 @@ def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix
         "three": 3.0,
         "cubic": 0.044715,
         "tanh_scale": math.sqrt(2 / math.pi),
+        "one_inner": 1.0,
     }
     values.update(constants)
     inits = {f"{p}{k}": np.asarray(v, dtype) for k, v in values.items()}
@@ -160,9 +163,29 @@ def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix
             ),
             helper.make_node("Erf", [f"{p}scaled"], [f"{p}erf"], name=f"{p}erf"),
         ]
-        for k in ("three", "cubic", "tanh_scale"):
+        for k in ("three", "cubic", "tanh_scale", "one_inner"):
             del inits[f"{p}{k}"]
         activation = f"{p}erf"
+    elif kind.startswith("tanh-factored"):  # Bloom
+        if kind == "tanh-factored":
+            nodes = [
+                helper.make_node("Mul", [x, f"{p}cubic"], [f"{p}scaled_square"], name=f"{p}scaled_square"),
+                helper.make_node("Mul", [f"{p}scaled_square", x], [f"{p}square_term"], name=f"{p}square_term"),
+            ]
+        else:
+            nodes = [
+                helper.make_node("Mul", [x, x], [f"{p}square"], name=f"{p}square"),
+                helper.make_node("Mul", [f"{p}square", f"{p}cubic"], [f"{p}square_term"], name=f"{p}square_term"),
+            ]
+        nodes += [
+            helper.make_node("Add", [f"{p}square_term", f"{p}one_inner"], [f"{p}polynomial"], name=f"{p}polynomial"),
+            helper.make_node("Mul", [x, f"{p}tanh_scale"], [f"{p}scaled_x"], name=f"{p}scaled_x"),
+            helper.make_node("Mul", [f"{p}scaled_x", f"{p}polynomial"], [f"{p}scaled"], name=f"{p}scaled"),
+            helper.make_node("Tanh", [f"{p}scaled"], [f"{p}tanh"], name=f"{p}tanh"),
+        ]
+        for k in ("root_two", "three"):
+            del inits[f"{p}{k}"]
+        activation = f"{p}tanh"
     else:
         if kind == "tanh-products":  # torch's legacy exporter
             nodes = [
@@ -178,7 +201,8 @@ def gelu_nodes(*, x="x", y="y", kind="erf-div", form=0, dtype=np.float32, prefix
             helper.make_node("Mul", [f"{p}polynomial", f"{p}tanh_scale"], [f"{p}scaled"], name=f"{p}scaled"),
             helper.make_node("Tanh", [f"{p}scaled"], [f"{p}tanh"], name=f"{p}tanh"),
         ]
-        del inits[f"{p}root_two"]
+        for k in ("root_two", "one_inner"):
+            del inits[f"{p}{k}"]
         activation = f"{p}tanh"
     nodes.append(helper.make_node("Add", [activation, f"{p}one"], [f"{p}plus"], name=f"{p}plus"))
     if form == 0:
