@@ -1,9 +1,10 @@
 """x * Sigmoid(x)  =>  Swish(x) (opset 24), or com.microsoft QuickGelu(x, alpha=1) on the
-onnxruntime target.
+onnxruntime target; x * Sigmoid(alpha * x)  =>  the same with that alpha.
 
-SiLU (Swish with beta 1), the activation of Llama's gated MLP and of EfficientNet/YOLO
-convnets, as every exporter writes it. Swish(alpha) and QuickGelu(alpha) both compute
-x * sigmoid(alpha * x); alpha = 1 is SiLU.
+SiLU (Swish with alpha 1), the activation of Llama's gated MLP and of EfficientNet/YOLO
+convnets, as every exporter writes it; CLIP's "quick GELU" is alpha = 1.702. Swish(alpha) and
+QuickGelu(alpha) both compute x * sigmoid(alpha * x). Their alpha is a float attribute, so
+a float64 alpha that float32 does not hold exactly stays written out.
 
 `silu` is off by default: onnxruntime 1.32's CPU Swish kernel is slower than the Sigmoid + Mul
 it replaces, which onnxruntime fuses into QuickGelu itself (`python bench/swish_kernel.py`:
@@ -13,22 +14,37 @@ ran 1.33x slower). `--enable silu` for a runtime where Swish pays.
 
 from __future__ import annotations
 
-from fuser.rules._common import require_float
+import numpy as np
+from fuser.rules._common import require_float, require_no_broadcast, scalar
 
-from fuser import Builder, Match, op, rule, var
+from fuser import Builder, Match, const, op, rule, var
 
-PATTERN = op.Mul(var("x"), op.Sigmoid(var("x"), name="sigmoid"), name="mul")
+PATTERNS = (
+    op.Mul(var("x"), op.Sigmoid(var("x"), name="sigmoid"), name="mul"),
+    op.Mul(var("x"), op.Sigmoid(op.Mul(var("x"), const("alpha"), name="scale"), name="sigmoid"), name="mul"),
+)
 
 
-@rule("silu", pattern=PATTERN, opsets=(24, None), enabled=False)  # slower on onnxruntime: see above
+def _alpha(m: Match) -> float:
+    """1 for x * Sigmoid(x), else the scale's single value, which a float attribute must hold."""
+    if not m.has("alpha"):
+        return 1.0
+    alpha = scalar(m, "alpha")
+    m.require(alpha is not None, "the sigmoid's scale is not a single constant")
+    require_no_broadcast(m, "alpha", "x", "the sigmoid's scale")
+    m.require(float(np.float32(alpha)) == alpha, f"the scale {alpha!r} is not exact as a float32 attribute")
+    return alpha
+
+
+@rule("silu", pattern=PATTERNS, opsets=(24, None), enabled=False)  # slower on onnxruntime: see above
 def silu(m: Match, b: Builder):
-    """Mul(x, Sigmoid(x))  =>  Swish(x)."""
+    """Mul(x, Sigmoid(alpha * x))  =>  Swish(x, alpha)."""
     require_float(m, "x", ("float16", "float32", "float64", "bfloat16"))
-    return b.Swish(m["x"], alpha=1.0)
+    return b.Swish(m["x"], alpha=_alpha(m))
 
 
-@rule("silu-ort", pattern=PATTERN, target="onnxruntime", emits={"com.microsoft": 1})
+@rule("silu-ort", pattern=PATTERNS, target="onnxruntime", emits={"com.microsoft": 1})
 def silu_ort(m: Match, b: Builder):
-    """Mul(x, Sigmoid(x))  =>  com.microsoft QuickGelu(x, alpha=1)."""
+    """Mul(x, Sigmoid(alpha * x))  =>  com.microsoft QuickGelu(x, alpha)."""
     require_float(m, "x", ("float16", "float32", "float64"))
-    return b.op("QuickGelu", m["x"], domain="com.microsoft", alpha=1.0)
+    return b.op("QuickGelu", m["x"], domain="com.microsoft", alpha=_alpha(m))
