@@ -49,15 +49,13 @@ def require_no_broadcast(m: Match, name: str, tensor: str, what: str) -> None:
     m.require(ndim == 0 or (rank is not None and ndim <= rank), f"{what} may broadcast {tensor} to a higher rank")
 
 
-def require_scalar(
-    m: Match, name: str, expected: float, what: str, rtol: float = 1e-4, combined_with: str = "x"
-) -> None:
+def require_scalar(m: Match, name: str, expected: float, what: str, rtol: float = 1e-4) -> None:
     """Decline unless `name` is a one-element constant within `rtol` of `expected`, or as
-    near it as the constant's own dtype can be (float16 holds sqrt(2) as 1.4140625), that does
-    not broadcast the tensor it is `combined_with` to a higher rank."""
+    near it as the constant's own dtype can be (float16 holds sqrt(2) as 1.4140625), of at most
+    the rank of the pattern's input "x", which it is combined with."""
     value = scalar(m, name)
     m.require(value is not None, f"{what} is not a single constant")
-    require_no_broadcast(m, name, combined_with, what)
+    require_no_broadcast(m, name, "x", what)
     dtype = m.value(name).dtype
     if is_float(dtype):
         rtol = max(rtol, 2 * float(np.finfo(np.float16 if dtype.name == "bfloat16" else dtype).eps))

@@ -6,9 +6,9 @@ products associate three ways — (x * inner) * 0.5, (x * 0.5) * inner, x * (inn
 x / sqrt(2) is also written x * (1 / sqrt(2)), and x^3 is Pow(x, 3) or, from torch's legacy
 exporter, x * (x * x). Bloom factors the tanh argument instead: (x * sqrt(2/pi)) *
 (1 + 0.044715 * x * x), the square term as (x * 0.044715) * x or (x * x) * 0.044715. Each
-spelling is a pattern. The
-standard Gelu is opset 20; the onnxruntime target writes com.microsoft Gelu / FastGelu,
-which its CPU kernels run at any opset (bias-gelu then absorbs a bias Add in front).
+spelling is a pattern. The standard Gelu is opset 20; the onnxruntime target writes
+com.microsoft Gelu / FastGelu, which its CPU kernels run at any opset (bias-gelu then absorbs
+a bias Add in front).
 """
 
 from __future__ import annotations
