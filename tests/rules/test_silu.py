@@ -3,8 +3,9 @@ x * Sigmoid(x)  =>  Swish(x, alpha=1) at opset 24 and later; com.microsoft Quick
 on the onnxruntime target at any opset; x * Sigmoid(alpha * x) (CLIP's quick GELU, alpha
 1.702)  =>  the same with that alpha.
 
-Both operand orders of the Mul are built, and of the scale's Mul; both models run in onnxruntime (CPU, graph
-optimizations off) on seeded inputs; the result is also compared with float64 numpy.
+Both operand orders of the Mul are built, and of the scale's Mul; both models run in
+onnxruntime (CPU, graph optimizations off) on seeded inputs; the result is also compared with
+float64 numpy.
 
 Tolerances (|after - before| <= atol + rtol * |before|; see transformer_models.TOL):
   float32  rtol 1e-4, atol 1e-5
