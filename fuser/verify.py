@@ -563,9 +563,13 @@ _INTEGER_TYPES = {
     onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64,
 }  # fmt: skip
 
-# Sizes tried for symbolic dims, in order; the first the original model runs on is kept.
+# Sizes tried for symbolic dims, in order, image and sequence sizes side by side; the first the
+# original model runs on is kept. After them, sequences of LONG_SEQUENCE_SIZES (images at their
+# first size): an audio window of 512 samples (32 ms at 16 kHz), which a model reading raw
+# samples through a wide strided convolution needs (Silero VAD's is 256 samples wide).
 IMAGE_SIZES = (224, 640, 320, 64, 32)
 SEQUENCE_SIZES = (128, 64, 32, 16)
+LONG_SEQUENCE_SIZES = (512,)
 _IMAGE_SIZE_KEYS = ("imgsz", "image_size", "img_size", "input_size")
 
 
@@ -586,6 +590,10 @@ def shape_candidates(
     fail, each lone dim in turn next takes each sum the model's outputs state of the inputs'
     dims (`past_sequence + sequence`; the dims a sum names are its parts, not lone), then each
     sum of two other dims' sizes.
+
+    An unnamed dim past the first axis may be a batch too: a recurrent state is [layers, batch,
+    hidden] (Silero VAD's `state` is [2, '', 128]). Where the sizes chosen fail, each unnamed
+    dim in turn next takes 1.
     """
     dims, shapes = dict(dims or {}), shapes or {}
     for spec in sess.get_inputs():
@@ -595,6 +603,7 @@ def shape_candidates(
                     dims.setdefault(d, int(size))
     specs = [spec for spec in sess.get_inputs() if spec.name not in shapes]
     kinds: dict[str, str] = {}  # symbol -> "batch" | "image" | "sequence"
+    unnamed: list[str] = []
     for spec in specs:
         shape = list(spec.shape or [])
         for axis, d in enumerate(shape):
@@ -609,6 +618,8 @@ def shape_candidates(
                 kind = "image"
             else:
                 kind = "sequence"
+                if not (isinstance(d, str) and d):
+                    unnamed.append(key)
             kinds.setdefault(key, kind)
     image_sizes = list(IMAGE_SIZES)
     declared = _metadata_image_size(model)
@@ -616,19 +627,24 @@ def shape_candidates(
         image_sizes.insert(0, declared)
     has_free = any(kind != "batch" for kind in kinds.values())
     attempts = max(len(image_sizes), len(SEQUENCE_SIZES)) if has_free else 0
-    sizes = {"image": image_sizes, "sequence": list(SEQUENCE_SIZES)}
+    ladder = [
+        {
+            "image": image_sizes[min(i, len(image_sizes) - 1)],
+            "sequence": SEQUENCE_SIZES[min(i, len(SEQUENCE_SIZES) - 1)],
+        }
+        for i in range(attempts)
+    ]
+    if any(kind == "sequence" for kind in kinds.values()):
+        ladder += [{"image": image_sizes[0], "sequence": size} for size in LONG_SEQUENCE_SIZES]
     sums = _stated_sums(model, set(kinds) | set(dims))
     parts = {name for total in sums for name in _expression_names(total)}
     lone = [key for key in _lone_dims(sess.get_inputs(), kinds) if key not in parts]
     candidates = []
     # The last attempt sets every free dim to 1, as fuser always did, for models no typical size fits.
-    for index in [*range(attempts), None]:
+    for sizes in [*ladder, None]:
         values = dict(dims)
         for key, kind in kinds.items():
-            if kind == "batch" or index is None:
-                values[key] = DEFAULT_DIM
-            else:
-                values[key] = sizes[kind][min(index, len(sizes[kind]) - 1)]
+            values[key] = DEFAULT_DIM if kind == "batch" or sizes is None else sizes[kind]
         alternatives = [values]
         for key in lone:
             others = sorted({values[k] for k, kind in kinds.items() if kind != "batch" and k != key})
@@ -636,6 +652,7 @@ def shape_candidates(
             for size in dict.fromkeys([_dim_value(total, values) for total in sums] + pairs):
                 if 1 <= size <= MAX_LONE_SIZE and size != values[key]:
                     alternatives.append({**values, key: size})
+        alternatives += [{**values, key: DEFAULT_DIM} for key in unnamed if values[key] != DEFAULT_DIM]
         for chosen in alternatives:
             candidate = {name: tuple(shape) for name, shape in shapes.items()}
             for spec in specs:
@@ -946,13 +963,18 @@ class Checker:
         for number, candidate in enumerate(candidates):
             try:
                 feeds = [
-                    synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges)
-                    for i in range(runs)
+                    synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges) for i in range(runs)
                 ]
                 return feeds, [self._run_original(f) for f in feeds]
-            except InputError:
-                if number == len(candidates) - 1:
+            except InputError as error:
+                if number < len(candidates) - 1:
+                    continue
+                if number == 0:  # the shapes were given: nothing else was tried
                     raise
+                raise InputError(
+                    f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
+                    "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
+                ) from error
         raise AssertionError("shape_candidates always gives at least one candidate")
 
     def _run_original(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

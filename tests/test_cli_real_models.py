@@ -217,13 +217,55 @@ def test_a_lone_dim_no_output_explains_tries_sums_of_other_sizes():
 def test_dims_that_repeat_or_name_a_sum_are_not_lone():
     model = kv_mask_model("s53", "past_len + seq")
     candidates = shape_candidates(session(model), model)
-    assert {c["new"][2] for c in candidates} == {c["ids"][1] for c in candidates} == {128, 64, 32, 16, 1}
+    assert {c["new"][2] for c in candidates} == {c["ids"][1] for c in candidates} == {128, 64, 32, 16, 512, 1}
     assert all(c["new"][2] == c["ids"][1] for c in candidates)  # seq is in two inputs: never varied alone
     assert {c["past"][2] for c in candidates} == {224, 640, 320, 64, 32, 1}  # image-like, and a part of the sum
     assert (1, 352) in {c["mask"] for c in candidates}
     unstated = kv_mask_model("s53", None)
     # With no sum stated, past_len is still not lone: an image-like axis (2 of a 4-D input).
     assert {c["past"][2] for c in shape_candidates(session(unstated), unstated)} == {224, 640, 320, 64, 32, 1}
+
+
+def raw_audio_model(batch: str = "batch", state_batch: str = "batch", width: int = 256) -> onnx.ModelProto:
+    """Samples [batch, samples] through a `width`-wide strided convolution (a learned STFT), and a
+    recurrent state [2, batch, 4] whose first layer is concatenated to the frames' features."""
+    rng = np.random.default_rng(0)
+    return make_model(
+        [
+            helper.make_node("Unsqueeze", ["input", "one"], ["channels"]),
+            helper.make_node("Conv", ["channels", "basis"], ["frames"], strides=[128]),
+            helper.make_node("ReduceMean", ["frames"], ["features"], axes=[2], keepdims=0),
+            helper.make_node("Gather", ["state", "zero"], ["layer"], axis=0),
+            helper.make_node("Concat", ["features", "layer"], ["y"], axis=1),
+        ],
+        [("input", np.float32, [batch, "samples"]), ("state", np.float32, [2, state_batch, 4])],
+        [("y", np.float32, [batch, 8])],
+        {
+            "one": np.array([1], np.int64),
+            "basis": rng.standard_normal((4, 1, width)).astype(np.float32),
+            "zero": np.array(0, np.int64),
+        },
+    )
+
+
+def test_raw_audio_gets_a_window_the_convolution_fits():
+    # Token counts (128 down to 16) are shorter than the convolution: 512 samples come next.
+    assert Checker(raw_audio_model()).input_shapes == {"input": (1, 512), "state": (2, 1, 4)}
+
+
+def test_an_unnamed_dim_of_a_recurrent_state_may_be_its_batch():
+    # Silero VAD names no dim: state [2, ?, 4] is read as a sequence first, and fits only as 1.
+    model = raw_audio_model(batch="", state_batch="")
+    assert Checker(model).input_shapes == {"input": (1, 512), "state": (2, 1, 4)}
+
+
+def test_when_no_shape_fits_the_error_says_how_to_give_them():
+    model = raw_audio_model(width=1024)  # longer than every size tried
+    with pytest.raises(Exception, match=r"input shapes fuser tried; give the sizes the model takes with --dim"):
+        Checker(model)
+    assert Checker(model, CheckOptions(dims={"samples": 1024})).input_shapes["input"] == (1, 1024)
+    with pytest.raises(Exception, match=r"cannot run on these inputs \(input\[1,100\], state\[2,1,4\]\): [^(]*$"):
+        Checker(model, CheckOptions(shapes={"input": (1, 100), "state": (2, 1, 4)}))
 
 
 def test_a_shape_given_binds_its_symbols_for_the_others():
