@@ -7,9 +7,6 @@ Values come from onnx's reference evaluator (fuser/constants.py). A result large
 the constants it replaces and FOLD_BYTES stays a computation, so a ConstantOfShape that builds
 a large weight does not grow the file. Initializers a graph input can override (listed as
 inputs since IR 4) are not constants and are never folded.
-
-The pattern matches every node; a pass over a whole graph tries it only where no input is known
-to vary (constant_candidates).
 """
 
 from __future__ import annotations
@@ -20,43 +17,18 @@ import operator
 from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, used
 
 from fuser import Builder, Match, const, op, rule
-from fuser.constants import is_foldable
+
 
 MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they are
 
 # Identity is left to identity-elimination, which rewires to the constant instead of copying it.
-FOLDABLE_TYPES = frozenset(foldable_op_types()) - {"Identity"}
-FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in sorted(FOLDABLE_TYPES)))
-# Their outputs depend on the input's shape alone, which shape-fold may find fixed: what is
-# computed from them stays a candidate.
-SHAPE_READERS = {"Shape", "Size"}
-
-
-def constant_candidates(graph) -> list[int]:
-    """The foldable nodes none of whose inputs is known to vary: a graph input the caller feeds,
-    or computed from one (or from a node that is never folded). One look at each node, in
-    position order: a tensor whose producer comes later is not yet known to vary, so its reader
-    is tried rather than skipped."""
-    varying = {value.name for value in graph.feedable_inputs()}
-    found = []
-    for info in sorted(graph.nodes(), key=lambda info: graph.sort_key(info.id)):
-        proto = info.proto
-        if varying.isdisjoint(proto.input):
-            if is_foldable(info):  # an Identity too: not folded here, but its output may be constant
-                if proto.op_type in FOLDABLE_TYPES:
-                    found.append(info.id)
-                continue
-        elif proto.op_type in SHAPE_READERS and proto.domain in ("", "ai.onnx"):
-            continue
-        varying.update(proto.output)
-    return found
+FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
 
 
 @rule(
     "constant-fold",
     pattern=FOLDABLE(*[const(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
     phase=SIMPLIFY_PHASE,
-    candidates=constant_candidates,
 )
 def constant_fold(m: Match, b: Builder):
     """A node of constant inputs  =>  its value, as an initializer."""
