@@ -4,8 +4,10 @@ Exporters compute shapes, pads and index tensors in the graph; once their inputs
 these are constants, and a Pad or Reshape reading a constant is what the other rules (and
 onnxruntime's kernels) want to see. `Constant` nodes become initializers the same way.
 Values come from onnx's reference evaluator (fuser/constants.py). A result larger than both
-the constants it replaces and FOLD_BYTES stays a computation, so a ConstantOfShape that builds
-a large weight does not grow the file. Initializers a graph input can override (listed as
+the constants it frees and FOLD_BYTES stays a computation, so a ConstantOfShape that builds
+a large weight does not grow the file, nor does a Transpose of an embedding table that a Gather
+reads too (the LM head of a tied-embedding decoder's dynamo export): a constant another node
+or a subgraph still reads is not freed. Initializers a graph input can override (listed as
 inputs since IR 4) are not constants and are never folded.
 """
 
@@ -17,12 +19,32 @@ import operator
 from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, used
 
 from fuser import Builder, Match, const, op, rule
-
+from fuser.graph import SUBGRAPH_SLOT
 
 MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they are
 
 # Identity is left to identity-elimination, which rewires to the constant instead of copying it.
 FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
+
+
+def frees(graph, tensor: str, reader: int) -> bool:
+    """Whether folding `reader` away frees `tensor` and everything it is computed from: nothing
+    else reads them (no other node, subgraph or graph output), and they are not captured from an
+    outer scope."""
+    pending = [(tensor, reader)]
+    while pending:
+        name, node_id = pending.pop()
+        if any(consumer != node_id or slot == SUBGRAPH_SLOT for consumer, slot in graph.consumers(name)):
+            return False
+        kind = graph.source_kind(name)
+        if kind == "op":
+            producer = graph.node(graph.producer(name))
+            if any(o and o != name and graph.consumers(o) for o in producer.outputs):
+                return False
+            pending.extend((i, producer.id) for i in producer.inputs if i)
+        elif kind != "initializer":
+            return False
+    return True
 
 
 @rule(
@@ -33,9 +55,11 @@ FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldabl
 def constant_fold(m: Match, b: Builder):
     """A node of constant inputs  =>  its value, as an initializer."""
     node = m.node("node")
-    inputs = [m.value(f"input{i}") for i in range(len(node.inputs)) if node.inputs[i]]
-    given = sum(value.nbytes for value in inputs)
+    inputs = [(name, m.value(f"input{i}")) for i, name in enumerate(node.inputs) if name]
+    given = sum(value.nbytes for _, value in inputs)
     limit = None if node.op_type == "Constant" else max(FOLD_BYTES, given)
+    # A constant another node still reads stays beside the result: only what the fold frees pays for it.
+    freed = sum(value.nbytes for name, value in inputs if frees(m.graph, name, node.id))
     results = []
     for output in node.outputs:
         if not output:
@@ -52,6 +76,11 @@ def constant_fold(m: Match, b: Builder):
                 f"constant inputs ({given}) and {FOLD_BYTES}: it stays a computation",
             )
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
+        m.require(
+            limit is None or value.nbytes <= max(FOLD_BYTES, freed),
+            f"the result would take {value.nbytes} bytes, more than {FOLD_BYTES} and than the constants the fold "
+            f"frees ({freed}): the others are still read, and the model would hold both; it stays a computation",
+        )
         results.append(b.constant(value, "folded"))
     m.require(any(r is not None for r in results), "no output is used")
     return results

@@ -5,12 +5,12 @@ Numerics: every positive case runs both models in onnxruntime (graph optimizatio
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fuser.rules.constant_fold import constant_fold
 from fuser.rules.identity_elimination import identity_elimination
 from onnx import TensorProto, helper, numpy_helper
 
 import fuser
-from fuser.model import Model
 from tests.helpers import assert_declined, assert_rewritten, initializer_value, make_model
 
 RULE = "constant-fold"
@@ -100,6 +100,64 @@ def test_large_result_stays_a_computation():
     assert_declined(model, constant_fold, "it stays a computation", check=False)
 
 
+TABLE = np.random.default_rng(1).standard_normal((1000, 64)).astype(np.float32)  # 256 KB, above FOLD_BYTES
+
+
+def tied_head_model(*, gathered: bool, unsqueezed: bool = False):
+    """logits = h @ Transpose(table) (a decoder's LM head), the table also read by the embedding's
+    Gather when `gathered`; `unsqueezed` puts an Unsqueeze / Squeeze pair between them."""
+    head = "tt"
+    nodes = [helper.make_node("Transpose", ["table"], ["tt"], name="transpose", perm=[1, 0])]
+    if unsqueezed:
+        nodes += [
+            helper.make_node("Unsqueeze", ["tt", "axis"], ["tu"], name="unsqueeze"),
+            helper.make_node("Squeeze", ["tu", "axis"], ["ts"], name="squeeze"),
+        ]
+        head = "ts"
+    inputs, outputs = [("h", np.float32, [3, 64])], [("logits", np.float32, [3, 1000])]
+    if gathered:
+        nodes.append(helper.make_node("Gather", ["table", "ids"], ["embedded"], name="embedding", axis=0))
+        inputs.append(("ids", np.int64, [3]))
+        outputs.append(("embedded", np.float32, [3, 64]))
+    nodes.append(helper.make_node("MatMul", ["h", head], ["logits"], name="head"))
+    constants = {"table": TABLE, "axis": np.array([0], np.int64)} if unsqueezed else {"table": TABLE}
+    return make_model(nodes, inputs, outputs, constants)
+
+
+def test_a_large_weight_read_only_by_the_fold_is_replaced_by_its_result():
+    feeds = {"h": np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)}
+    after, _ = assert_rewritten(
+        tied_head_model(gathered=False), [constant_fold], counts={RULE: 1}, expected_ops=["MatMul"], feeds=feeds
+    )
+    assert [list(t.dims) for t in after.graph.initializer if t.dims] == [[64, 1000]]
+
+
+@pytest.mark.parametrize("unsqueezed", [False, True])
+def test_a_large_weight_another_node_reads_is_not_copied(unsqueezed):
+    # A tied embedding: folding the head's Transpose would write the table twice.
+    model = tied_head_model(gathered=True, unsqueezed=unsqueezed)
+    assert_declined(model, constant_fold, "the model would hold both", check=False)
+
+
+def test_a_large_weight_captured_by_branches_is_not_copied_into_each():
+    # Each branch of the If would fold its own Transpose of the outer table: two copies of it.
+    def branch(name, op_type):
+        nodes = [helper.make_node("Transpose", ["table"], [f"{name}_t"], perm=[1, 0])]
+        nodes.append(helper.make_node(op_type, [f"{name}_t"], [f"{name}_out"]))
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [64, 1000])
+        return helper.make_graph(nodes, name, [], [out])
+
+    nodes = [
+        helper.make_node(
+            "If", ["flag"], ["chosen"], then_branch=branch("then", "Neg"), else_branch=branch("other", "Abs")
+        )
+    ]
+    model = make_model(nodes, [("flag", np.bool_, [])], [("chosen", np.float32, [64, 1000])], {"table": TABLE})
+    after, report = fuser.optimize(model, rules=[constant_fold], check=False)
+    assert report.counts == {}
+    assert after.SerializeToString() == model.SerializeToString()
+
+
 def test_initializer_a_graph_input_can_override_is_not_folded():
     nodes = [helper.make_node("Neg", ["c"], ["n"]), helper.make_node("Add", ["x", "n"], ["y"])]
     model = make_model(
@@ -151,13 +209,18 @@ def test_a_shape_folded_into_a_graph_outputs_copy_lets_what_reads_it_fold():
     nodes = [
         helper.make_node("ReduceSum", ["c0"], ["r"], name="reduce", keepdims=0),
         helper.make_node("Shape", ["x"], ["s"], name="shape"),
-        helper.make_node("ConstantOfShape", ["s"], ["c0"], name="fill", value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+        helper.make_node(
+            "ConstantOfShape", ["s"], ["c0"], name="fill", value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])
+        ),
     ]
     graph = helper.make_graph(
         nodes,
         "out_of_order",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64, 5])],
-        [helper.make_tensor_value_info("r", TensorProto.FLOAT, []), helper.make_tensor_value_info("s", TensorProto.INT64, [3])],
+        [
+            helper.make_tensor_value_info("r", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("s", TensorProto.INT64, [3]),
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     from fuser.registry import builtin_rules
