@@ -196,6 +196,15 @@ def build(architecture: str):
     if base == "mpnet":
         return encoder(tf.MPNetModel, tf.MPNetConfig(**common, **sizes))
 
+    encoder_decoder = {
+        "d_model": HIDDEN,
+        "encoder_layers": LAYERS,
+        "decoder_layers": LAYERS,
+        "encoder_attention_heads": HEADS,
+        "decoder_attention_heads": HEADS,
+        "encoder_ffn_dim": FFN,
+        "decoder_ffn_dim": FFN,
+    }
     if base in ("t5", "bart"):
         if base == "t5":
             config = tf.T5Config(
@@ -213,13 +222,7 @@ def build(architecture: str):
         else:
             config = tf.BartConfig(
                 **common,
-                d_model=HIDDEN,
-                encoder_layers=LAYERS,
-                decoder_layers=LAYERS,
-                encoder_attention_heads=HEADS,
-                decoder_attention_heads=HEADS,
-                encoder_ffn_dim=FFN,
-                decoder_ffn_dim=FFN,
+                **encoder_decoder,
                 max_position_embeddings=MAX_POSITIONS,
                 use_cache=False,
             )
@@ -238,13 +241,7 @@ def build(architecture: str):
         config = tf.WhisperConfig(
             **common,
             num_mel_bins=mel_bins,
-            d_model=HIDDEN,
-            encoder_layers=LAYERS,
-            decoder_layers=LAYERS,
-            encoder_attention_heads=HEADS,
-            decoder_attention_heads=HEADS,
-            encoder_ffn_dim=FFN,
-            decoder_ffn_dim=FFN,
+            **encoder_decoder,
             max_source_positions=source_positions,
             max_target_positions=MAX_POSITIONS,
             pad_token_id=0,
