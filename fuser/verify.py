@@ -591,9 +591,9 @@ def shape_candidates(
     dims (`past_sequence + sequence`; the dims a sum names are its parts, not lone), then each
     sum of two other dims' sizes.
 
-    An unnamed dim past the first axis may be a batch too: a recurrent state is [layers, batch,
-    hidden] (Silero VAD's `state` is [2, '', 128]). Where the sizes chosen fail, each unnamed
-    dim in turn next takes 1.
+    An unnamed sequence-like dim may be a batch too: a recurrent state is [layers, batch, hidden]
+    (Silero VAD's `state` is [2, '', 128]). Where the sizes chosen fail, each unnamed dim in turn
+    next takes 1.
     """
     dims, shapes = dict(dims or {}), shapes or {}
     for spec in sess.get_inputs():

@@ -58,8 +58,6 @@ def constant_fold(m: Match, b: Builder):
     inputs = [(name, m.value(f"input{i}")) for i, name in enumerate(node.inputs) if name]
     given = sum(value.nbytes for _, value in inputs)
     limit = None if node.op_type == "Constant" else max(FOLD_BYTES, given)
-    # A constant another node still reads stays beside the result: only what the fold frees pays for it.
-    freed = sum(value.nbytes for name, value in inputs if frees(m.graph, name, node.id))
     results = []
     for output in node.outputs:
         if not output:
@@ -76,11 +74,15 @@ def constant_fold(m: Match, b: Builder):
                 f"constant inputs ({given}) and {FOLD_BYTES}: it stays a computation",
             )
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
-        m.require(
-            limit is None or value.nbytes <= max(FOLD_BYTES, freed),
-            f"the result would take {value.nbytes} bytes, more than {FOLD_BYTES} and than the constants the fold "
-            f"frees ({freed}): the others are still read, and the model would hold both; it stays a computation",
-        )
+        if limit is not None and value.nbytes > FOLD_BYTES:
+            # A constant another node still reads stays beside the result: only what the fold frees pays for it.
+            freed = sum(constant.nbytes for name, constant in inputs if frees(m.graph, name, node.id))
+            m.require(
+                value.nbytes <= freed,
+                f"the result would take {value.nbytes} bytes, more than {FOLD_BYTES} and than the constants the "
+                f"fold frees ({freed}): the others are still read, and the model would hold both; it stays a "
+                "computation",
+            )
         results.append(b.constant(value, "folded"))
     m.require(any(r is not None for r in results), "no output is used")
     return results
