@@ -22,6 +22,7 @@ from fuser import Builder, Match, const, op, rule
 from fuser.graph import SUBGRAPH_SLOT
 
 MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they are
+COPY_BYTES = 1 << 12  # shape arithmetic and other small results always fold
 
 # Identity is left to identity-elimination, which rewires to the constant instead of copying it.
 FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
@@ -45,6 +46,23 @@ def frees(graph, tensor: str, reader: int) -> bool:
         elif kind != "initializer":
             return False
     return True
+
+
+def stored_bytes(graph, tensors: list[str]) -> int:
+    """Bytes of the initializers and outer-scope captures that `tensors` are computed from."""
+    pending, seen, total = list(tensors), set(), 0
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        kind = graph.source_kind(name)
+        if kind == "op":
+            pending.extend(i for i in graph.node(graph.producer(name)).inputs if i)
+        elif kind in ("initializer", "outer"):
+            value = graph.constant_value(name)
+            total += 0 if value is None else value.nbytes
+    return total
 
 
 @rule(
@@ -74,14 +92,24 @@ def constant_fold(m: Match, b: Builder):
                 f"constant inputs ({given}) and {FOLD_BYTES}: it stays a computation",
             )
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
-        if limit is not None and value.nbytes > FOLD_BYTES:
+        if limit is not None and value.nbytes > COPY_BYTES:
             # A constant another node still reads stays beside the result: only what the fold frees pays for it.
             freed = sum(constant.nbytes for name, constant in inputs if frees(m.graph, name, node.id))
             m.require(
-                value.nbytes <= freed,
+                value.nbytes <= FOLD_BYTES or value.nbytes <= freed,
                 f"the result would take {value.nbytes} bytes, more than {FOLD_BYTES} and than the constants the "
                 f"fold frees ({freed}): the others are still read, and the model would hold both; it stays a "
                 "computation",
+            )
+            # Below FOLD_BYTES a fold may add data made from small constants (a causal mask from its
+            # shape), but not a second copy of a stored one that stays (a Slice of a weight both If
+            # branches read).
+            added = value.nbytes - freed
+            kept = stored_bytes(m.graph, [name for name, _ in inputs if not frees(m.graph, name, node.id)])
+            m.require(
+                added <= 0 or kept < added,
+                f"the result would add {added} bytes to the model, and the stored constants it is computed from "
+                f"that stay ({kept} bytes) could hold them all: it would copy them; it stays a computation",
             )
         results.append(b.constant(value, "folded"))
     m.require(any(r is not None for r in results), "no output is used")

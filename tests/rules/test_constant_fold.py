@@ -158,6 +158,61 @@ def test_a_large_weight_captured_by_branches_is_not_copied_into_each():
     assert after.SerializeToString() == model.SerializeToString()
 
 
+GATES = np.random.default_rng(3).standard_normal((4, 2048)).astype(np.float32)  # 32 KB, below FOLD_BYTES
+
+
+def test_a_small_slice_of_a_weight_another_node_reads_is_not_copied():
+    # Below FOLD_BYTES too: the slice would be a second copy of a quarter of a weight that stays.
+    nodes = [
+        helper.make_node("Slice", ["gates", "start", "end"], ["gate"], name="slice"),
+        helper.make_node("Mul", ["row", "gate"], ["y"]),
+        helper.make_node("MatMul", ["h", "gates"], ["z"]),
+    ]
+    constants = {"gates": GATES, "start": np.array([0], np.int64), "end": np.array([1], np.int64)}
+    inputs = [("row", np.float32, [3, 2048]), ("h", np.float32, [3, 4])]
+    model = make_model(nodes, inputs, [("y", np.float32, [3, 2048]), ("z", np.float32, [3, 2048])], constants)
+    assert_declined(model, constant_fold, "it would copy them", check=False)
+
+
+def test_slices_of_an_outer_weight_are_not_copied_into_each_branch():
+    # Silero VAD's LSTM: each branch of an If slices the gates its parent holds.
+    def branch(name, start):
+        nodes = [
+            helper.make_node("Slice", ["gates", f"{name}_start", f"{name}_end"], [f"{name}_gate"]),
+            helper.make_node("Neg", [f"{name}_gate"], [f"{name}_out"]),
+        ]
+        bounds = [
+            numpy_helper.from_array(np.array([start], np.int64), f"{name}_start"),
+            numpy_helper.from_array(np.array([start + 2], np.int64), f"{name}_end"),
+        ]
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2, 2048])
+        return helper.make_graph(nodes, name, [], [out], initializer=bounds)
+
+    nodes = [helper.make_node("If", ["flag"], ["chosen"], then_branch=branch("then", 0), else_branch=branch("other", 2))]
+    model = make_model(nodes, [("flag", np.bool_, [])], [("chosen", np.float32, [2, 2048])], {"gates": GATES})
+    after, report = fuser.optimize(model, rules=[constant_fold], check=False)
+    assert report.counts == {}
+    assert after.ByteSize() == model.ByteSize()
+
+
+def test_a_mask_made_from_a_shape_another_node_reads_still_folds():
+    # 64 KB from a 16-byte shape the Reshape keeps: new data, not a copy, within FOLD_BYTES. Whether
+    # the ConstantOfShape folds on its own or not, the Trilu's fold copies nothing stored.
+    nodes = [
+        helper.make_node(
+            "ConstantOfShape", ["shape"], ["mask"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [-1.0])
+        ),
+        helper.make_node("Trilu", ["mask"], ["causal"], upper=1),
+        helper.make_node("Reshape", ["x", "shape"], ["xr"]),
+        helper.make_node("Add", ["xr", "causal"], ["y"]),
+    ]
+    x = np.random.default_rng(4).standard_normal((128, 128)).astype(np.float32)
+    model = make_model(
+        nodes, [("x", np.float32, [128, 128])], [("y", np.float32, [128, 128])], {"shape": np.array([128, 128], np.int64)}
+    )
+    assert_rewritten(model, [constant_fold], expected_ops=["Reshape", "Add"], feeds={"x": x})
+
+
 def test_initializer_a_graph_input_can_override_is_not_folded():
     nodes = [helper.make_node("Neg", ["c"], ["n"]), helper.make_node("Add", ["x", "n"], ["y"])]
     model = make_model(
