@@ -10,7 +10,7 @@ all against one onnxruntime session of the original and one set of inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import onnx
 
@@ -42,7 +42,7 @@ def rewrite_and_check(
     rules: list[Rule],
     checker: Checker,
     limit: int | None,
-    vetoed: set[tuple],
+    vetoed: dict[tuple, str],
     context: Context | None = None,
 ) -> Attempt:
     model = Model(original, base_dir=base_dir)
@@ -67,13 +67,14 @@ def find_guilty(
     told the checks made, out of those known to be needed (more follow for each further guilty rewrite)."""
     progress = progress or silent
     blame = Blame()
-    vetoed: set[tuple] = set()
+    vetoed: dict[tuple, str] = {}
     known_good = 0  # a prefix of this many rewrites passes
     attempt = failing
     while not attempt.verdict.passed:
         low, high = known_good, len(attempt.result.rewrites)
         if high == 0:
             break  # nothing left to blame: the mismatch is not caused by a rewrite
+        failed = attempt.verdict  # of the shortest prefix known to fail
         while high - low > 1:
             progress("blame", blame.checks, blame.checks + (high - low - 1).bit_length() + 1)
             middle = (low + high) // 2
@@ -82,10 +83,11 @@ def find_guilty(
             if probe.verdict.passed:
                 low = middle
             else:
-                high = middle
-        culprit = attempt.result.rewrites[high - 1]
+                high, failed = middle, probe.verdict
+        failure = "onnxruntime could not load the model with it" if failed.load_error else "it failed the numerics check"
+        culprit = replace(attempt.result.rewrites[high - 1], failure=failure)
         blame.guilty.append(culprit)
-        vetoed.add(culprit.key)
+        vetoed[culprit.key] = failure
         known_good = high - 1
         progress("blame", blame.checks, blame.checks + 1)
         attempt = rewrite_and_check(original, base_dir, rules, checker, None, vetoed, context)

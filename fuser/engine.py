@@ -34,6 +34,7 @@ class Rewrite:
     scope: str
     matched: list[str]
     created: list[str]
+    failure: str | None = None  # why blame left it out (blamed and dropped rewrites only)
 
     @property
     def key(self) -> tuple:
@@ -41,13 +42,14 @@ class Rewrite:
         return (self.rule, self.scope, tuple(self.matched))
 
     def to_dict(self) -> dict:
-        return {
+        fields = {
             "index": self.index,
             "rule": self.rule,
             "scope": self.scope,
             "matched": self.matched,
             "created": self.created,
         }
+        return fields if self.failure is None else {**fields, "failure": self.failure}
 
 
 @dataclass
@@ -148,19 +150,19 @@ class Engine:
         max_rewrites: int | None = None,
         trace: bool = False,
         limit: int | None = None,
-        vetoed: set[tuple] = frozenset(),
+        vetoed: dict[tuple, str] | None = None,
         progress: Progress | None = None,
         context: Context | None = None,
     ):
         """limit: stop after this many rewrites (a prefix of the full run, for blame);
-        vetoed: keys of rewrites (Rewrite.key) never to apply; progress: told the nodes visited;
+        vetoed: keys of rewrites (Rewrite.key) never to apply, each with why; progress: told the nodes visited;
         context: what the rules may know about the machine (default: this machine's, fuser/context.py)."""
         self.model = model
         self._visits = Ticker(progress, "rewrite")
         self.context = context if context is not None else resolve_context()
         self.trace = trace
         self.limit = limit
-        self.vetoed = set(vetoed)
+        self.vetoed = dict(vetoed or {})
         self._advised: set[tuple] = set()
         self._declined_keys: set[tuple] = set()
         self._swept: dict[tuple, int] = {}  # (scope graph, phase) -> rewrites logged when its sweeps last ran
@@ -329,8 +331,9 @@ class Engine:
             [graph.node(n).label for n in nodes] + [old for old, _ in change.redirects] + list(change.initializers)
         )
         created = [new for _, new in change.redirects] + [value.name for value in change.values]
-        if self.vetoed and (candidate.name, scope, tuple(matched)) in self.vetoed:
-            self._record_decline(candidate, scope, matched, "dropped: it failed the numerics check")
+        failure = self.vetoed.get((candidate.name, scope, tuple(matched))) if self.vetoed else None
+        if failure is not None:
+            self._record_decline(candidate, scope, matched, f"dropped: {failure}")
             return set()
         problem = _change_problem(graph, change)
         if problem is not None:
@@ -510,9 +513,10 @@ class Engine:
         self.result.declined.append(Declined(candidate.name, scope, where, reason, nodes, source))
 
     def _vetoed(self, candidate: Rule, scope: str, match: Match) -> bool:
-        if not self.vetoed or (candidate.name, scope, tuple(n.label for n in match.nodes)) not in self.vetoed:
+        failure = self.vetoed.get((candidate.name, scope, tuple(n.label for n in match.nodes))) if self.vetoed else None
+        if failure is None:
             return False
-        self._decline(candidate, scope, match, "dropped: it failed the numerics check")
+        self._decline(candidate, scope, match, f"dropped: {failure}")
         return True
 
     def _advise(self, candidate: Rule, scope: str, match: Match) -> None:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from fuser.measure import Timing
     from fuser.verify import Verdict
 
-SCHEMA_VERSION = 5  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
-# 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors)
+SCHEMA_VERSION = 6  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
+# 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors);
+# 6: blamed and dropped rewrites say why (`failure`)
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -174,6 +175,7 @@ REPORT_SCHEMA = {
                 "scope": {"type": "string"},
                 "matched": {"type": "array", "items": {"type": "string"}},
                 "created": {"type": "array", "items": {"type": "string"}},
+                "failure": {"type": "string"},
             },
         },
         "decline": {
@@ -298,7 +300,7 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
         lines.append(f"NCHWc block: {result.context.nchwc_block or 'none (onnxruntime here has no NCHWc kernels)'}")
     lines += [f"  note: {note}" for note in result.notes]
     for rewrite in result.dropped:
-        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: it failed the numerics check")
+        lines.append(f"  dropped {rewrite.rule} on {', '.join(rewrite.matched)}: {rewrite.failure}")
     if verbose:
         for rewrite in result.rewrites:
             lines.append(
@@ -453,7 +455,9 @@ def markdown(report: dict, title: str | None = None) -> str:
             lines.append("")
     for key, title in (("blamed", "Blamed rewrites"), ("dropped", "Dropped rewrites")):
         if report.get(key):
-            lines += [f"{title}:", ""] + [f"- `{r['rule']}` on {', '.join(r['matched'])}" for r in report[key]] + [""]
+            lines += [f"{title}:", ""]
+            lines += [f"- `{r['rule']}` on {', '.join(r['matched'])}" + (f": {r['failure']}" if r.get("failure") else "") for r in report[key]]
+            lines += [""]
     declines = report.get("declines") or []
     if declines:
         reasons = Counter((d["rule"], d["reason"]) for d in declines)

@@ -42,6 +42,22 @@ def bn_fold_wrong_epsilon(m, b):
 '''
 
 
+UNLOADABLE_RULE = '''
+import numpy as np
+from fuser import op, rule, var
+
+
+@rule(
+    "bn-squeeze-wrong",
+    pattern=op.BatchNormalization(var("x"), var("scale"), var("beta"), var("mean"), var("var"),
+                                  name="bn", epsilon=lambda e: e is not None and e > 0.1),
+)
+def bn_squeeze_wrong(m, b):
+    """BatchNormalization => a Squeeze of its 4 channels (onnxruntime refuses to load it)."""
+    return b.Squeeze(m["x"], np.array([1], np.int64))
+'''
+
+
 def chain_model(seed: int = 0) -> onnx.ModelProto:
     """Conv-BN-Relu blocks; every ninth block's BN has epsilon 0.5."""
     rng = np.random.default_rng(seed)
@@ -86,6 +102,16 @@ def wrong_rule(tmp_path_factory):
     return path, rule
 
 
+@pytest.fixture(scope="module")
+def unloadable_rule(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rules") / "unloadable_rule.py"
+    path.write_text(textwrap.dedent(UNLOADABLE_RULE))
+    from fuser.registry import load_rule_file
+
+    (rule,) = load_rule_file(path)
+    return path, rule
+
+
 def bad_bn_names(model) -> set[str]:
     return {
         n.name
@@ -122,6 +148,18 @@ def test_drop_keeps_every_correct_rewrite_and_passes(wrong_rule):
     assert "BatchNormalization" not in {n.op_type for n in optimized.graph.node}
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 4, 8, 8)).astype(np.float32)}
     assert_same_outputs(model, optimized, feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_each_dropped_rewrite_says_why(wrong_rule, unloadable_rule):
+    model = chain_model()
+    _, report = fuser.optimize(model, rules=[wrong_rule[1]], on_mismatch="drop", trace=True)
+    assert {r.failure for r in report.dropped} == {"it failed the numerics check"}
+    _, report = fuser.optimize(model, rules=[unloadable_rule[1]], on_mismatch="drop", trace=True)
+    assert len(report.dropped) == BAD_BLOCKS
+    assert {r.failure for r in report.dropped} == {"onnxruntime could not load the model with it"}
+    assert report.to_dict()["dropped"][0]["failure"] == "onnxruntime could not load the model with it"
+    reasons = {d.reason for d in report.engine.declined if d.rule == "bn-squeeze-wrong"}
+    assert reasons == {"dropped: onnxruntime could not load the model with it"}
 
 
 def test_drop_without_a_correct_alternative_leaves_the_nodes(wrong_rule):
