@@ -68,7 +68,7 @@ ORDER = [
     "residual_add_relu",
     # onnxruntime's NCHWc layout (phase 1): convolutions, then the reorders between them
     # cancel and activations, residual Adds, pools, Concat and BatchNormalization follow into
-    # the blocked layout. An activation goes into its convolution (nchwc-activation) before it
+    # the blocked layout, and so does a Resize by whole factors. An activation goes into its convolution (nchwc-activation) before it
     # is carried as an operator of its own (nchwc-elementwise), a residual Add becomes the Sum
     # input (nchwc-conv-add) before it runs on blocked tensors (nchwc-binary). nchwc-region
     # roots at the convolutions like nchwc-conv and comes after it: it reports the ones left
@@ -79,6 +79,7 @@ ORDER = [
     "nchwc_conv_add",
     "nchwc_pool",
     "nchwc_concat",
+    "nchwc_upsample",
     "nchwc_batchnorm",
     "nchwc_elementwise",
     "nchwc_binary",

@@ -1,6 +1,6 @@
 """Tests for the onnxruntime-target NCHWc layout rules (rules/_nchwc.py, rules/nchwc_*.py):
 nchwc-conv, nchwc-fused-conv, nchwc-reorder-cancel, nchwc-activation, nchwc-pool,
-nchwc-pool-input, nchwc-concat and nchwc-batchnorm.
+nchwc-pool-input, nchwc-concat, nchwc-upsample and nchwc-batchnorm.
 
 Every positive test builds a small model with seeded random weights, optimizes it with all
 built-in rules for `target="onnxruntime"`, checks the structure of the result (which ops in
@@ -699,6 +699,113 @@ def test_concat_part_that_is_also_a_graph_output():
     after, report = optimize_and_compare(model)
     assert report.counts["nchwc-concat"] == 1
     assert {n.output[0] for n in nchwc_nodes(after, "ReorderOutput")} == {"a", "y"}
+
+
+# ---------------------------------------------------------------------------- upsample
+
+
+def _resize(net: Net, x: str, spelling: str, factors=(2, 2), channels: int = 2 * B, **attrs) -> str:
+    """x resized by `factors` on H and W, spelled as an exporter of that opset writes it."""
+    scales = net.const(net.name("scales"), np.array([1, 1, *factors], np.float32))
+    if spelling == "upsample-9":
+        return net.add("Upsample", x, scales, mode=attrs.pop("mode", "nearest"), **attrs)
+    if spelling == "resize-10":
+        return net.add("Resize", x, scales, **attrs)
+    if spelling == "resize-11":  # an empty roi tensor, as the legacy exporter writes at 11 and 12
+        return net.add("Resize", x, net.const(net.name("roi"), np.zeros(0, np.float32)), scales, **attrs)
+    if spelling == "sizes":
+        sizes = net.const(net.name("sizes"), np.array([1, channels, 6 * factors[0], 7 * factors[1]], np.int64))
+        return net.add("Resize", x, "", "", sizes, **attrs)
+    return net.add("Resize", x, "", scales, **attrs)
+
+
+def _neck(spelling: str, opset: int, *, factors=(2, 2), channels: int = 2 * B, **attrs) -> onnx.ModelProto:
+    """A detector's neck: conv -> Resize -> Concat with a conv of the larger map -> conv."""
+    net = Net(41)
+    small = net.add("Relu", net.conv("x", 2 * B, channels, strides=[2, 2]))
+    small = net.add("Relu", net.conv(small, channels, channels))
+    up = _resize(net, small, spelling, factors, channels, **attrs)
+    large = net.add("Relu", net.conv("x", 2 * B, 2 * B))
+    if tuple(factors) == (2, 2):
+        joined = net.add("Concat", up, large, axis=1)
+        net.conv(joined, channels + 2 * B, B, kernel=1, output="y")
+    else:
+        net.conv(up, channels, B, kernel=1, output="y")
+    return net.model([("x", [1, 2 * B, 12, 14])], ["y"], opset=opset)
+
+
+NEAREST = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+UPSAMPLES = [
+    ("resize-13", 17, (2, 2), NEAREST, None),  # both torch exporters' nn.Upsample(mode="nearest")
+    ("resize-13", 18, (2, 2), {**NEAREST, "antialias": 0, "keep_aspect_ratio_policy": "stretch"}, None),
+    ("resize-11", 11, (2, 2), NEAREST, None),
+    ("resize-10", 10, (2, 2), {"mode": "nearest"}, None),
+    ("upsample-9", 9, (2, 2), {}, None),
+    ("resize-13", 13, (3, 2), {}, None),  # Resize's defaults: half_pixel, round_prefer_floor
+    ("resize-13", 13, (3, 4), {"nearest_mode": "round_prefer_ceil"}, None),
+    ("sizes", 13, (2, 2), NEAREST, None),
+    ("resize-13", 17, (2, 2), {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, "half_pixel"),
+    ("resize-13", 17, (2, 3), {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, "align_corners"),
+    ("resize-13", 17, (2, 2), {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}, "asymmetric"),
+    ("resize-13", 17, (3, 1), {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, "half_pixel"),
+]
+
+
+@pytest.mark.parametrize(
+    "spelling,opset,factors,attrs,linear",
+    UPSAMPLES,
+    ids=[f"{u[0]}-{u[1]}-{u[3].get('mode', '')}-{i}" for i, u in enumerate(UPSAMPLES)],
+)
+def test_upsample_by_whole_factors_stays_blocked(spelling, opset, factors, attrs, linear):
+    """A Resize of a NCHWc result by whole factors runs as NCHWc Upsample (nchwc-upsample),
+    and the Concat after it joins blocked tensors."""
+    after, report = optimize_and_compare(_neck(spelling, opset, factors=factors, **attrs))
+    assert report.counts["nchwc-upsample"] == 1
+    (upsample,) = nchwc_nodes(after, "Upsample")
+    assert attrs_of(upsample)["scales"] == [1, 1, *factors]
+    if linear:
+        assert attrs_of(upsample)["mode"] == "linear"
+        assert attrs_of(upsample)["coordinate_transformation_mode"] == linear
+    else:
+        assert "mode" not in attrs_of(upsample)
+    assert nodes_of(after, "Resize") == [] and nodes_of(after, "Upsample") == [upsample]
+    if factors == (2, 2):
+        assert report.counts["nchwc-concat"] == 1
+    assert len(nchwc_nodes(after, "ReorderOutput")) == 1
+
+
+def test_upsample_of_channels_not_a_multiple_of_the_block():
+    """The padding channels are repeated with the rest and dropped by the last reorder."""
+    after, report = optimize_and_compare(_neck("resize-13", 17, factors=(2, 3), channels=HALF, **NEAREST))
+    assert report.counts["nchwc-upsample"] == 1
+    (upsample,) = nchwc_nodes(after, "Upsample")
+    assert upsample.input[0] == nchwc_nodes(after, "Conv")[1].output[0]
+
+
+UPSAMPLE_DECLINES = [
+    ((1.5, 2), NEAREST, "not whole numbers"),
+    ((3, 3), {**NEAREST, "nearest_mode": "round_prefer_ceil"}, "does not repeat each pixel"),
+    ((2, 2), {**NEAREST, "coordinate_transformation_mode": "half_pixel"}, "does not repeat each pixel"),
+    ((2, 2), {"mode": "cubic"}, "cubic interpolation"),
+    ((2, 2), {"mode": "linear", "coordinate_transformation_mode": "tf_half_pixel_for_nn"}, "no tf_half_pixel_for_nn"),
+]
+
+
+@pytest.mark.parametrize("factors,attrs,reason", UPSAMPLE_DECLINES, ids=[d[2] for d in UPSAMPLE_DECLINES])
+def test_upsample_the_kernel_would_compute_differently_stays_plain(factors, attrs, reason):
+    model = _neck("resize-13", 17, factors=factors, **attrs)
+    after, report = optimize_and_compare(model, trace=True)
+    assert nchwc_nodes(after, "Upsample") == []
+    assert any(reason in r for r in declines(report, "nchwc-upsample")), declines(report, "nchwc-upsample")
+
+
+def test_upsample_of_the_channel_axis_stays_plain():
+    net = Net(42)
+    scales = net.const("scales", np.array([1, 2, 2, 2], np.float32))
+    net.add("Resize", net.add("Relu", net.conv("x", 2 * B, 2 * B)), "", scales, output="y", **NEAREST)
+    after, report = optimize_and_compare(net.model([("x", [1, 2 * B, 6, 6])], ["y"], opset=17), trace=True)
+    assert nchwc_nodes(after, "Upsample") == []
+    assert any("batch or channel axis" in r for r in declines(report, "nchwc-upsample"))
 
 
 # ------------------------------------------------------------------------- batchnorm
