@@ -50,11 +50,14 @@ def _factors(m: Match) -> list[int]:
     else:
         scales, sizes = inputs[2], inputs[3]
     m.require(m.attr("resize", "axes") is None, "Resize names its axes")
-    if scales:
-        value = m.graph.constant_value(scales)
-        m.require(value is not None and value.size == 4, "the scales are not a constant of 4 factors")
-        factors = [float(f) for f in value]
-    else:
+    given = m.graph.constant_value(scales) if scales else None
+    m.require(not scales or given is not None, "the scales are not a constant")
+    if given is not None and given.size:
+        m.require(given.size == 4, "the scales are not 4 factors")
+        factors = [float(f) for f in given]
+    else:  # no scales, or the empty tensor the exporters write for opsets 11 and 12 beside sizes
+        policy = _text(m.attr("resize", "keep_aspect_ratio_policy"), "stretch")
+        m.require(policy == "stretch", f"the sizes are read with keep_aspect_ratio_policy {policy}")
         value = m.graph.constant_value(sizes) if sizes else None
         shape = m.shape_of(resize.inputs[0])
         m.require(value is not None and value.size == 4, "neither scales nor sizes are a constant of 4 values")

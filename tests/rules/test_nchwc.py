@@ -713,8 +713,11 @@ def _resize(net: Net, x: str, spelling: str, factors=(2, 2), channels: int = 2 *
         return net.add("Resize", x, scales, **attrs)
     if spelling == "resize-11":  # an empty roi tensor, as the legacy exporter writes at 11 and 12
         return net.add("Resize", x, net.const(net.name("roi"), np.zeros(0, np.float32)), scales, **attrs)
-    if spelling == "sizes":
+    if spelling in ("sizes", "sizes-11"):  # at opset 11 and 12, beside an empty roi and empty scales
         sizes = net.const(net.name("sizes"), np.array([1, channels, 6 * factors[0], 7 * factors[1]], np.int64))
+        if spelling == "sizes-11":
+            empty = net.const(net.name("empty"), np.zeros(0, np.float32))
+            return net.add("Resize", x, empty, empty, sizes, **attrs)
         return net.add("Resize", x, "", "", sizes, **attrs)
     return net.add("Resize", x, "", scales, **attrs)
 
@@ -744,6 +747,7 @@ UPSAMPLES = [
     ("resize-13", 13, (3, 2), {}, None),  # Resize's defaults: half_pixel, round_prefer_floor
     ("resize-13", 13, (3, 4), {"nearest_mode": "round_prefer_ceil"}, None),
     ("sizes", 13, (2, 2), NEAREST, None),
+    ("sizes-11", 11, (3, 2), NEAREST, None),
     ("resize-13", 17, (2, 2), {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}, "half_pixel"),
     ("resize-13", 17, (2, 3), {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, "align_corners"),
     ("resize-13", 17, (2, 2), {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}, "asymmetric"),
@@ -797,6 +801,14 @@ def test_upsample_the_kernel_would_compute_differently_stays_plain(factors, attr
     after, report = optimize_and_compare(model, trace=True)
     assert nchwc_nodes(after, "Upsample") == []
     assert any(reason in r for r in declines(report, "nchwc-upsample")), declines(report, "nchwc-upsample")
+
+
+def test_upsample_to_sizes_that_keep_the_aspect_ratio_stays_plain():
+    # not_larger reads sizes [12, 21] of a 6x7 map as a factor of 2 on both axes, not 2 and 3.
+    model = _neck("sizes", 18, factors=(2, 3), keep_aspect_ratio_policy="not_larger", **NEAREST)
+    after, report = optimize_and_compare(model, trace=True)
+    assert nchwc_nodes(after, "Upsample") == []
+    assert any("keep_aspect_ratio_policy not_larger" in r for r in declines(report, "nchwc-upsample"))
 
 
 def test_upsample_of_the_channel_axis_stays_plain():
