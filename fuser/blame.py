@@ -84,7 +84,7 @@ def find_guilty(
                 low = middle
             else:
                 high, failed = middle, probe.verdict
-        failure = "onnxruntime could not load the model with it" if failed.load_error else "it failed the numerics check"
+        failure = "onnxruntime could not load or run the model with it" if failed.load_error else "it failed the numerics check"
         culprit = replace(attempt.result.rewrites[high - 1], failure=failure)
         blame.guilty.append(culprit)
         vetoed[culprit.key] = failure

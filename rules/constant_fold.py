@@ -76,7 +76,7 @@ def constant_fold(m: Match, b: Builder):
     inputs = [(name, m.value(f"input{i}")) for i, name in enumerate(node.inputs) if name]
     given = sum(value.nbytes for _, value in inputs)
     limit = None if node.op_type == "Constant" else max(FOLD_BYTES, given)
-    results = []
+    results, freeing = [], None
     for output in node.outputs:
         if not output:
             continue
@@ -94,7 +94,9 @@ def constant_fold(m: Match, b: Builder):
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
         if limit is not None and value.nbytes > COPY_BYTES:
             # A constant another node still reads stays beside the result: only what the fold frees pays for it.
-            freed = sum(constant.nbytes for name, constant in inputs if frees(m.graph, name, node.id))
+            if freeing is None:
+                freeing = {name: frees(m.graph, name, node.id) for name, _ in inputs}
+            freed = sum(constant.nbytes for name, constant in inputs if freeing[name])
             m.require(
                 value.nbytes <= FOLD_BYTES or value.nbytes <= freed,
                 f"the result would take {value.nbytes} bytes, more than {FOLD_BYTES} and than the constants the "
@@ -105,11 +107,11 @@ def constant_fold(m: Match, b: Builder):
             # shape), but not a second copy of a stored one that stays (a Slice of a weight both If
             # branches read).
             added = value.nbytes - freed
-            kept = stored_bytes(m.graph, [name for name, _ in inputs if not frees(m.graph, name, node.id)])
+            kept = stored_bytes(m.graph, [name for name, _ in inputs if not freeing[name]])
             m.require(
                 added <= 0 or kept < added,
                 f"the result would add {added} bytes to the model, and the stored constants it is computed from "
-                f"that stay ({kept} bytes) could hold them all: it would copy them; it stays a computation",
+                f"that stay hold {kept} (as many or more): it is likely a copy of them; it stays a computation",
             )
         results.append(b.constant(value, "folded"))
     m.require(any(r is not None for r in results), "no output is used")

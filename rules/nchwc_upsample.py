@@ -12,25 +12,30 @@ kernel knows.
 
 from __future__ import annotations
 
+import math
+
 from fuser import Builder, Match, op, rule, var
 from fuser.rules._nchwc import EMITS, NCHWC, channels_of, nchwc, reorder_output
 
-# (coordinate_transformation_mode, nearest_mode) pairs under which nearest Resize by an integer
-# factor s reads input pixel o // s: asymmetric o / s floored, or half_pixel's (o + 0.5) / s - 0.5,
-# which lies strictly within half a pixel of o // s and so rounds to it either way.
+# With a whole factor s, output pixel o = k * s + r (0 <= r < s) maps to k + r / s (asymmetric),
+# k + (r + 0.5) / s (tf_half_pixel_for_nn) or k + (r + 0.5) / s - 0.5 (half_pixel; and
+# pytorch_half_pixel and half_pixel_symmetric, which differ from it only for outputs of length 1
+# or of a size that is not a whole multiple). These (coordinate_transformation_mode, nearest_mode)
+# pairs round all of them to k, so nearest Resize repeats each pixel.
 REPEATING = {
     ("asymmetric", "floor"),
-    ("half_pixel", "round_prefer_floor"),
-    ("half_pixel", "round_prefer_ceil"),
-    ("pytorch_half_pixel", "round_prefer_floor"),
-    ("pytorch_half_pixel", "round_prefer_ceil"),
+    ("tf_half_pixel_for_nn", "floor"),
+    *(
+        (half, rounding)
+        for half in ("half_pixel", "pytorch_half_pixel", "half_pixel_symmetric")
+        for rounding in ("round_prefer_floor", "round_prefer_ceil")
+    ),
 }
-# Coordinate modes of linear Resize the NCHWc kernel computes; pytorch_half_pixel differs from
-# half_pixel only for an output of length 1, which a factor of at least 1 gives only where the
-# two agree (a length-1 input, unscaled).
+# Coordinate modes of linear Resize the NCHWc kernel computes, by the name it knows them by.
 LINEAR_MODES = {
     "half_pixel": "half_pixel",
     "pytorch_half_pixel": "half_pixel",
+    "half_pixel_symmetric": "half_pixel",
     "align_corners": "align_corners",
     "asymmetric": "asymmetric",
 }
@@ -44,31 +49,37 @@ def _factors(m: Match) -> list[int]:
     """The per-axis factors, from the scales (or the sizes and the input's shape); declines
     unless they are whole numbers, 1 on the batch and channel axes."""
     resize = m.node("resize")
+    m.require(m.attr("resize", "axes") is None, "Resize names its axes")
+    attribute = m.attr("resize", "scales") if resize.op_type == "Upsample" else None  # Upsample before opset 9
+    factors = [float(f) for f in attribute] if attribute is not None else _given_factors(m, resize)
+    m.require(len(factors) == 4, "the scales are not 4 factors")
+    m.require(
+        all(math.isfinite(f) and f >= 1 and f == int(f) for f in factors),
+        f"the factors {factors} are not whole numbers",
+    )
+    m.require(factors[0] == 1 and factors[1] == 1, "it resizes the batch or channel axis")
+    return [int(f) for f in factors]
+
+
+def _given_factors(m: Match, resize) -> list[float]:
     inputs = resize.inputs + [""] * 4
     if resize.op_type == "Upsample" or m.opset < 11:
         scales, sizes = inputs[1], ""
     else:
         scales, sizes = inputs[2], inputs[3]
-    m.require(m.attr("resize", "axes") is None, "Resize names its axes")
     given = m.graph.constant_value(scales) if scales else None
     m.require(not scales or given is not None, "the scales are not a constant")
     if given is not None and given.size:
-        m.require(given.size == 4, "the scales are not 4 factors")
-        factors = [float(f) for f in given]
-    else:  # no scales, or the empty tensor the exporters write for opsets 11 and 12 beside sizes
-        policy = _text(m.attr("resize", "keep_aspect_ratio_policy"), "stretch")
-        m.require(policy == "stretch", f"the sizes are read with keep_aspect_ratio_policy {policy}")
-        value = m.graph.constant_value(sizes) if sizes else None
-        shape = m.shape_of(resize.inputs[0])
-        m.require(value is not None and value.size == 4, "neither scales nor sizes are a constant of 4 values")
-        m.require(
-            shape is not None and all(isinstance(d, int) and d > 0 for d in shape), "the input's size is not fixed"
-        )
-        m.require(all(s % d == 0 for s, d in zip(value.tolist(), shape)), "the sizes are not whole multiples")
-        factors = [float(s // d) for s, d in zip(value.tolist(), shape)]
-    m.require(all(f >= 1 and f == int(f) for f in factors), f"the factors {factors} are not whole numbers")
-    m.require(factors[0] == 1 and factors[1] == 1, "it resizes the batch or channel axis")
-    return [int(f) for f in factors]
+        return [float(f) for f in given]
+    # No scales, or the empty tensor the exporters write for opsets 11 and 12 beside sizes.
+    policy = _text(m.attr("resize", "keep_aspect_ratio_policy"), "stretch")
+    m.require(policy == "stretch", f"the sizes are read with keep_aspect_ratio_policy {policy}")
+    value = m.graph.constant_value(sizes) if sizes else None
+    shape = m.shape_of(resize.inputs[0])
+    m.require(value is not None and value.size == 4, "neither scales nor sizes are a constant of 4 values")
+    m.require(shape is not None and all(isinstance(d, int) and d > 0 for d in shape), "the input's size is not fixed")
+    m.require(all(s % d == 0 for s, d in zip(value.tolist(), shape)), "the sizes are not whole multiples")
+    return [float(s // d) for s, d in zip(value.tolist(), shape)]
 
 
 def _mode_attrs(m: Match) -> dict:
@@ -85,8 +96,9 @@ def _mode_attrs(m: Match) -> dict:
                 f"nearest with {coordinates} coordinates and {rounding} rounding does not repeat each pixel",
             )
         return {}
-    m.require(mode == "linear" and not legacy, f"{mode} interpolation")
-    coordinates = _text(m.attr("resize", "coordinate_transformation_mode"), "half_pixel")
+    m.require(mode == "linear", f"{mode} interpolation")
+    # Before opset 11, Resize and Upsample had no coordinate modes: linear was asymmetric.
+    coordinates = "asymmetric" if legacy else _text(m.attr("resize", "coordinate_transformation_mode"), "half_pixel")
     m.require(coordinates in LINEAR_MODES, f"NCHWc Upsample has no {coordinates} coordinates")
     return {"mode": "linear", "coordinate_transformation_mode": LINEAR_MODES[coordinates]}
 

@@ -156,10 +156,10 @@ def test_each_dropped_rewrite_says_why(wrong_rule, unloadable_rule):
     assert {r.failure for r in report.dropped} == {"it failed the numerics check"}
     _, report = fuser.optimize(model, rules=[unloadable_rule[1]], on_mismatch="drop", trace=True)
     assert len(report.dropped) == BAD_BLOCKS
-    assert {r.failure for r in report.dropped} == {"onnxruntime could not load the model with it"}
-    assert report.to_dict()["dropped"][0]["failure"] == "onnxruntime could not load the model with it"
+    assert {r.failure for r in report.dropped} == {"onnxruntime could not load or run the model with it"}
+    assert report.to_dict()["dropped"][0]["failure"] == "onnxruntime could not load or run the model with it"
     reasons = {d.reason for d in report.engine.declined if d.rule == "bn-squeeze-wrong"}
-    assert reasons == {"dropped: onnxruntime could not load the model with it"}
+    assert reasons == {"dropped: onnxruntime could not load or run the model with it"}
 
 
 def test_drop_without_a_correct_alternative_leaves_the_nodes(wrong_rule):

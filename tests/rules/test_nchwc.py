@@ -707,6 +707,8 @@ def test_concat_part_that_is_also_a_graph_output():
 def _resize(net: Net, x: str, spelling: str, factors=(2, 2), channels: int = 2 * B, **attrs) -> str:
     """x resized by `factors` on H and W, spelled as an exporter of that opset writes it."""
     scales = net.const(net.name("scales"), np.array([1, 1, *factors], np.float32))
+    if spelling == "upsample-7":
+        return net.add("Upsample", x, mode=attrs.pop("mode", "nearest"), scales=[1.0, 1.0, *map(float, factors)])
     if spelling == "upsample-9":
         return net.add("Upsample", x, scales, mode=attrs.pop("mode", "nearest"), **attrs)
     if spelling == "resize-10":
@@ -744,6 +746,24 @@ UPSAMPLES = [
     ("resize-11", 11, (2, 2), NEAREST, None),
     ("resize-10", 10, (2, 2), {"mode": "nearest"}, None),
     ("upsample-9", 9, (2, 2), {}, None),
+    ("upsample-7", 7, (2, 3), {}, None),
+    ("upsample-9", 9, (2, 2), {"mode": "linear"}, "asymmetric"),
+    ("resize-10", 10, (3, 2), {"mode": "linear"}, "asymmetric"),
+    (
+        "resize-13",
+        13,
+        (3, 2),
+        {"coordinate_transformation_mode": "tf_half_pixel_for_nn", "nearest_mode": "floor"},
+        None,
+    ),
+    ("resize-13", 19, (3, 2), {"coordinate_transformation_mode": "half_pixel_symmetric"}, None),
+    (
+        "resize-13",
+        19,
+        (3, 2),
+        {"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"},
+        "half_pixel",
+    ),
     ("resize-13", 13, (3, 2), {}, None),  # Resize's defaults: half_pixel, round_prefer_floor
     ("resize-13", 13, (3, 4), {"nearest_mode": "round_prefer_ceil"}, None),
     ("sizes", 13, (2, 2), NEAREST, None),
