@@ -21,7 +21,9 @@
 * Hugging Face EfficientNet-B0, MobileViT-S, LeViT-128S, ConvNeXt-T, PoolFormer-S12 and
   SegFormer-B0 (their default configs, EfficientNet's scaled to B0), exported the same way:
   convnets whose blocks put activations, gates, NHWC LayerNorms and pixel tokens between
-  convolutions; ConvNeXt also through dynamo=True;
+  convolutions; ConvNeXt also through dynamo=True; and SegFormer-B0 and MobileViT-S with their
+  semantic-segmentation heads (bilinear upsampling of every stage, a DeepLabV3 head),
+  SegFormer's through both exporters;
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -107,6 +109,9 @@ MODELS = [
     "hf_convnext_dynamo",
     "hf_poolformer",
     "hf_segformer",
+    "hf_segformer_seg",
+    "hf_segformer_seg_dynamo",
+    "hf_mobilevit_seg",
 ]
 
 
@@ -149,11 +154,13 @@ def _export_hf(folder: str) -> None:
         "hf_convnext": transformers.ConvNextForImageClassification(transformers.ConvNextConfig()),
         "hf_poolformer": transformers.PoolFormerForImageClassification(transformers.PoolFormerConfig()),
         "hf_segformer": transformers.SegformerForImageClassification(transformers.SegformerConfig()),
+        "hf_segformer_seg": transformers.SegformerForSemanticSegmentation(transformers.SegformerConfig()),
+        "hf_mobilevit_seg": transformers.MobileViTForSemanticSegmentation(transformers.MobileViTConfig()),
     }
     examples = {}
     for name, module in built.items():
         module.eval()
-        size = module.config.image_size if name == "hf_mobilevit" else 224
+        size = module.config.image_size if name.startswith("hf_mobilevit") else 224
         examples[name] = (torch.randn(1, 3, size, size),)
         torch.onnx.export(
             module,
@@ -164,7 +171,7 @@ def _export_hf(folder: str) -> None:
             opset_version=17,
             dynamo=False,
         )
-    for name in ("hf_mobilenetv2", "hf_convnext"):
+    for name in ("hf_mobilenetv2", "hf_convnext", "hf_segformer_seg"):
         program = torch.onnx.export(built[name], examples[name], dynamo=True, opset_version=18)
         program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
 
