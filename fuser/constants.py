@@ -57,21 +57,24 @@ def constant_node_value(node: NodeProto) -> np.ndarray | None:
     return None
 
 
-def _estimated_elements(node: NodeProto, inputs: list[np.ndarray | None]) -> int | None:
+def _estimated_bytes(node: NodeProto, inputs: list[np.ndarray | None]) -> int | None:
+    """The size of the result of an operator that can grow its input, from its inputs alone."""
     try:
         if node.op_type == "ConstantOfShape":
-            return math.prod(int(d) for d in inputs[0].reshape(-1))
+            value = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
+            itemsize = np.dtype(np.float32).itemsize if value is None else value.itemsize
+            return math.prod(int(d) for d in inputs[0].reshape(-1)) * itemsize
         if node.op_type == "Expand":
             shape = np.broadcast_shapes(inputs[0].shape, tuple(int(d) for d in inputs[1]))
-            return math.prod(shape)
+            return math.prod(shape) * inputs[0].itemsize
         if node.op_type == "Tile":
-            return inputs[0].size * math.prod(int(r) for r in inputs[1].reshape(-1))
+            return inputs[0].nbytes * math.prod(int(r) for r in inputs[1].reshape(-1))
         if node.op_type == "Range":
             start, limit, delta = (float(v) for v in inputs[:3])
-            return max(0, math.ceil((limit - start) / delta)) if delta else None
+            return max(0, math.ceil((limit - start) / delta)) * inputs[0].itemsize if delta else None
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
-    return None  # unknown growth: evaluate and check afterwards
+    return None  # growth unknown beforehand (Pad, Resize): not evaluated
 
 
 def evaluate_node(
@@ -82,8 +85,8 @@ def evaluate_node(
         value = constant_node_value(node)
         return None if value is None or value.nbytes > max_bytes else [value]
     if node.op_type in _EXPANDING:
-        elements = _estimated_elements(node, inputs)
-        if elements is None or elements * 8 > max_bytes:
+        size = _estimated_bytes(node, inputs)
+        if size is None or size > max_bytes:
             return None
     if any(isinstance(v, np.ndarray) and v.nbytes > max_bytes for v in inputs):
         return None

@@ -196,21 +196,35 @@ def test_slices_of_an_outer_weight_are_not_copied_into_each_branch():
 
 
 def test_a_mask_made_from_a_shape_another_node_reads_still_folds():
-    # 64 KB from a 16-byte shape the Reshape keeps: new data, not a copy, within FOLD_BYTES. Whether
-    # the ConstantOfShape folds on its own or not, the Trilu's fold copies nothing stored.
+    # The float64 mask (128 KB) stays a computation; its float32 Cast (64 KB) is new data made from
+    # a 16-byte shape the Reshape keeps, not a copy of anything stored: it folds.
     nodes = [
         helper.make_node(
-            "ConstantOfShape", ["shape"], ["mask"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [-1.0])
+            "ConstantOfShape", ["shape"], ["mask"], value=helper.make_tensor("v", TensorProto.DOUBLE, [1], [-1.0])
         ),
-        helper.make_node("Trilu", ["mask"], ["causal"], upper=1),
+        helper.make_node("Cast", ["mask"], ["mask32"], to=TensorProto.FLOAT),
         helper.make_node("Reshape", ["x", "shape"], ["xr"]),
-        helper.make_node("Add", ["xr", "causal"], ["y"]),
+        helper.make_node("Add", ["xr", "mask32"], ["y"]),
     ]
     x = np.random.default_rng(4).standard_normal((128, 128)).astype(np.float32)
     model = make_model(
         nodes, [("x", np.float32, [128, 128])], [("y", np.float32, [128, 128])], {"shape": np.array([128, 128], np.int64)}
     )
-    assert_rewritten(model, [constant_fold], expected_ops=["Reshape", "Add"], feeds={"x": x})
+    assert_rewritten(model, [constant_fold], counts={RULE: 1}, expected_ops=["Reshape", "Add"], feeds={"x": x})
+
+
+def test_a_float32_result_of_exactly_fold_bytes_folds():
+    nodes = [
+        helper.make_node(
+            "ConstantOfShape", ["shape"], ["mask"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [-1.0])
+        ),
+        helper.make_node("Add", ["x", "mask"], ["y"]),
+    ]
+    x = np.random.default_rng(5).standard_normal((128, 128)).astype(np.float32)
+    model = make_model(
+        nodes, [("x", np.float32, [128, 128])], [("y", np.float32, [128, 128])], {"shape": np.array([128, 128], np.int64)}
+    )
+    assert_rewritten(model, [constant_fold], counts={RULE: 1}, expected_ops=["Add"], feeds={"x": x})
 
 
 def test_initializer_a_graph_input_can_override_is_not_folded():
