@@ -2,6 +2,8 @@
 
 Layout conversions in exported graphs come in pairs (NHWC <-> NCHW around an op that was
 removed or folded); two transposes are one data movement at most, and none when they cancel.
+A Cast between them (GPT-J's float16 attention upcasts its heads between the two) moves
+after them: it converts each element wherever it stands.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ def _perm(m: Match, node: str, rank: int | None) -> list[int]:
 
 @rule(
     "transpose-chain",
-    pattern=op.Transpose(op.Transpose(var("x"), name="first"), name="second"),
+    pattern=(
+        op.Transpose(op.Transpose(var("x"), name="first"), name="second"),
+        op.Transpose(op.Cast(op.Transpose(var("x"), name="first"), name="cast"), name="second"),
+    ),
     phase=SIMPLIFY_PHASE,
     exact=True,
 )
 def transpose_chain(m: Match, b: Builder):
-    """Transpose(Transpose(x, p), q)  =>  Transpose(x, [p[i] for i in q]), or x."""
+    """Transpose([Cast](Transpose(x, p)), q)  =>  [Cast](Transpose(x, [p[i] for i in q]) or x)."""
     first = _perm(m, "first", m.rank("x"))
     second = _perm(m, "second", len(first))
     m.require(len(first) == len(second), "the permutations have different lengths")
     combined = [first[i] for i in second]
-    if combined == list(range(len(combined))):
-        return m["x"]
-    return b.Transpose(m["x"], perm=combined)
+    moved = m["x"] if combined == list(range(len(combined))) else b.Transpose(m["x"], perm=combined)
+    return b.Cast(moved, **m.attrs("cast")) if m.has("cast") else moved
