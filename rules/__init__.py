@@ -53,6 +53,7 @@ ORDER = [
     "attention_multihead",
     "attention_standard",
     "matmul_add_gemm",
+    "tied_head",
     # Softmax and the logarithms of its written-out forms.
     "softmax_decomposed",
     "log_softmax",
