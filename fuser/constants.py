@@ -58,21 +58,23 @@ def constant_node_value(node: NodeProto) -> np.ndarray | None:
 
 
 def _estimated_bytes(node: NodeProto, inputs: list[np.ndarray | None]) -> int | None:
-    """The size of the result of an operator that can grow its input, from its inputs alone."""
+    """The memory evaluating an operator that can grow its input takes at its peak, from its
+    inputs alone. onnx's reference Range counts in 8-byte values before casting, and its Expand
+    multiplies by float64 ones of the result's shape."""
     try:
         if node.op_type == "ConstantOfShape":
-            value = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
-            itemsize = np.dtype(np.float32).itemsize if value is None else value.itemsize
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            itemsize = 4 if value is None else onnx.helper.tensor_dtype_to_np_dtype(value.data_type).itemsize
             return math.prod(int(d) for d in inputs[0].reshape(-1)) * itemsize
         if node.op_type == "Expand":
             shape = np.broadcast_shapes(inputs[0].shape, tuple(int(d) for d in inputs[1]))
-            return math.prod(shape) * inputs[0].itemsize
+            return math.prod(shape) * (8 + inputs[0].itemsize)
         if node.op_type == "Tile":
             return inputs[0].nbytes * math.prod(int(r) for r in inputs[1].reshape(-1))
         if node.op_type == "Range":
             start, limit, delta = (float(v) for v in inputs[:3])
-            return max(0, math.ceil((limit - start) / delta)) * inputs[0].itemsize if delta else None
-    except (TypeError, ValueError, IndexError, AttributeError):
+            return max(0, math.ceil((limit - start) / delta)) * (8 + inputs[0].itemsize) if delta else None
+    except (TypeError, ValueError, IndexError, AttributeError, KeyError, OverflowError):
         return None
     return None  # growth unknown beforehand (Pad, Resize): not evaluated
 

@@ -47,7 +47,7 @@ def tied_head(m: Match, b: Builder):
     m.require(dtype == np.dtype(np.float32), f"onnxruntime's FusedMatMul on CPU takes float32, not {dtype}")
     if m.has("transpose"):
         table = m["table"]
-        m.require(m.value("table").ndim == 2, "the transposed constant is not a matrix")
+        m.require(m.rank("table") == 2, "the transposed constant is not a matrix")
         perm = m.attr("transpose", "perm")
         m.require(perm is None or list(perm) == [1, 0], "the Transpose keeps the axes")
     else:

@@ -4,8 +4,11 @@ knowledge follows the rewrites the graph makes."""
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
+import pytest
+from onnx import TensorProto, helper
 
+import fuser
+from fuser.constants import _estimated_bytes
 from fuser.model import Model
 from tests.helpers import make_model
 
@@ -75,3 +78,49 @@ def test_cached_values_are_read_only():
     g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.ones(2, F32)})).graph
     assert not g.constant_value("c").flags.writeable
     assert not g.constant_value("w").flags.writeable
+
+
+@pytest.mark.parametrize(
+    "node, inputs, expected",
+    [
+        # float16 fill: 2 bytes an element, not the 8 of the widest type.
+        (
+            helper.make_node(
+                "ConstantOfShape", ["s"], ["y"], value=helper.make_tensor("v", TensorProto.FLOAT16, [1], [1])
+            ),
+            [np.array([4, 4], np.int64)],
+            32,
+        ),
+        # onnx's reference Range counts in float64 before it casts: 8 + 4 bytes an element at its peak.
+        (
+            helper.make_node("Range", ["a", "b", "c"], ["y"]),
+            [np.array(0, np.float32), np.array(10, np.float32), np.array(1, np.float32)],
+            120,
+        ),
+        # An unbounded Range: no estimate, and no crash.
+        (
+            helper.make_node("Range", ["a", "b", "c"], ["y"]),
+            [np.array(0, np.float32), np.array(np.inf, np.float32), np.array(1, np.float32)],
+            None,
+        ),
+    ],
+    ids=["fill-float16", "range-float32", "range-to-infinity"],
+)
+def test_the_size_of_a_growing_result_is_estimated_before_evaluating(node, inputs, expected):
+    assert _estimated_bytes(node, inputs) == expected
+
+
+def test_an_unbounded_range_stays_a_computation():
+    nodes = [
+        helper.make_node("Range", ["start", "limit", "delta"], ["r"]),
+        helper.make_node("ReduceSum", ["r"], ["total"], keepdims=0),
+        helper.make_node("Add", ["x", "total"], ["y"]),
+    ]
+    constants = {
+        "start": np.array(0, np.float32),
+        "limit": np.array(np.inf, np.float32),
+        "delta": np.array(1, np.float32),
+    }
+    model = make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], constants)
+    after, _ = fuser.optimize(model, check=False)
+    assert "Range" in [n.op_type for n in after.graph.node]
