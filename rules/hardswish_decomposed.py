@@ -3,7 +3,9 @@
 MobileNetV3-style activations arrive decomposed from most exporters; HardSwish is one
 kernel instead of two to four, with no temporaries. hardsigmoid-decomposed turns the
 x * (Clip(x + 3, 0, 6) / 6) form into x * HardSigmoid(x) first; the other grouping,
-(x * Clip(x + 3, 0, 6)) / 6, is matched here.
+(x * Clip(x + 3, 0, 6)) / 6, is matched here. Before opset 14, which has no HardSwish,
+that grouping becomes x * HardSigmoid(x) (PaddlePaddle's exports at opsets 11 to 13): two
+nodes instead of four, which the onnxruntime target's NCHWc rules keep in the blocked layout.
 """
 
 from __future__ import annotations
@@ -36,8 +38,24 @@ def hardswish_decomposed(m: Match, b: Builder):
 )
 def hardswish_clip(m: Match, b: Builder):
     """(x * Clip(x + 3, 0, 6)) / 6  =>  HardSwish(x)."""
+    _require_divided_by_6(m)
+    return b.HardSwish(m["x"])
+
+
+@rule(
+    "hardswish-clip-regroup",
+    pattern=(op.Div | op.Mul)(op.Mul(x, RELU6_OF_X_PLUS_3, name="mul"), const("six"), name="scale", commutative=False),
+    phase=SIMPLIFY_PHASE,
+    opsets=(6, 13),
+)
+def hardswish_clip_regroup(m: Match, b: Builder):
+    """(x * Clip(x + 3, 0, 6)) / 6  =>  x * HardSigmoid(x, alpha=1/6, beta=0.5), before opset 14."""
+    _require_divided_by_6(m)
+    return b.Mul(m["x"], b.HardSigmoid(m["x"], alpha=1 / 6, beta=0.5))
+
+
+def _require_divided_by_6(m: Match) -> None:
     require_relu6_of_x_plus_3(m)
     six = scalar(m, "six")
     divides = m.node("scale").op_type == "Div"
     m.require(close_to(six, 6.0) if divides else close_to(six, 1 / 6), "the product is not divided by 6")
-    return b.HardSwish(m["x"])

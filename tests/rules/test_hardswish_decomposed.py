@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fuser.rules.hardsigmoid_decomposed import hardsigmoid_decomposed
-from fuser.rules.hardswish_decomposed import hardswish_clip, hardswish_decomposed
+from fuser.rules.hardswish_decomposed import hardswish_clip, hardswish_clip_regroup, hardswish_decomposed
 from onnx import helper
 
 from tests.helpers import assert_declined, assert_rewritten, make_model
 
-RULES = [hardsigmoid_decomposed, hardswish_decomposed, hardswish_clip]
+RULES = [hardsigmoid_decomposed, hardswish_decomposed, hardswish_clip, hardswish_clip_regroup]
 X = {"x": (np.random.default_rng(0).standard_normal((2, 8)) * 4).astype(np.float32)}
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -30,12 +30,12 @@ def torch_hardswish(opset=17, scale_op="Div", six=6.0, **clip):
     return make_model(nodes, [("x", np.float32, ["n", 8])], [("y", np.float32, ["n", 8])], inits, opset=opset)
 
 
-def grouped_hardswish(six=6.0):
-    """(x * Clip(x + 3, 0, 6)) / 6."""
+def grouped_hardswish(six=6.0, opset=17, scale_op="Div"):
+    """(x * Clip(x + 3, 0, 6)) / 6, as PaddlePaddle exports hardswish."""
     nodes, inits = clip_nodes()
     inits["six"] = np.array(six, np.float32)
-    nodes += [helper.make_node("Mul", ["x", "c"], ["p"]), helper.make_node("Div", ["p", "six"], ["y"])]
-    return make_model(nodes, [("x", np.float32, [2, 8])], [("y", np.float32, [2, 8])], inits)
+    nodes += [helper.make_node("Mul", ["x", "c"], ["p"]), helper.make_node(scale_op, ["p", "six"], ["y"])]
+    return make_model(nodes, [("x", np.float32, [2, 8])], [("y", np.float32, [2, 8])], inits, opset=opset)
 
 
 @pytest.mark.parametrize("scale_op, six", [("Div", 6.0), ("Mul", 1 / 6)])
@@ -54,6 +54,25 @@ def test_grouped_form_becomes_hardswish():
     assert_rewritten(
         grouped_hardswish(), RULES, counts={"hardswish-clip": 1}, expected_ops=["HardSwish"], feeds=X, **TOL
     )
+
+
+@pytest.mark.parametrize("opset, scale_op, six", [(13, "Div", 6.0), (11, "Mul", 1 / 6), (13, "Mul", 1 / 6)])
+def test_grouped_form_before_opset_14_becomes_x_times_hardsigmoid(opset, scale_op, six):
+    after, _ = assert_rewritten(
+        grouped_hardswish(six=six, opset=opset, scale_op=scale_op),
+        RULES,
+        counts={"hardswish-clip-regroup": 1},
+        expected_ops=["HardSigmoid", "Mul"],
+        feeds=X,
+        **TOL,
+    )
+    hard_sigmoid, product = after.graph.node
+    assert list(hard_sigmoid.input) == ["x"] and sorted(product.input) == sorted(["x", hard_sigmoid.output[0]])
+
+
+def test_grouped_form_divided_by_5_before_opset_14_declines():
+    model = grouped_hardswish(six=5.0, opset=13)
+    assert_declined(model, hardswish_clip_regroup, "not divided by 6", rules=RULES, check=False)
 
 
 def test_before_opset_14_only_hardsigmoid():
