@@ -11,7 +11,16 @@ Only operators that keep finite padding channels finite (CARRIED_UNARY) move.
 from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._nchwc import CARRIED_UNARY, EMITS, channels_of, conv_activations, is_carried_unary, nchwc, reorder_output
+from fuser.rules._hard_activations import close_to
+from fuser.rules._nchwc import (
+    CARRIED_UNARY,
+    EMITS,
+    channels_of,
+    conv_activations,
+    is_carried_unary,
+    nchwc,
+    reorder_output,
+)
 
 
 def _unary(domain: str):
@@ -21,24 +30,40 @@ def _unary(domain: str):
         alternatives = alternatives | getattr(op.domain(domain), name)
     # Clip's bounds are optional inputs; nothing else here has any.
     return alternatives(
-        nchwc.ReorderOutput(var("x"), name="to_plain"), var("low", optional=True), var("high", optional=True), name="unary"
+        nchwc.ReorderOutput(var("x"), name="to_plain"),
+        var("low", optional=True),
+        var("high", optional=True),
+        name="unary",
     )
 
 
 def _convolution_applies_it(m: Match) -> bool:
-    """nchwc-activation folds this activation into the convolution that produced its input."""
+    """nchwc-activation folds this activation into the convolution that produced its input:
+    on its own, or as the HardSigmoid of x * HardSigmoid(x), which it applies as HardSwish."""
     producer = m.graph.producer(m["x"])
-    if producer is None or m.consumers("to_plain") != 1:
+    if producer is None:
         return False
-    conv = m.graph.node(producer)
-    return (
-        conv.domain == "com.microsoft.nchwc"
-        and conv.op_type == "Conv"
-        and conv.attr("activation") is None
-        and m.node("unary").op_type in conv_activations()
-        and m.node("unary").domain == ""
-        and all(m.graph.is_constant(bound) for bound in m.node("unary").inputs[1:] if bound)
-    )
+    conv, unary = m.graph.node(producer), m.node("unary")
+    if conv.domain != "com.microsoft.nchwc" or conv.op_type != "Conv" or conv.attr("activation") is not None:
+        return False
+    if unary.domain != "" or not all(m.graph.is_constant(bound) for bound in unary.inputs[1:] if bound):
+        return False
+    if m.consumers("to_plain") == 1:
+        return unary.op_type in conv_activations()
+    return unary.op_type == "HardSigmoid" and "HardSwish" in conv_activations() and _hard_swish(m, unary)
+
+
+def _hard_swish(m: Match, hard_sigmoid) -> bool:
+    """x * HardSigmoid(x, 1/6, 0.5), x read by nothing else: nchwc-activation's HardSwish."""
+    alpha, beta = float(hard_sigmoid.attr("alpha", 0.2)), float(hard_sigmoid.attr("beta", 0.5))
+    if not close_to(alpha, 1 / 6) or beta != 0.5:
+        return False
+    plain, result = m.node("to_plain").outputs[0], hard_sigmoid.outputs[0]
+    readers, products = m.graph.op_consumers(plain), m.graph.op_consumers(result)
+    if len(readers) != 2 or len(products) != 1 or products[0] not in readers or m.graph.is_graph_output(plain):
+        return False
+    product = m.graph.node(products[0])
+    return product.op_type == "Mul" and sorted(product.inputs) == sorted([plain, result])
 
 
 @rule(

@@ -187,6 +187,44 @@ def test_hard_swish_written_out_runs_blocked():
     assert reorder_counts(after) == (1, 1)
 
 
+def _paddle_hard_swish(net: Net, x: str) -> str:
+    """(x * Clip(x + 3, 0, 6)) / 6, as PaddlePaddle exports hardswish at opsets 11 to 13."""
+    three, low, high, six = (
+        net.const(n, np.array(v, np.float32)) for n, v in (("three", 3), ("lo", 0), ("hi", 6), ("six", 6))
+    )
+    clipped = net.add("Clip", net.add("Add", x, three), low, high)
+    return net.add("Div", net.add("Mul", x, clipped), six)
+
+
+@pytest.mark.skipif("HardSwish" not in conv_activations(), reason="this onnxruntime's NCHWc Conv has no HardSwish")
+def test_hard_swish_before_opset_14_goes_into_the_convolution():
+    """PP-LCNet and PicoDet at opset 13: hardswish-clip-regroup writes x * HardSigmoid(x), which
+    nchwc-activation applies as the convolution's HardSwish, with no reorder in between."""
+    net = Net(37)
+    hidden = _paddle_hard_swish(net, net.conv("x", 2 * B, 2 * B))
+    net.conv(hidden, 2 * B, 2 * B, output="y")
+    model = net.model([("x", [1, 2 * B, 6, 6])], ["y"], opset=13)
+    after, report = optimize_and_compare(model)
+    assert report.counts.get("hardswish-clip-regroup") == 1 and report.counts.get("nchwc-activation") == 1
+    assert "nchwc-elementwise" not in report.counts and "nchwc-binary" not in report.counts
+    assert [attrs_of(c).get("activation") for c in nchwc_nodes(after, "Conv")] == ["HardSwish", None]
+    assert {"HardSigmoid", "Mul"}.isdisjoint(op_types(after))
+    assert reorder_counts(after) == (1, 1)
+
+
+def test_hard_swish_of_a_result_read_elsewhere_runs_blocked():
+    """The convolution's result is also a graph output: it cannot apply HardSwish itself, so the
+    HardSigmoid and the Mul are carried into the layout instead."""
+    net = Net(38)
+    hidden = net.conv("x", 2 * B, 2 * B, output="features")
+    net.conv(_paddle_hard_swish(net, hidden), 2 * B, 2 * B, output="y")
+    model = net.model([("x", [1, 2 * B, 6, 6])], ["features", "y"], opset=13)
+    after, report = optimize_and_compare(model)
+    assert "nchwc-activation" not in report.counts
+    assert report.counts.get("nchwc-elementwise") == 1 and report.counts.get("nchwc-binary") == 1
+    assert [attrs_of(c).get("activation") for c in nchwc_nodes(after, "Conv")] == [None, None]
+
+
 def test_broadcast_scale_stays_plain():
     """A squeeze-and-excitation gate: [1, C, H, W] times [1, C, 1, 1]. Read against the blocked
     tensor, the small one would meet the wrong channels, so the Mul stays NCHW."""
