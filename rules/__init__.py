@@ -30,6 +30,7 @@ ORDER = [
     "reshape_chain",
     "slice_chain",
     "transpose_chain",
+    "transpose_reshape",  # phase 1: after the fusions, which read attention heads' Transposes
     "dropout_elimination",
     "reshape_dims_fold",
     "shape_where_fold",
