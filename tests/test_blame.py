@@ -92,24 +92,24 @@ def chain_model(seed: int = 0) -> onnx.ModelProto:
     )
 
 
-@pytest.fixture(scope="module")
-def wrong_rule(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rules") / "wrong_rule.py"
-    path.write_text(textwrap.dedent(WRONG_RULE))
+def _rule_file(tmp_path_factory, name: str, source: str):
+    """A rule file written from `source`, and the rule it defines."""
     from fuser.registry import load_rule_file
 
+    path = tmp_path_factory.mktemp("rules") / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
     (rule,) = load_rule_file(path)
     return path, rule
+
+
+@pytest.fixture(scope="module")
+def wrong_rule(tmp_path_factory):
+    return _rule_file(tmp_path_factory, "wrong_rule", WRONG_RULE)
 
 
 @pytest.fixture(scope="module")
 def unloadable_rule(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rules") / "unloadable_rule.py"
-    path.write_text(textwrap.dedent(UNLOADABLE_RULE))
-    from fuser.registry import load_rule_file
-
-    (rule,) = load_rule_file(path)
-    return path, rule
+    return _rule_file(tmp_path_factory, "unloadable_rule", UNLOADABLE_RULE)
 
 
 def bad_bn_names(model) -> set[str]:
