@@ -46,6 +46,8 @@ def _convolution_applies_it(m: Match) -> bool:
     conv, unary = m.graph.node(producer), m.node("unary")
     if conv.domain != "com.microsoft.nchwc" or conv.op_type != "Conv" or conv.attr("activation") is not None:
         return False
+    if len(m.graph.consumers(conv.outputs[0])) != 1 or m.graph.is_graph_output(conv.outputs[0]):
+        return False  # another reader of the blocked result would lose it: nchwc-activation declines
     if unary.domain != "" or not all(m.graph.is_constant(bound) for bound in unary.inputs[1:] if bound):
         return False
     if m.consumers("to_plain") == 1:

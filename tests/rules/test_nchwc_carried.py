@@ -225,6 +225,20 @@ def test_hard_swish_of_a_result_read_elsewhere_runs_blocked():
     assert [attrs_of(c).get("activation") for c in nchwc_nodes(after, "Conv")] == [None, None]
 
 
+def test_hard_swish_of_a_convolution_a_concat_also_reads_runs_blocked():
+    """The blocked result also feeds a Concat in the layout: the convolution cannot apply
+    HardSwish for one of its readers only, so the HardSigmoid and the Mul run blocked."""
+    net = Net(39)
+    features = net.conv("x", 2 * B, 2 * B)
+    joined = net.add("Concat", features, net.conv("x", 2 * B, 2 * B), axis=1)
+    net.conv(joined, 4 * B, B, output="y")
+    net.conv(_paddle_hard_swish(net, features), 2 * B, B, output="z")
+    model = net.model([("x", [1, 2 * B, 6, 6])], ["y", "z"], opset=13)
+    after, report = optimize_and_compare(model)
+    assert report.counts.get("nchwc-concat") == 1
+    assert len(runs_blocked(after, "HardSigmoid")) + report.counts.get("nchwc-activation", 0) == 1
+
+
 def test_broadcast_scale_stays_plain():
     """A squeeze-and-excitation gate: [1, C, H, W] times [1, C, 1, 1]. Read against the blocked
     tensor, the small one would meet the wrong channels, so the Mul stays NCHW."""
