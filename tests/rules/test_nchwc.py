@@ -675,15 +675,16 @@ def test_concat_of_the_same_conv_twice():
     optimize_and_compare(model)
 
 
-@pytest.mark.parametrize("parts", [8, 9])
+@pytest.mark.parametrize("parts", [25, 64, 65])
 def test_concat_of_many_parts(parts):
-    """The rule joins up to eight parts; with nine it must not drop one (it leaves the Concat)."""
+    """The rule joins up to 64 parts (DenseNet-121 joins 25); with 65 it must not drop one
+    (it leaves the Concat)."""
     net = Net(17)
     outs = [net.conv("x", B, B, kernel=1) for _ in range(parts)]
     net.add("Concat", *outs, axis=1, output="y")
     model = net.model([("x", [1, B, 5, 5])], ["y"])
     after, report = optimize_and_compare(model)
-    assert report.counts.get("nchwc-concat", 0) == (1 if parts <= 8 else 0)
+    assert report.counts.get("nchwc-concat", 0) == (1 if parts <= 64 else 0)
     (concat,) = nodes_of(after, "Concat")
     assert len(concat.input) == parts
     assert run(after, random_feeds(model))[0].shape == (1, parts * B, 5, 5)
