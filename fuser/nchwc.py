@@ -177,21 +177,24 @@ class _Lowering:
         self._op("Transpose", plain, output=node.output[0], perm=[0, 2, 3, 1])
 
     def _Conv(self, node: onnx.NodeProto, attrs: dict) -> None:
-        weight = self._filter(node.input[1])
-        out_channels, in_channels = weight.shape[:2]
         group = int(attrs.get("group", 1))
         block = self.block
-        # As onnxruntime's kernels tell them apart: depthwise and few-input-channel filters
-        # are blocked by output channel only ([O/B, I, H, W, Bo]), and the latter read NCHW.
-        depthwise = group > 1 and in_channels == 1
-        nchw_input = group == 1 and in_channels < block
-        if depthwise or nchw_input:
-            plain = weight.reshape(out_channels // block, in_channels, *weight.shape[2:], block)
-            plain = plain.transpose(0, 4, 1, 2, 3)
+        if node.input[1] in self.constants:
+            weight = self._filter(node.input[1])
+            out_channels, in_channels = weight.shape[:2]
+            # As onnxruntime's kernels tell them apart: depthwise and few-input-channel filters
+            # are blocked by output channel only ([O/B, I, H, W, Bo]), and the latter read NCHW.
+            depthwise = group > 1 and in_channels == 1
+            nchw_input = group == 1 and in_channels < block
+            if depthwise or nchw_input:
+                plain = weight.reshape(out_channels // block, in_channels, *weight.shape[2:], block)
+                plain = plain.transpose(0, 4, 1, 2, 3)
+            else:
+                plain = weight.reshape(out_channels // block, in_channels // block, *weight.shape[2:], block, block)
+                plain = plain.transpose(0, 5, 1, 4, 2, 3)
+            w = self._constant(np.ascontiguousarray(plain).reshape(weight.shape), "filter")
         else:
-            plain = weight.reshape(out_channels // block, in_channels // block, *weight.shape[2:], block, block)
-            plain = plain.transpose(0, 5, 1, 4, 2, 3)
-        w = self._constant(np.ascontiguousarray(plain).reshape(weight.shape), "filter")
+            w, nchw_input = self._computed_filter(node, attrs), False
         x = node.input[0] if nchw_input else self._unblocked(node.input[0])
         inputs = [x, w] + ([node.input[2]] if len(node.input) > 2 and node.input[2] else [])
         conv_attrs = {k: v for k, v in attrs.items() if k not in ("activation", "activation_params")}
@@ -200,6 +203,14 @@ class _Lowering:
             y = self._op("Add", y, self._unblocked(node.input[3]))
         y = self._activation(y, attrs.get("activation"), list(attrs.get("activation_params", [])))
         self._blocked(y, output=node.output[0])
+
+    def _computed_filter(self, node: onnx.NodeProto, attrs: dict) -> str:
+        """A filter computed at run time (nchwc-gate's): a depthwise 1x1 one, [Cp, 1, 1, 1],
+        whose blocked order ([Cp/B, 1, 1, 1, B]) is its plain order."""
+        kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+        if int(attrs.get("group", 1)) == 1 or kernel != [1, 1]:
+            raise LoweringError(f"the NCHWc filter '{node.input[1]}' is computed, and not a depthwise 1x1 one")
+        return node.input[1]
 
     def _activation(self, y: str, kind: str | bytes | None, params: list[float]) -> str:
         kind = kind.decode() if isinstance(kind, bytes) else kind

@@ -72,7 +72,8 @@ ORDER = [
     # cancel and activations, residual Adds, pools, Concat and BatchNormalization follow into
     # the blocked layout, and so does a Resize by whole factors. An activation goes into its convolution (nchwc-activation) before it
     # is carried as an operator of its own (nchwc-elementwise), a residual Add becomes the Sum
-    # input (nchwc-conv-add) before it runs on blocked tensors (nchwc-binary). nchwc-region
+    # input (nchwc-conv-add) before it runs on blocked tensors (nchwc-binary), and
+    # a per-channel gate becomes a depthwise convolution (nchwc-gate) after both. nchwc-region
     # roots at the convolutions like nchwc-conv and comes after it: it reports the ones left
     # in NCHW.
     "nchwc_conv",
@@ -85,6 +86,7 @@ ORDER = [
     "nchwc_batchnorm",
     "nchwc_elementwise",
     "nchwc_binary",
+    "nchwc_gate",
     "nchwc_channels_last",
     "nchwc_tokens",
     "nchwc_region",

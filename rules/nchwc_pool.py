@@ -1,7 +1,9 @@
 """Pooling of a NCHWc result  =>  NCHWc pooling (onnxruntime target).
 
 MaxPool, AveragePool, GlobalMaxPool and GlobalAveragePool whose input just left the
-blocked layout run in it instead, so the next convolution need not reorder again.
+blocked layout run in it instead, so the next convolution need not reorder again. So do
+ReduceMean and ReduceMax over both spatial axes, keeping them: torch's dynamo exporter writes
+a squeeze-and-excitation block's global pooling that way.
 MaxPool and AveragePool also move into it from a plain input (after an LRN, say), as
 the next convolution would reorder that input anyway. Only where the channel count is
 a multiple of the block size, as onnxruntime requires.
@@ -9,7 +11,7 @@ a multiple of the block size, as onnxruntime requires.
 
 from __future__ import annotations
 
-from fuser import Builder, Match, op, rule, var
+from fuser import Builder, Match, const, op, rule, var
 from fuser.rules._nchwc import (
     EMITS,
     NCHWC,
@@ -22,8 +24,14 @@ from fuser.rules._nchwc import (
 )
 
 
+# Reductions over H and W that keep them: the global pooling of the same kind.
+GLOBAL_POOL_OF = {"ReduceMean": "GlobalAveragePool", "ReduceMax": "GlobalMaxPool"}
+
+
 def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     pool = m.node("pool")
+    if pool.op_type in GLOBAL_POOL_OF:
+        return _global_pool(m, b, x, channels)
     m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")
     m.require(len([o for o in pool.outputs if o]) == 1, "MaxPool's indices output is used")
     m.require(m.rank("pool") == 4, "NCHWc pooling is 2-D")
@@ -41,10 +49,25 @@ def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     return reorder_output(b, blocked, channels)
 
 
+def _global_pool(m: Match, b: Builder, x: str, channels: int) -> str:
+    """ReduceMean/ReduceMax over axes 2 and 3 with keepdims, as NCHWc global pooling."""
+    m.require(m.attr("pool", "keepdims", 1) == 1, "the reduction drops the spatial axes")
+    axes = m.value("axes").tolist() if m.has("axes") else m.attr("pool", "axes")
+    m.require(axes is not None and sorted(a % 4 for a in axes) == [2, 3], f"the reduction is over axes {axes}, not H and W")
+    m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")
+    blocked = b.op(GLOBAL_POOL_OF[m.node("pool").op_type], x, domain=NCHWC)
+    return reorder_output(b, blocked, channels)
+
+
 @rule(
     "nchwc-pool",
-    pattern=(op.MaxPool | op.AveragePool | op.GlobalMaxPool | op.GlobalAveragePool)(
-        nchwc.ReorderOutput(var("x"), name="to_plain"), name="pool"
+    pattern=(
+        (op.MaxPool | op.AveragePool | op.GlobalMaxPool | op.GlobalAveragePool)(
+            nchwc.ReorderOutput(var("x"), name="to_plain"), name="pool"
+        ),
+        (op.ReduceMean | op.ReduceMax)(
+            nchwc.ReorderOutput(var("x"), name="to_plain"), const("axes", optional=True), name="pool"
+        ),
     ),
     target="onnxruntime",
     emits=EMITS,

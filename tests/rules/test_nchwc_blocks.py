@@ -143,19 +143,66 @@ def token_model() -> onnx.ModelProto:
     return make_model(nodes, [("x", np.float32, [2, 16, 5, 7])], [("y", np.float32, [2, 24, 5, 7])], inits)
 
 
-MODELS = {"image": image_model, "features": feature_model, "carried": carried_model, "tokens": token_model}
+def gate_model() -> onnx.ModelProto:
+    """Squeeze-and-excitation as the dynamo exporter writes it (ReduceMean over H and W, then a
+    gate of shape [1, C, 1, 1] times the feature map), and a stored per-channel scale of 20
+    channels, which the blocks pad."""
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("ReduceMean", ["r1"], ["pooled"], axes=[2, 3], keepdims=1),
+        helper.make_node("Conv", ["pooled", "w_squeeze", "b_squeeze"], ["squeezed"]),
+        helper.make_node("Relu", ["squeezed"], ["excited"]),
+        helper.make_node("Conv", ["excited", "w_expand", "b_expand"], ["logits"]),
+        helper.make_node("Sigmoid", ["logits"], ["gate"]),
+        helper.make_node("Mul", ["gate", "r1"], ["gated"]),
+        helper.make_node("Conv", ["gated", "w2", "b2"], ["c2"]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("Mul", ["r2", "scale"], ["scaled"]),
+        helper.make_node("Conv", ["scaled", "w3"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "w1": _weight(rng, 32, 16, 3, 3),
+        "b1": _weight(rng, 32, 1)[:, 0],
+        "w_squeeze": _weight(rng, 4, 32, 1, 1),
+        "b_squeeze": _weight(rng, 4, 1)[:, 0],
+        "w_expand": _weight(rng, 32, 4, 1, 1),
+        "b_expand": _weight(rng, 32, 1)[:, 0],
+        "w2": _weight(rng, 20, 32, 1, 1),
+        "b2": _weight(rng, 20, 1)[:, 0],
+        "scale": rng.uniform(0.5, 1.5, (1, 20, 1, 1)).astype(np.float32),
+        "w3": _weight(rng, 24, 20, 3, 3),
+    }
+    return make_model(nodes, [("x", np.float32, [1, 16, 6, 6])], [("y", np.float32, [1, 24, 6, 6])], inits)
+
+
+MODELS = {
+    "image": image_model,
+    "features": feature_model,
+    "carried": carried_model,
+    "tokens": token_model,
+    "gate": gate_model,
+}
 # The NCHWc forms each model must reach at both block sizes: every operator the lowering covers.
 EXPECTED_NCHWC = {
     "image": {"ReorderInput", "ReorderOutput", "Conv"},
     "features": {"ReorderInput", "ReorderOutput", "Conv", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"},
     "carried": {"ReorderInput", "ReorderOutput", "Conv"},
     "tokens": {"ReorderInput", "ReorderOutput", "Conv"},
+    "gate": {"ReorderInput", "ReorderOutput", "Conv", "GlobalAveragePool"},
 }
 # Standard operators each model must run on blocked tensors, and its channels-last reorders.
 # HardSwish goes into its convolution where this onnxruntime's NCHWc Conv applies it.
 CARRIED_HARD_SWISH = set() if "HardSwish" in conv_activations() else {"HardSwish"}
-EXPECTED_CARRIED = {"image": set(), "features": {"Concat"}, "carried": {"Tanh", "Sub"} | CARRIED_HARD_SWISH, "tokens": set()}
-EXPECTED_CHANNELS_LAST = {"image": 0, "features": 0, "carried": 2, "tokens": 2}
+EXPECTED_CARRIED = {
+    "image": set(),
+    "features": {"Concat"},
+    "carried": {"Tanh", "Sub"} | CARRIED_HARD_SWISH,
+    "tokens": set(),
+    "gate": set(),
+}
+EXPECTED_CHANNELS_LAST = {"image": 0, "features": 0, "carried": 2, "tokens": 2, "gate": 0}
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict:
@@ -224,8 +271,11 @@ def test_each_block_size_on_any_machine(name, block):
     assert _carried_ops(after) == EXPECTED_CARRIED[name]
     assert _channels_last(after) == EXPECTED_CHANNELS_LAST[name]
     initializers = {t.name: numpy_helper.to_array(t) for t in after.graph.initializer}
-    filters = [initializers[n.input[1]] for n in after.graph.node if n.domain == NCHWC and n.op_type == "Conv"]
+    convs = [n for n in after.graph.node if n.domain == NCHWC and n.op_type == "Conv"]
+    filters = [initializers[n.input[1]] for n in convs if n.input[1] in initializers]
     assert filters and all(f.shape[0] % block == 0 for f in filters)
+    # Only nchwc-gate computes a filter at run time.
+    assert all(n.input[1] in initializers for n in convs) == ("nchwc-gate" not in report.counts)
     guard_shapes = [
         initializers[n.input[1]].tolist() for n in after.graph.node if n.op_type == "Reshape" and n.domain == ""
     ]
@@ -277,3 +327,17 @@ def test_an_operator_the_lowering_does_not_know_is_a_clear_error():
     with pytest.raises(UsageError, match="cannot check NCHWc operator 'Upsample' at another block size") as caught:
         lower(model, 8)
     assert "--nchwc-block auto" in str(caught.value)
+
+
+def test_a_computed_filter_other_than_a_gate_is_a_clear_error():
+    """Only nchwc-gate computes a filter at run time, a depthwise 1x1 one; the lowering cannot
+    know the blocked order of another."""
+    model = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], domain=NCHWC, kernel_shape=[1, 1])],
+        [("x", np.float32, [1, 8, 2, 2]), ("w", np.float32, [8, 8, 1, 1])],
+        [("y", np.float32, [1, 8, 2, 2])],
+        extra_opsets={NCHWC: 1},
+        check=False,
+    )
+    with pytest.raises(UsageError, match="computed, and not a depthwise 1x1 one"):
+        lower(model, 8)

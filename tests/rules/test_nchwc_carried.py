@@ -239,16 +239,17 @@ def test_hard_swish_of_a_convolution_a_concat_also_reads_runs_blocked():
     assert len(runs_blocked(after, "HardSigmoid")) + report.counts.get("nchwc-activation", 0) == 1
 
 
-def test_broadcast_scale_stays_plain():
+def test_broadcast_scale_is_not_an_element_wise_binary():
     """A squeeze-and-excitation gate: [1, C, H, W] times [1, C, 1, 1]. Read against the blocked
-    tensor, the small one would meet the wrong channels, so the Mul stays NCHW."""
+    tensor, the small one would meet the wrong channels, so nchwc-binary leaves it (nchwc-gate
+    makes it a depthwise convolution, tests/rules/test_nchwc_gate.py)."""
     net = Net(28)
     features = net.conv("x", 2 * B, 2 * B)
     gate = net.add("Sigmoid", net.conv(net.add("GlobalAveragePool", features), 2 * B, 2 * B, kernel=1))
     net.add("Mul", features, gate, output="y")
     model = net.model([("x", [1, 2 * B, 6, 6])], ["y"])
     after, report = optimize_and_compare(model, trace=True)
-    assert "nchwc-binary" not in report.counts
+    assert "nchwc-binary" not in report.counts and report.counts["nchwc-gate"] == 1
     assert runs_blocked(after, "Mul") == []
     assert any("one known shape" in r for r in declines(report, "nchwc-binary"))
 
