@@ -5,8 +5,10 @@ blocked layout run in it instead, so the next convolution need not reorder again
 ReduceMean and ReduceMax over both spatial axes, keeping them: torch's dynamo exporter writes
 a squeeze-and-excitation block's global pooling that way.
 MaxPool and AveragePool also move into it from a plain input (after an LRN, say), as
-the next convolution would reorder that input anyway. Only where the channel count is
-a multiple of the block size, as onnxruntime requires.
+the next convolution would reorder that input anyway. The channel count need not be a
+multiple of the block size (onnxruntime's own layout pass asks that it be): the kernels pool
+the padding channels like the others, finite values into finite values, and the reorder out
+drops them (MobileNetV3 pools 72 and 120 channels).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
     pool = m.node("pool")
     if pool.op_type in GLOBAL_POOL_OF:
         return _global_pool(m, b, x, channels)
-    m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")
+    require_block_size(m)
     m.require(len([o for o in pool.outputs if o]) == 1, "MaxPool's indices output is used")
     m.require(m.rank("pool") == 4, "NCHWc pooling is 2-D")
     m.require(all(d == 1 for d in m.attr("pool", "dilations", [1, 1]) or [1, 1]), "dilated pooling")
@@ -54,7 +56,7 @@ def _global_pool(m: Match, b: Builder, x: str, channels: int) -> str:
     m.require(m.attr("pool", "keepdims", 1) == 1, "the reduction drops the spatial axes")
     axes = m.value("axes").tolist() if m.has("axes") else m.attr("pool", "axes")
     m.require(axes is not None and sorted(a % 4 for a in axes) == [2, 3], f"the reduction is over axes {axes}, not H and W")
-    m.require(channels % require_block_size(m) == 0, f"{channels} channels are not a multiple of the block size")
+    require_block_size(m)
     blocked = b.op(GLOBAL_POOL_OF[m.node("pool").op_type], x, domain=NCHWC)
     return reorder_output(b, blocked, channels)
 

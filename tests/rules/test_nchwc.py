@@ -1208,17 +1208,27 @@ def test_dilated_maxpool_not_converted():
     assert_pool_declined(model, "dilated pooling")
 
 
-def test_pool_of_unaligned_channels_not_converted():
-    """24 channels (B=16): the conv converts (padded), the pool stays standard."""
-    model = conv_pool_model({"kernel_shape": [2, 2], "strides": [2, 2]}, channels=HALF)
-    assert_pool_declined(model, f"{HALF} channels are not a multiple of the block size")
+@pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"])
+def test_pool_of_unaligned_channels_runs_blocked(op_type):
+    """24 channels (B=16): the conv converts (padded) and so does the pool; the padding channels
+    are pooled like the others and dropped by the reorder out."""
+    net = Net(29)
+    attrs = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]} if not op_type.startswith("Global") else {}
+    pooled = net.add(op_type, net.add("Relu", net.conv("x", 3, HALF)), **attrs)
+    net.conv(pooled, HALF, 2 * B, kernel=1, output="y")
+    after, report = optimize_and_compare(net.model([("x", [1, 3, 9, 9])], ["y"]))
+    assert report.counts["nchwc-pool"] == 1
+    assert len(nchwc_nodes(after, op_type)) == 1 and standard_nodes(after, op_type) == []
+    assert len(nchwc_nodes(after, "ReorderOutput")) == 1  # the graph output's only
 
 
-def test_pool_input_of_unaligned_channels_not_converted():
+def test_pool_input_of_unaligned_channels_runs_blocked():
+    """A pool of a plain input of 24 channels (B=16), before a convolution: ReorderInput pads it."""
     net = Net(30)
-    net.add("MaxPool", "x", output="y", kernel_shape=[2, 2])
-    model = net.model([("x", [1, HALF, 6, 6])], ["y"])
-    assert_not_converted(model, "nchwc-pool-input", "channels are not a multiple of the block size")
+    net.conv(net.add("MaxPool", "x", kernel_shape=[2, 2]), HALF, 2 * B, kernel=1, output="y")
+    after, report = optimize_and_compare(net.model([("x", [1, HALF, 6, 6])], ["y"]))
+    assert report.counts["nchwc-pool-input"] == 1
+    assert len(nchwc_nodes(after, "MaxPool")) == 1
 
 
 def two_conv_concat(axis: int, c_first: int) -> onnx.ModelProto:
