@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from fuser.measure import Timing
     from fuser.verify import Verdict
 
-SCHEMA_VERSION = 6  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
+SCHEMA_VERSION = 7  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
 # 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors);
-# 6: blamed and dropped rewrites say why (`failure`)
+# 6: blamed and dropped rewrites say why (`failure`); 7: each output's largest expected magnitude
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -49,6 +49,7 @@ _OUTPUT_CHECK = {
         "status": {"enum": ["ok", "mismatch", "stabilized", "rounding"]},
         "max_abs_error": {"type": "number"},
         "max_rel_error": {"type": "number"},
+        "max_abs_expected": {"type": "number"},
         "fraction_out_of_tolerance": {"type": "number"},
         "worst_index": {"type": ["array", "null"], "items": {"type": "integer"}},
         "rtol": {"type": "number"},
@@ -289,9 +290,14 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
     if result.verdict is not None:
         stabilized = result.verdict.stabilized
         status = "passed" + (f" (stabilized: {', '.join(stabilized)})" if stabilized else "")
-        worst = max((o.max_abs_error for o in result.verdict.outputs), default=0.0)
+        worst = max(result.verdict.outputs, key=lambda o: o.max_abs_error, default=None)
+        error = worst.max_abs_error if worst is not None else 0.0
+        # A large error on large outputs is a rounding: say how large they are.
+        scale = f" (outputs up to {worst.max_abs_expected:.3g})" if error >= 1e-3 and worst.max_abs_expected > 1 else ""
         on = f" on {result.verdict.inputs_text()}" if result.verdict.input_shapes else ""
-        lines.append(f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {worst:.3g}")
+        lines.append(
+            f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {error:.3g}{scale}"
+        )
         lines += [f"  {o.rounding_text()}" for o in result.verdict.rounded]
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:

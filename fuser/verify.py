@@ -80,6 +80,9 @@ class OutputCheck:
     status: str  # "ok", "mismatch", "stabilized"
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0
+    # The original's largest finite magnitude: the absolute tolerance scales with it, and an
+    # error of 1e6 on outputs of 1e13 is a rounding.
+    max_abs_expected: float = 0.0
     fraction_out_of_tolerance: float = 0.0
     worst_index: tuple | None = None
     rtol: float = 0.0
@@ -100,6 +103,7 @@ class OutputCheck:
             "status": self.status,
             "max_abs_error": self.max_abs_error,
             "max_rel_error": self.max_rel_error,
+            "max_abs_expected": self.max_abs_expected,
             "fraction_out_of_tolerance": self.fraction_out_of_tolerance,
             "worst_index": list(self.worst_index) if self.worst_index is not None else None,
             "rtol": self.rtol,
@@ -118,6 +122,11 @@ class OutputCheck:
             f"original computed in float32 it is {self.reference_error:.3g} off, the original itself "
             f"{self.original_reference_error:.3g}, and in float32 the two agree to {self.twins_error:.3g}"
         )
+
+
+def _scaled(check: OutputCheck) -> str:
+    """What atol is a fraction of, where that is not 1 (see compare's scale)."""
+    return f" times the largest expected magnitude, {check.max_abs_expected:.3g}" if check.max_abs_expected > 1 else ""
 
 
 @dataclass
@@ -146,7 +155,7 @@ class Verdict:
             f"output '{worst.name}' differs: {special}max abs error {worst.max_abs_error:.3g}"
             f"{' among finite values' if special else ''}, "
             f"{worst.fraction_out_of_tolerance:.1%} of elements out of tolerance "
-            f"(rtol={worst.rtol:g}, atol={worst.atol:g}), worst at {worst.worst_index}"
+            f"(rtol={worst.rtol:g}, atol={worst.atol:g}{_scaled(worst)}), worst at {worst.worst_index}"
         )
 
     def to_dict(self) -> dict:
@@ -841,7 +850,8 @@ def compare(
         rel = np.where(comparable, np.minimum(diff / np.maximum(np.abs(e), 1e-30), 1e300), 0.0)
     # atol is relative to the output's scale: a float32 output in the thousands cannot be
     # accurate to 1e-5 in absolute terms, whatever the rewrite.
-    scale = max(1.0, float(np.abs(e[e_finite]).max())) if e_finite.any() else 1.0
+    check.max_abs_expected = float(np.abs(e[e_finite]).max()) if e_finite.any() else 0.0
+    scale = max(1.0, check.max_abs_expected)
     with np.errstate(invalid="ignore", over="ignore"):
         within = np.where(comparable, diff <= check.atol * scale + check.rtol * np.abs(e), same_special)
     bad = ~within & ~stabilized

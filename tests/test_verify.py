@@ -16,6 +16,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import fuser
 from fuser.errors import InputError, UsageError
 from fuser.verify import TOLERANCES, Checker, CheckOptions, compare, load_inputs, session, synthesize_inputs
 from tests.helpers import fuser_cli, in_process_cli, make_model
@@ -143,6 +144,42 @@ def test_integer_mismatch_reports_its_error_size():
     assert check.max_abs_error == 7.0
     assert check.max_rel_error == pytest.approx(7 / 40)
     assert check.worst_index == (3,)
+
+
+def test_large_outputs_say_what_the_tolerance_is_a_fraction_of():
+    """atol scales with the original's largest magnitude: the report says how large that is, so
+    an error of 1e6 that passes on outputs of 1e13 reads as the rounding it is."""
+    from fuser.verify import Verdict
+
+    expected = np.array([1e13, -2e13, 3.0, 4.0], np.float32)
+    close = compare("y", expected, expected + np.float32(1e6), exact=False)
+    assert close.status == "ok" and close.max_abs_expected == pytest.approx(2e13)
+    assert close.to_dict()["max_abs_expected"] == pytest.approx(2e13)
+    far = compare("y", expected, expected * np.float32(1.01), exact=False)
+    assert far.status == "mismatch"
+    assert "(rtol=0.0001, atol=1e-05 times the largest expected magnitude, 2e+13)" in Verdict(outputs=[far]).summary()
+    small = compare("y", np.array([0.5, 0.25], np.float32), np.array([0.5, 0.75], np.float32), exact=False)
+    assert small.max_abs_expected == 0.5
+    assert "(rtol=0.0001, atol=1e-05), worst" in Verdict(outputs=[small]).summary()
+
+
+def test_the_summary_line_gives_the_outputs_scale_beside_a_large_error(tmp_path):
+    from fuser.report import summary_lines
+
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["y"])],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
+        {"w": np.eye(3, dtype=np.float32), "b": np.ones(3, np.float32)},
+    )
+    _, report = fuser.optimize(model)
+    expected = np.array([1e13, -2e13, 3.0], np.float32)
+    report.verdict.outputs = [compare("y", expected, expected + np.float32(1e6), exact=False)]
+    (line,) = [text for text in summary_lines(report, tmp_path / "out.onnx") if text.startswith("numerics")]
+    assert "max abs error 1.0" in line and line.endswith("e+06 (outputs up to 2e+13)")
+    report.verdict.outputs = [compare("y", expected, expected, exact=False)]
+    (line,) = [text for text in summary_lines(report, tmp_path / "out.onnx") if text.startswith("numerics")]
+    assert line.endswith("max abs error 0")
 
 
 def test_nan_at_the_same_positions_is_equal():
