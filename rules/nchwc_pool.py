@@ -54,7 +54,7 @@ def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
 def _global_pool(m: Match, b: Builder, x: str, channels: int) -> str:
     """ReduceMean/ReduceMax over axes 2 and 3 with keepdims, as NCHWc global pooling."""
     m.require(m.attr("pool", "keepdims", 1) == 1, "the reduction drops the spatial axes")
-    axes = m.value("axes").tolist() if m.has("axes") else m.attr("pool", "axes")
+    axes = m.value("axes").ravel().tolist() if m.has("axes") else m.attr("pool", "axes")
     m.require(axes is not None and sorted(a % 4 for a in axes) == [2, 3], f"the reduction is over axes {axes}, not H and W")
     require_block_size(m)
     blocked = b.op(GLOBAL_POOL_OF[m.node("pool").op_type], x, domain=NCHWC)
