@@ -22,6 +22,7 @@ from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.progress import Progress, Ticker
+from fuser.qdq import quantized_unit
 from fuser.rule import Builder, Change, Rule, as_outputs
 
 
@@ -479,6 +480,7 @@ class Engine:
                         if self._vetoed(candidate, scope, match):
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
+                    _require_unquantized(graph, match, keep, builder.nodes)
                 except Decline as decline:
                     if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
@@ -820,6 +822,13 @@ def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> N
     for output, reason in escaping.items():
         if output not in stand_ins:
             raise Decline(reason)
+
+
+def _require_unquantized(graph: Graph, match: Match, keep: set[int], replacement: list[NodeProto]) -> None:
+    """Decline a rewrite that would replace the float operator of a quantized (QDQ) group."""
+    reason = quantized_unit(graph, [n for n in match.node_ids if n not in keep], replacement)
+    if reason is not None:
+        raise Decline(reason)
 
 
 def _visible(graph: Graph | None, name: str) -> bool:

@@ -521,11 +521,17 @@ _INDEX_PASSTHROUGH = {
 }  # fmt: skip
 
 
+# A table read through these has the stored table's shape: a quantized model's embedding is
+# DequantizeLinear of an int8 table, a float16 export's may be Cast up.
+_SAME_SHAPE = {"DequantizeLinear", "Cast", "Identity"}
+
+
 def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     """[0, rows) for each integer graph input that indexes an embedding table (Gather's indices).
 
     The input is followed through Cast/Unsqueeze/Add and the like; when it reaches several
-    tables the smallest one bounds it. Only tables of known size (initializers, Constants) count.
+    tables the smallest one bounds it. Only tables of known size count: initializers and Constants,
+    read directly or through _SAME_SHAPE ops.
     """
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
@@ -544,6 +550,8 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             rows[node.output[0]] = list(node.attribute[0].t.dims)
+        elif node.op_type in _SAME_SHAPE and node.input and node.input[0] in rows and node.output:
+            rows[node.output[0]] = rows[node.input[0]]
     result = {}
     for name in indices:
         bounds = []

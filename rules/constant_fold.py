@@ -25,7 +25,12 @@ MAX_INPUTS = 32  # Concat/Sum/Max of more constant parts than this stay as they 
 COPY_BYTES = 1 << 12  # shape arithmetic and other small results always fold
 
 # Identity is left to identity-elimination, which rewires to the constant instead of copying it.
-FOLDABLE = functools.reduce(operator.or_, (getattr(op, name) for name in foldable_op_types() if name != "Identity"))
+# A DequantizeLinear of a constant is how a quantized model stores a weight: runtimes read it
+# as the integer operand of the operator it feeds (fuser/qdq.py), so it stays.
+FOLDABLE = functools.reduce(
+    operator.or_,
+    (getattr(op, name) for name in foldable_op_types() if name not in ("Identity", "DequantizeLinear")),
+)
 
 
 def frees(graph, tensor: str, reader: int) -> bool:

@@ -1,0 +1,310 @@
+"""Quantized models (fuser/qdq.py): no rewrite turns the float operator of a DequantizeLinear ->
+operator -> QuantizeLinear group into another, nor changes the rounding of what a
+DynamicQuantizeLinear reads; constant folding keeps a weight's DequantizeLinear.
+
+Each declining case has a float twin (the same graph without the quantization) that the same
+rule rewrites, so a decline here is the quantization's doing. The last tests quantize a small
+network with onnxruntime's own `quantize_static` and `quantize_dynamic`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import fuser
+from fuser.verify import index_ranges
+from tests.helpers import assert_declined, assert_rewritten, make_model, op_types, run
+
+RNG = np.random.default_rng(7)
+C = 16  # a multiple of both NCHWc block sizes
+SHAPE = [1, C, 8, 8]
+X = {"x": RNG.normal(size=SHAPE).astype(np.float32)}
+
+
+def quantize(tensor: str, scale: float = 0.05) -> list:
+    """tensor -> QuantizeLinear -> DequantizeLinear -> tensor_dq, with uint8 zero point 128."""
+    return [
+        helper.make_node("QuantizeLinear", [tensor, "act_scale", "act_zero"], [f"{tensor}_q"]),
+        helper.make_node("DequantizeLinear", [f"{tensor}_q", "act_scale", "act_zero"], [f"{tensor}_dq"]),
+    ]
+
+
+ACT = {"act_scale": np.array(0.05, np.float32), "act_zero": np.array(128, np.uint8)}
+
+
+def conv_weights() -> dict:
+    weight = RNG.integers(-127, 128, size=(C, C, 3, 3)).astype(np.int8)
+    return {
+        "w_q": weight,
+        "w_scale": np.full(C, 0.002, np.float32),
+        "w_zero": np.zeros(C, np.int8),
+        "b_q": RNG.integers(-1000, 1000, size=C).astype(np.int32),
+        "b_scale": np.full(C, 0.0001, np.float32),
+    }
+
+
+def qdq_convs(quantized: bool = True) -> onnx.ModelProto:
+    """x -> Q/DQ -> Conv(DQ weight, DQ bias) -> Relu -> Conv -> Q/DQ -> y: the first Conv reads
+    dequantized tensors, the second feeds a QuantizeLinear. With quantized=False the same
+    network in float (the dequantized weights as float initializers)."""
+    weights = conv_weights()
+    second = {"w2": RNG.normal(size=(C, C, 3, 3)).astype(np.float32) * 0.1, "b2": np.zeros(C, np.float32)}
+    convs = [
+        helper.make_node("Conv", ["x_dq" if quantized else "x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Conv", ["r", "w2", "b2"], ["c2" if quantized else "y"], pads=[1, 1, 1, 1]),
+    ]
+    if quantized:
+        nodes = [
+            *quantize("x"),
+            helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=0),
+            helper.make_node("DequantizeLinear", ["b_q", "b_scale"], ["b"], axis=0),
+            *convs,
+            *quantize("c2"),
+            helper.make_node("Identity", ["c2_dq"], ["y"]),
+        ]
+        inits = {**weights, **ACT, **second}
+    else:
+        nodes = convs
+        inits = {
+            "w": weights["w_q"].astype(np.float32) * 0.002,
+            "b": weights["b_q"].astype(np.float32) * 0.0001,
+            **second,
+        }
+    return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, SHAPE)], inits, opset=13)
+
+
+def test_quantized_convolutions_are_neither_fused_nor_blocked():
+    model = qdq_convs()
+    after, report = fuser.optimize(model, target="onnxruntime", trace=True)
+    reasons = {(d.rule, d.node): d.reason for d in report.engine.declined}
+    assert "reads 'x_dq' from a DequantizeLinear" in reasons["fused-conv", "Relu->r"]  # rooted at the Relu
+    assert "feeds a QuantizeLinear" in reasons["nchwc-conv", "Conv->c2"]
+    assert not any(n.domain.startswith("com.microsoft") for n in after.graph.node)
+    for op_type in ("QuantizeLinear", "DequantizeLinear", "Conv", "Relu"):
+        assert op_types(after).count(op_type) == op_types(model).count(op_type)
+    assert report.verdict.passed
+
+
+def test_the_float_twin_of_those_convolutions_is_fused_and_blocked():
+    after, report = fuser.optimize(qdq_convs(quantized=False), target="onnxruntime")
+    assert report.counts["fused-conv"] == 1 and report.counts["nchwc-conv"] == 1
+    assert any(n.domain == "com.microsoft.nchwc" for n in after.graph.node) and report.verdict.passed
+
+
+def quantized_max_pool(quantized: bool = True) -> onnx.ModelProto:
+    """onnxruntime runs DequantizeLinear -> MaxPool -> QuantizeLinear as an int8 MaxPool."""
+    source = "x_dq" if quantized else "x"
+    nodes = [
+        *(quantize("x") if quantized else []),
+        helper.make_node("MaxPool", [source], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        *(quantize("p") if quantized else []),
+        helper.make_node("Relu", ["p_dq" if quantized else "p"], ["y"]),
+    ]
+    pooled = [1, C, 4, 4]
+    return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, pooled)], ACT if quantized else {}, opset=13)
+
+
+def test_a_quantized_max_pool_stays_plain():
+    assert_declined(quantized_max_pool(), "nchwc-pool-input", "from a DequantizeLinear", target="onnxruntime")
+
+
+def test_the_float_twin_of_that_max_pool_goes_into_the_nchwc_layout():
+    assert_rewritten(quantized_max_pool(False), "nchwc-pool-input", counts={"nchwc-pool-input": 1}, target="onnxruntime")
+
+
+def matmul_add(quantized_weight: bool) -> onnx.ModelProto:
+    """y = MatMul(x, W) + bias, W stored as int8 and dequantized (weight-only quantization)."""
+    weight = RNG.integers(-127, 128, size=(8, 8)).astype(np.int8)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "bias"], ["y"])]
+    inits = {"bias": RNG.normal(size=8).astype(np.float32)}
+    if quantized_weight:
+        nodes.insert(0, helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"]))
+        inits.update(w_q=weight, w_scale=np.array(0.01, np.float32))
+    else:
+        inits["w"] = weight.astype(np.float32) * 0.01
+    return make_model(nodes, [("x", np.float32, [4, 8])], [("y", np.float32, [4, 8])], inits, opset=13)
+
+
+def test_a_dequantized_weight_is_neither_folded_nor_fused_into_a_gemm():
+    model = matmul_add(quantized_weight=True)
+    assert_declined(model, "matmul-add-gemm", "reads 'w' from a DequantizeLinear")
+    assert_declined(model, "constant-fold", None)  # DequantizeLinear is not among the ops it folds
+
+
+def test_the_float_twin_becomes_a_gemm():
+    assert_rewritten(matmul_add(quantized_weight=False), "matmul-add-gemm", counts={"matmul-add-gemm": 1})
+
+
+def test_a_quantize_linear_of_a_constant_still_folds_to_the_integer_weight():
+    nodes = [
+        helper.make_node("QuantizeLinear", ["w", "w_scale"], ["w_q"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w_dq"]),
+        helper.make_node("MatMul", ["x", "w_dq"], ["y"]),
+    ]
+    inits = {"w": RNG.normal(size=(8, 8)).astype(np.float32), "w_scale": np.array(0.02, np.float32)}
+    model = make_model(nodes, [("x", np.float32, [4, 8])], [("y", np.float32, [4, 8])], inits, opset=13)
+    feeds = {"x": RNG.normal(size=(4, 8)).astype(np.float32)}
+    after, _ = assert_rewritten(
+        model, "constant-fold", counts={"constant-fold": 1}, expected_ops=["DequantizeLinear", "MatMul"], feeds=feeds
+    )
+    # Without a zero point, QuantizeLinear's result is uint8.
+    assert [t.data_type for t in after.graph.initializer if t.name == after.graph.node[0].input[0]] == [TensorProto.UINT8]
+
+
+def quantized_reshape() -> onnx.ModelProto:
+    """DequantizeLinear -> Reshape(target computed from the input's own dims) -> QuantizeLinear."""
+    nodes = [
+        *quantize("x"),
+        helper.make_node("Shape", ["x_dq"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Unsqueeze", ["batch", "zero_axis"], ["batch_1d"]),
+        helper.make_node("Concat", ["batch_1d", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x_dq", "target"], ["r"]),
+        *quantize("r"),
+        helper.make_node("Relu", ["r_dq"], ["y"]),
+    ]
+    inits = {
+        **ACT,
+        "zero": np.array(0, np.int64),
+        "zero_axis": np.array([0], np.int64),
+        "rest": np.array([C, 64], np.int64),
+    }
+    return make_model(nodes, [("x", np.float32, ["batch", C, 8, 8])], [("y", np.float32, ["batch", C, 64])], inits, opset=13)
+
+
+def test_a_quantized_reshape_takes_a_constant_target_and_stays_a_reshape():
+    """The rewrite keeps the operator (a Reshape reading the same dequantized tensor), so the
+    group stays whole: reshape-dims-fold rewrites it, and the Shape reading x_dq goes."""
+    feeds = {"x": RNG.normal(size=(3, C, 8, 8)).astype(np.float32)}
+    after, _ = assert_rewritten(quantized_reshape(), "reshape-dims-fold", counts={"reshape-dims-fold": 1}, feeds=feeds)
+    (reshape,) = [n for n in after.graph.node if n.op_type == "Reshape"]
+    assert reshape.input[0] == "x_dq" and "Shape" not in op_types(after)
+
+
+def test_the_shape_of_a_dequantized_tensor_folds():
+    """Shape reads only the shape of what it reads: no quantized group holds it."""
+    nodes = [*quantize("x"), helper.make_node("Shape", ["x_dq"], ["y"])]
+    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.int64, [4])], ACT, opset=13)
+    after, _ = assert_rewritten(model, "shape-fold", counts={"shape-fold": 1}, feeds=X)
+    assert "Shape" not in op_types(after)
+
+
+def gelu_then(reader: str) -> onnx.ModelProto:
+    """Erf GELU of x, read by a DynamicQuantizeLinear feeding MatMulInteger (onnxruntime's
+    quantize_dynamic), or by a float MatMul."""
+    nodes = [
+        helper.make_node("Div", ["x", "sqrt2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["a"]),
+        helper.make_node("Mul", ["x", "a"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["g"]),
+    ]
+    inits = {"sqrt2": np.array(np.sqrt(2), np.float32), "one": np.array(1, np.float32), "half": np.array(0.5, np.float32)}
+    if reader == "dynamic":
+        nodes += [
+            helper.make_node("DynamicQuantizeLinear", ["g"], ["g_q", "g_scale", "g_zero"]),
+            helper.make_node("MatMulInteger", ["g_q", "w_q", "g_zero"], ["mi"]),
+            helper.make_node("Cast", ["mi"], ["mf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["mf", "g_scale"], ["y"]),
+        ]
+        inits["w_q"] = RNG.integers(0, 255, size=(8, 8)).astype(np.uint8)
+    else:
+        nodes.append(helper.make_node("MatMul", ["g", "w"], ["y"]))
+        inits["w"] = RNG.normal(size=(8, 8)).astype(np.float32)
+    return make_model(nodes, [("x", np.float32, [4, 8])], [("y", np.float32, [4, 8])], inits, opset=13)
+
+
+def test_a_gelu_read_by_a_dynamic_quantizer_is_left_decomposed():
+    assert_declined(gelu_then("dynamic"), "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_the_same_gelu_read_by_a_float_matmul_is_fused():
+    assert_rewritten(gelu_then("float"), "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime")
+
+
+def test_a_branch_reading_an_outer_dequantized_weight_declines():
+    """The DequantizeLinear is in the main graph, the MatMul + Add inside an If branch."""
+    then_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "bias"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, 8])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 8])]
+    )
+    nodes = [
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"]),
+        helper.make_node("If", ["flag"], ["y"], then_branch=then_branch, else_branch=else_branch),
+    ]
+    inits = {
+        "w_q": RNG.integers(-127, 128, size=(8, 8)).astype(np.int8),
+        "w_scale": np.array(0.01, np.float32),
+        "bias": RNG.normal(size=8).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", np.float32, [4, 8]), ("flag", np.bool_, [])], [("y", np.float32, [4, 8])], inits, opset=13)
+    assert_declined(model, "matmul-add-gemm", "from a DequantizeLinear")
+
+
+def test_the_checks_inputs_index_an_embedding_stored_quantized():
+    """A quantized embedding table is DequantizeLinear(int8 table): token ids stay below its rows."""
+    nodes = [
+        helper.make_node("DequantizeLinear", ["table_q", "scale"], ["table"]),
+        helper.make_node("Gather", ["table", "ids"], ["y"]),
+    ]
+    inits = {"table_q": np.zeros((30, 4), np.int8), "scale": np.array(0.1, np.float32)}
+    model = make_model(nodes, [("ids", np.int64, [1, "seq"])], [("y", np.float32, [1, "seq", 4])], inits, opset=13)
+    assert index_ranges(model) == {"ids": (0, 30)}
+
+
+# ------------------------------------------------------------------ onnxruntime's own quantizers
+
+
+def small_network() -> onnx.ModelProto:
+    """Conv-Relu-MaxPool-Conv-Add(residual)-Relu-GlobalAveragePool-Flatten-Gemm in float."""
+    w = lambda *shape: (RNG.normal(size=shape) * 0.2).astype(np.float32)  # noqa: E731
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "p"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "w3", "b3"], ["y"], transB=1),
+    ]
+    inits = {"w1": w(C, C, 3, 3), "b1": w(C), "w2": w(C, C, 3, 3), "b2": w(C), "w3": w(10, C), "b3": w(10)}
+    return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, [1, 10])], inits, opset=13)
+
+
+@pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
+def test_a_network_quantized_by_onnxruntime_keeps_every_quantized_group(tmp_path, target):
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Calibration(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{"x": RNG.normal(size=SHAPE).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    source, quantized = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
+    onnx.save(small_network(), source)
+    quantize_static(
+        str(source), str(quantized), Calibration(), quant_format=QuantFormat.QDQ, per_channel=True,
+        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+    )  # fmt: skip
+    model = onnx.load(quantized)
+    assert "QuantizeLinear" in op_types(model)  # the quantizer did quantize
+    after, report = fuser.optimize(model, target=target)
+    assert report.verdict is None or report.verdict.passed
+    untouched = {"QuantizeLinear", "DequantizeLinear", "Conv", "MaxPool", "Add", "GlobalAveragePool", "Gemm"}
+    for op_type in untouched:
+        assert op_types(after).count(op_type) == op_types(model).count(op_type), op_type
+    assert not any(n.domain.startswith("com.microsoft") for n in after.graph.node)
+    np.testing.assert_array_equal(run(model, X)[0], run(after, X)[0])
