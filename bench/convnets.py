@@ -27,7 +27,8 @@
 * torchvision's DenseNet-121 (each layer concatenates every earlier layer's output),
   MobileNetV3-Large and EfficientNet-B0 (squeeze-and-excitation gates), random weights and
   batch-norm statistics, exported by the TorchScript-based exporter, and EfficientNet-B0 by
-  dynamo=True too (its global pooling a ReduceMean);
+  dynamo=True too (its global pooling a ReduceMean); MobileNetV3-Large and EfficientNet-B0
+  also quantized to int8 by onnxruntime's `quantize_static` (QDQ, per channel, `_qdq`);
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -120,6 +121,8 @@ MODELS = [
     "tv_mobilenet_v3_large",
     "tv_efficientnet_b0",
     "tv_efficientnet_b0_dynamo",
+    "tv_mobilenet_v3_large_qdq",
+    "tv_efficientnet_b0_qdq",
 ]
 
 
@@ -131,6 +134,7 @@ def make(folder: str) -> None:
     _unpack_wheels(folder)
     _export_hf(folder)
     _export_torchvision(folder)
+    _quantize(folder)
     _zoo_resnet50(folder)
 
 
@@ -263,6 +267,31 @@ def _export_torchvision(folder: str) -> None:
         if name == "tv_efficientnet_b0":
             program = torch.onnx.export(module, example, dynamo=True, opset_version=18)
             program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
+
+
+def _quantize(folder: str) -> None:
+    """MobileNetV3-Large and EfficientNet-B0 (the exports above) quantized by onnxruntime's
+    quantize_static to int8 QDQ, per channel, calibrated on 8 seeded random images."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Images(CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            self.images = iter([{"x": rng.standard_normal((1, 3, 224, 224), np.float32)} for _ in range(8)])
+
+        def get_next(self):
+            return next(self.images, None)
+
+    for name in ("tv_mobilenet_v3_large", "tv_efficientnet_b0"):
+        quantize_static(
+            os.path.join(folder, f"{name}.onnx"),
+            os.path.join(folder, f"{name}_qdq.onnx"),
+            Images(),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+        )
 
 
 def _zoo_resnet50(folder: str) -> None:
