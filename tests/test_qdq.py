@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import fuser
+from fuser import Builder, Match, op, rule, var
 from fuser.verify import index_ranges
 from tests.helpers import assert_declined, assert_rewritten, make_model, op_types, run
 
@@ -183,6 +184,28 @@ def test_a_quantized_reshape_takes_a_constant_target_and_stays_a_reshape():
     after, _ = assert_rewritten(quantized_reshape(), "reshape-dims-fold", counts={"reshape-dims-fold": 1}, feeds=feeds)
     (reshape,) = [n for n in after.graph.node if n.op_type == "Reshape"]
     assert reshape.input[0] == "x_dq" and "Shape" not in op_types(after)
+
+
+@rule(
+    "quantized-relu",
+    pattern=op.QuantizeLinear(
+        op.Relu(op.DequantizeLinear(var("x"), var("scale"), var("zero"), name="dq"), name="relu"),
+        var("scale"),
+        var("zero"),
+        name="q",
+    ),
+)
+def quantized_relu(m: Match, b: Builder):
+    """Q(Relu(DQ(x, s, z)), s, z)  =>  Max(x, z): the whole group, written as its integer kernel."""
+    return b.Max(m["x"], m["zero"])
+
+
+def test_a_rule_matching_the_whole_quantized_group_rewrites_it():
+    nodes = [*quantize("x"), helper.make_node("Relu", ["x_dq"], ["r"]), *quantize("r")]
+    nodes.append(helper.make_node("Identity", ["r_dq"], ["y"]))
+    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, SHAPE)], ACT, opset=13)
+    after, _ = assert_rewritten(model, quantized_relu, counts={"quantized-relu": 1}, feeds=X)
+    assert op_types(after) == ["QuantizeLinear", "Max", "DequantizeLinear", "Identity"]
 
 
 def test_the_shape_of_a_dequantized_tensor_folds():
