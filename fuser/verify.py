@@ -463,7 +463,10 @@ def synthesize_inputs(
             )
         dtype = _numpy_dtype(spec.type)
         if dtype is None:
-            raise InputError(f"input '{spec.name}' has type {spec.type}, which fuser cannot synthesize")
+            raise InputError(
+                f"input '{spec.name}' has type {spec.type}, which fuser can neither make up nor read from "
+                "--inputs: run with --no-check, and check the result on your own inputs"
+            )
         try:
             feeds[spec.name] = _synthesize(rng, spec.name, shape, dtype, ranges.get(spec.name))
         except (MemoryError, ValueError) as error:
@@ -794,8 +797,35 @@ def run(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
     options = ort.RunOptions()
     options.log_severity_level = LOG_SEVERITY  # a failing kernel logs through the run's logger
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds, options)))
+    outputs = sess.get_outputs()
+    names = [o.name for o in outputs]
+    values = sess.run(names, feeds, options)
+    return {o.name: as_array(value, _innermost_dtype(o.type)) for o, value in zip(outputs, values)}
+
+
+def as_array(value, dtype=None) -> np.ndarray:
+    """An output as one array: a tensor as it is; a map (a dict from onnxruntime) as its values
+    in the order of its sorted keys; a sequence (a list) as its items' arrays stacked, or joined
+    flat when their shapes differ; `dtype`, the element type the output declares, for the
+    values onnxruntime hands a map's as Python numbers. scikit-learn classifiers exported by
+    skl2onnx return their probabilities as a sequence of maps (ZipMap), one {class: probability}
+    per row. The keys are the classes the ZipMap node states, which no rule changes."""
+    if isinstance(value, dict):
+        return np.asarray([value[key] for key in sorted(value)], dtype=dtype)
+    if isinstance(value, list):
+        items = [as_array(item, dtype) for item in value]
+        if not items:
+            return np.zeros((0,), dtype or np.float32)
+        if all(item.shape == items[0].shape for item in items):
+            return np.stack(items)
+        return np.concatenate([item.ravel() for item in items])
+    return np.asarray(value)
+
+
+def _innermost_dtype(ort_type: str):
+    """The element type of a tensor, or of the tensors a sequence or map holds ("seq(map(int64,tensor(float)))")."""
+    start = ort_type.rfind("tensor(")
+    return None if start < 0 else _numpy_dtype(ort_type[start : ort_type.index(")", start) + 1])
 
 
 def compare(

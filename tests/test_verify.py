@@ -1041,3 +1041,77 @@ def test_a_steady_original_with_a_wrong_rewrite_is_still_a_mismatch():
 
     with pytest.raises(NumericsMismatch, match="caused by 1 rewrite"):
         fuser.optimize(random_original("Dropout", training=False), rules=[wrong_add_rule()])
+
+
+# ------------------------------------------------------------ outputs that are not tensors
+
+
+def classifier_with_zipmap() -> onnx.ModelProto:
+    """probabilities = ZipMap(Softmax(x @ W + b)): a sequence of {class: probability} maps, one
+    per row, as skl2onnx exports every scikit-learn classifier by default."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["p"], axis=1),
+        helper.make_node("ArgMax", ["p"], ["label"], axis=1, keepdims=0),
+        helper.make_node("ZipMap", ["p"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[3, 1, 2]),
+    ]
+    maps = helper.make_sequence_type_proto(helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    graph = helper.make_graph(
+        nodes,
+        "classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("label", TensorProto.INT64, ["n"]), helper.make_value_info("probabilities", maps)],
+        [
+            numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.normal(size=3).astype(np.float32), "b"),
+        ],
+    )
+    opsets = [helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_a_classifier_returning_a_sequence_of_maps_is_checked():
+    after, report = fuser.optimize(classifier_with_zipmap())
+    assert report.counts == {"matmul-add-gemm": 1}
+    assert report.verdict.passed
+    (probabilities,) = [o for o in report.verdict.outputs if o.name == "probabilities"]
+    assert probabilities.shape == (1, 3) and probabilities.dtype == "float32"  # one row, three classes
+
+
+def test_maps_and_sequences_compare_as_arrays():
+    from fuser.verify import as_array
+
+    rows = [{3: np.float32(0.5), 1: np.float32(0.2), 2: np.float32(0.3)}, {1: 0.1, 2: 0.1, 3: 0.8}]
+    assert np.array_equal(as_array(rows, np.float32), np.float32([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]))
+    changed = [dict(rows[0]), {**rows[1], 3: 0.7}]
+    assert compare("p", as_array(rows), as_array(changed), exact=False).status == "mismatch"
+    assert as_array([np.ones((2, 3)), np.zeros((2, 3))]).shape == (2, 2, 3)
+    assert as_array([np.ones(2), np.zeros(3)]).tolist() == [1, 1, 0, 0, 0]  # ragged: joined flat
+    assert as_array([]).shape == (0,)
+
+
+def test_a_map_input_asks_for_no_check_rather_than_failing_obscurely():
+    """skl2onnx's DictVectorizer pipelines take a map; neither synthesized nor in an .npz."""
+    dictionary = helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+    nodes = [
+        helper.make_node("DictVectorizer", ["features"], ["v"], domain="ai.onnx.ml", string_vocabulary=["a", "b"]),
+        helper.make_node("Identity", ["v"], ["i"]),
+        helper.make_node("Relu", ["i"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "vectorized",
+        [helper.make_value_info("features", dictionary)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)])
+    model.ir_version = 8
+    with pytest.raises(InputError, match="map.*--no-check"):
+        fuser.optimize(model)
+    after, report = fuser.optimize(model, check=False)
+    assert report.counts == {"identity-elimination": 1}
