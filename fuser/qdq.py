@@ -80,7 +80,9 @@ def quantized_unit(graph: Graph, replaced: list[int], replacement: list[NodeProt
                 f"{info.label} reads '{tensor}' from a DequantizeLinear: it is a quantized (QDQ) operator, "
                 "which runtimes run as an integer kernel"
             )
-        return f"{info.label} feeds a {quantizer}: rounded differently, its result can move by a whole quantization step"
+        return (
+            f"{info.label} feeds a {quantizer}: rounded differently, its result can move by a whole quantization step"
+        )
     return None
 
 

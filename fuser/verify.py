@@ -968,7 +968,13 @@ class Checker:
             if on_serialized is not None:
                 on_serialized()
 
-        self.session = session(original, base_dir, self.weights, serialized)
+        try:
+            self.session = session(original, base_dir, self.weights, serialized)
+        except InputError as error:
+            if "is not a registered function/op" not in str(error):
+                raise
+            hint = "an operator onnxruntime does not know: --no-check optimizes without the check"
+            raise InputError(f"{error} ({hint})") from error
         # What opens the session again should a mismatch need the original run anew: the
         # caller's `original` may have changed since (unsteady_outputs).
         self._original_copy = (copied[0], self.session.weights if isinstance(self.session, FedSession) else {})

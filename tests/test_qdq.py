@@ -106,7 +106,9 @@ def quantized_max_pool(quantized: bool = True) -> onnx.ModelProto:
         helper.make_node("Relu", ["p_dq" if quantized else "p"], ["y"]),
     ]
     pooled = [1, C, 4, 4]
-    return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, pooled)], ACT if quantized else {}, opset=13)
+    return make_model(
+        nodes, [("x", np.float32, SHAPE)], [("y", np.float32, pooled)], ACT if quantized else {}, opset=13
+    )
 
 
 def test_a_quantized_max_pool_stays_plain():
@@ -114,7 +116,9 @@ def test_a_quantized_max_pool_stays_plain():
 
 
 def test_the_float_twin_of_that_max_pool_goes_into_the_nchwc_layout():
-    assert_rewritten(quantized_max_pool(False), "nchwc-pool-input", counts={"nchwc-pool-input": 1}, target="onnxruntime")
+    assert_rewritten(
+        quantized_max_pool(False), "nchwc-pool-input", counts={"nchwc-pool-input": 1}, target="onnxruntime"
+    )
 
 
 def matmul_add(quantized_weight: bool) -> onnx.ModelProto:
@@ -153,7 +157,9 @@ def test_a_quantize_linear_of_a_constant_still_folds_to_the_integer_weight():
         model, "constant-fold", counts={"constant-fold": 1}, expected_ops=["DequantizeLinear", "MatMul"], feeds=feeds
     )
     # Without a zero point, QuantizeLinear's result is uint8.
-    assert [t.data_type for t in after.graph.initializer if t.name == after.graph.node[0].input[0]] == [TensorProto.UINT8]
+    assert [t.data_type for t in after.graph.initializer if t.name == after.graph.node[0].input[0]] == [
+        TensorProto.UINT8
+    ]
 
 
 def quantized_reshape() -> onnx.ModelProto:
@@ -174,7 +180,9 @@ def quantized_reshape() -> onnx.ModelProto:
         "zero_axis": np.array([0], np.int64),
         "rest": np.array([C, 64], np.int64),
     }
-    return make_model(nodes, [("x", np.float32, ["batch", C, 8, 8])], [("y", np.float32, ["batch", C, 64])], inits, opset=13)
+    return make_model(
+        nodes, [("x", np.float32, ["batch", C, 8, 8])], [("y", np.float32, ["batch", C, 64])], inits, opset=13
+    )
 
 
 def test_a_quantized_reshape_takes_a_constant_target_and_stays_a_reshape():
@@ -226,7 +234,11 @@ def gelu_then(reader: str) -> onnx.ModelProto:
         helper.make_node("Mul", ["x", "a"], ["m"]),
         helper.make_node("Mul", ["m", "half"], ["g"]),
     ]
-    inits = {"sqrt2": np.array(np.sqrt(2), np.float32), "one": np.array(1, np.float32), "half": np.array(0.5, np.float32)}
+    inits = {
+        "sqrt2": np.array(np.sqrt(2), np.float32),
+        "one": np.array(1, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
     if reader == "dynamic":
         nodes += [
             helper.make_node("DynamicQuantizeLinear", ["g"], ["g_q", "g_scale", "g_zero"]),
@@ -258,7 +270,10 @@ def test_a_branch_reading_an_outer_dequantized_weight_declines():
         [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, 8])],
     )
     else_branch = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 8])]
+        [helper.make_node("Identity", ["x"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 8])],
     )
     nodes = [
         helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"]),
@@ -269,7 +284,9 @@ def test_a_branch_reading_an_outer_dequantized_weight_declines():
         "w_scale": np.array(0.01, np.float32),
         "bias": RNG.normal(size=8).astype(np.float32),
     }
-    model = make_model(nodes, [("x", np.float32, [4, 8]), ("flag", np.bool_, [])], [("y", np.float32, [4, 8])], inits, opset=13)
+    model = make_model(
+        nodes, [("x", np.float32, [4, 8]), ("flag", np.bool_, [])], [("y", np.float32, [4, 8])], inits, opset=13
+    )
     assert_declined(model, "matmul-add-gemm", "from a DequantizeLinear")
 
 
@@ -289,7 +306,10 @@ def test_the_checks_inputs_index_an_embedding_stored_quantized():
 
 def small_network() -> onnx.ModelProto:
     """Conv-Relu-MaxPool-Conv-Add(residual)-Relu-GlobalAveragePool-Flatten-Gemm in float."""
-    w = lambda *shape: (RNG.normal(size=shape) * 0.2).astype(np.float32)  # noqa: E731
+
+    def w(*shape):
+        return (RNG.normal(size=shape) * 0.2).astype(np.float32)
+
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"]),

@@ -422,7 +422,9 @@ def test_a_rewrite_wrong_only_under_padding_is_caught(mask_dtype):
     verdict = checker.check(ignores_mask, False)
     assert not verdict.passed
     assert verdict.padded_masks == ["attention_mask"]
-    assert verdict.inputs_text() == "x[2,8], attention_mask[2,8] (again with the last row of attention_mask half padded)"
+    assert (
+        verdict.inputs_text() == "x[2,8], attention_mask[2,8] (again with the last row of attention_mask half padded)"
+    )
     assert verdict.to_dict()["padded_masks"] == ["attention_mask"]
     assert checker.check(original, True).passed
 
@@ -986,7 +988,6 @@ def test_a_mismatch_of_infinities_is_described_as_such():
     )
 
 
-
 def random_original(op: str, training: bool = True) -> onnx.ModelProto:
     """A model whose outputs are random (unless a Dropout is not training), then an Add of zeros."""
     if op == "Dropout":
@@ -1057,12 +1058,17 @@ def classifier_with_zipmap() -> onnx.ModelProto:
         helper.make_node("ArgMax", ["p"], ["label"], axis=1, keepdims=0),
         helper.make_node("ZipMap", ["p"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[3, 1, 2]),
     ]
-    maps = helper.make_sequence_type_proto(helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    maps = helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+    )
     graph = helper.make_graph(
         nodes,
         "classifier",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-        [helper.make_tensor_value_info("label", TensorProto.INT64, ["n"]), helper.make_value_info("probabilities", maps)],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["n"]),
+            helper.make_value_info("probabilities", maps),
+        ],
         [
             numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "w"),
             numpy_helper.from_array(rng.normal(size=3).astype(np.float32), "b"),
@@ -1076,7 +1082,7 @@ def classifier_with_zipmap() -> onnx.ModelProto:
 
 
 def test_a_classifier_returning_a_sequence_of_maps_is_checked():
-    after, report = fuser.optimize(classifier_with_zipmap())
+    _, report = fuser.optimize(classifier_with_zipmap())
     assert report.counts == {"matmul-add-gemm": 1}
     assert report.verdict.passed
     (probabilities,) = [o for o in report.verdict.outputs if o.name == "probabilities"]
@@ -1113,5 +1119,22 @@ def test_a_map_input_asks_for_no_check_rather_than_failing_obscurely():
     model.ir_version = 8
     with pytest.raises(InputError, match="map.*--no-check"):
         fuser.optimize(model)
-    after, report = fuser.optimize(model, check=False)
-    assert report.counts == {"identity-elimination": 1}
+    assert fuser.optimize(model, check=False)[1].counts == {"identity-elimination": 1}
+
+
+def test_an_operator_onnxruntime_does_not_know_points_to_no_check():
+    nodes = [
+        helper.make_node("Identity", ["x"], ["i"]),
+        helper.make_node("Tokenize", ["i"], ["t"], domain="com.example"),
+        helper.make_node("Relu", ["t"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "custom",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.example", 1)])
+    with pytest.raises(InputError, match="Tokenize.*not a registered.*--no-check"):
+        fuser.optimize(model)
+    assert fuser.optimize(model, check=False)[1].counts == {"identity-elimination": 1}
