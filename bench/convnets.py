@@ -465,7 +465,7 @@ def row(name: str, path: str, seconds: float, threads: int) -> str:
         return f"{cells[key]:>7}" if cells[key] is not None else f"{'-':>7}"
 
     return (
-        f"{name:<22}"
+        f"{name:<26}"
         + "".join(count(k) for k in ("orig", "onnx", "ort", "slim", "sim", "ortopt"))
         + f"{fuser_seconds:>7.1f}s{statistics.median(base):>9.2f}"
         + "".join(f"{ratio[k]:>9.2f}x" for k in ("onnx/all", "ort/off", "ort/all"))
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
         make(args.dir)
         return 0
     header = (
-        f"{'model':<22}{'orig':>7}{'onnx':>7}{'ort':>7}{'slim':>7}{'sim':>7}{'ortopt':>7}{'fuser':>8}"
+        f"{'model':<26}{'orig':>7}{'onnx':>7}{'ort':>7}{'slim':>7}{'sim':>7}{'ortopt':>7}{'fuser':>8}"
         f"{'orig ms':>9}{'onnx/all':>10}{'ort/off':>10}{'ort/all':>10}{'noise':>8}  check"
     )
     print(header)
@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         path = os.path.join(args.dir, f"{name}.onnx")
         if not os.path.exists(path):
-            print(f"{name:<22}missing: run `python bench/convnets.py make` first")
+            print(f"{name:<26}missing: run `python bench/convnets.py make` first")
             continue
         print(row(name, path, args.seconds, args.threads))
         sys.stdout.flush()

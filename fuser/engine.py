@@ -480,7 +480,7 @@ class Engine:
                         if self._vetoed(candidate, scope, match):
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
-                    _require_unquantized(graph, match, keep, builder.nodes)
+                    _require_unquantized(graph, candidate, match, keep, builder.nodes)
                 except Decline as decline:
                     if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
@@ -824,9 +824,12 @@ def _require_no_escape(escaping: dict[str, str], stand_ins: dict[str, str]) -> N
             raise Decline(reason)
 
 
-def _require_unquantized(graph: Graph, match: Match, keep: set[int], replacement: list[NodeProto]) -> None:
+def _require_unquantized(
+    graph: Graph, candidate: Rule, match: Match, keep: set[int], replacement: list[NodeProto]
+) -> None:
     """Decline a rewrite that would replace the float operator of a quantized (QDQ) group."""
-    reason = quantized_unit(graph, [n for n in match.node_ids if n not in keep], replacement)
+    replaced = (n for n in match.node_ids if n not in keep)
+    reason = quantized_unit(graph, replaced, replacement, exact=candidate.exact)
     if reason is not None:
         raise Decline(reason)
 

@@ -3,52 +3,60 @@
 onnxruntime's quantization tools (and PyTorch's, and NVIDIA's) write an integer operator as
 DequantizeLinear -> float operator -> QuantizeLinear. The runtime reads each such group as one
 integer kernel (onnxruntime's QLinearConv, QLinearMatMul, an int8 MaxPool; TensorRT and QNN
-likewise). A rewrite of the float operator in the middle into anything else leaves it a float
-operator the runtime cannot quantize: torchvision's ResNet-18 quantized by onnxruntime's
-`quantize_static` ran 15% slower once its quantized MaxPool became an NCHWc one. And a float
-result rounded even slightly differently before a QuantizeLinear can move by a whole
-quantization step, which the numerics check rightly refuses.
+likewise), seeing through layout operators (Reshape, Transpose, ...) between them. A rewrite of
+the float operator in the middle into anything else leaves it a float operator the runtime
+cannot quantize: torchvision's ResNet-18 quantized by onnxruntime's `quantize_static` ran 15%
+slower once its quantized MaxPool became an NCHWc one. And a float result rounded even slightly
+differently before a QuantizeLinear can move by a whole quantization step, which the numerics
+check rightly refuses.
 
 Dynamic quantization (onnxruntime's `quantize_dynamic`) has no DequantizeLinear before its
 integer MatMuls, but the DynamicQuantizeLinear in front of each rounds the float result it
 reads the same way: a GELU fused ahead of one failed the check of a dynamically quantized
 BERT-base, max abs error 0.15 on outputs up to 3.1.
 
-So a rewrite may replace an operator that reads a DequantizeLinear's result, or whose result a
-QuantizeLinear or DynamicQuantizeLinear reads, only with an operator of the same type reading
-the same dequantized tensors in the same places (a Reshape whose computed shape became a
-constant stays the quantized Reshape it was), unless those nodes are part of the rewrite
-itself. Shape and Size read only a tensor's shape and never belong to such a group. Optimize a
-model before quantizing it, as onnxruntime's quantization pre-processing does.
+So a pattern rule may replace an operator whose result a QuantizeLinear or DynamicQuantizeLinear
+reads only if the rule is exact (its rewrites give bit-identical results: rewiring, removing
+an Identity). It may replace an operator that reads a DequantizeLinear's result if it is exact
+or if the replacement has an operator of the same type reading the same dequantized tensors in
+the same places (a Reshape whose computed shape became a constant stays the quantized Reshape it
+was). Q/DQ nodes that are part of the rewrite itself do not count; Shape and Size read only a
+tensor's shape and never belong to such a group. Optimize a model before quantizing it, as
+onnxruntime's quantization pre-processing does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from onnx import NodeProto
 
-from fuser.graph import Graph, NodeInfo
+from fuser.graph import SUBGRAPH_SLOT, Graph, NodeInfo
 
 DEQUANTIZE = "DequantizeLinear"
-QUANTIZE = "QuantizeLinear"
-QUANTIZERS = (QUANTIZE, "DynamicQuantizeLinear")
+QUANTIZERS = ("QuantizeLinear", "DynamicQuantizeLinear")
 # Standard ONNX, and onnxruntime's contrib operators of the same names (int4/int16 before opset 21).
 DOMAINS = ("", "ai.onnx", "com.microsoft")
 SHAPE_READERS = ("Shape", "Size")
+# Operators that move values without changing them: a quantized group reaches through them.
+PASS_THROUGH = ("Identity", "Dropout", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
 def has_qdq(graph: Graph | None) -> bool:
-    """Whether this scope or one enclosing it quantizes or dequantizes anything."""
-    while graph is not None:
-        if graph.has_op((*QUANTIZERS, DEQUANTIZE)) or graph.has_op((*QUANTIZERS, DEQUANTIZE), "com.microsoft"):
+    """Whether this scope, one enclosing it or one nested in it quantizes or dequantizes anything."""
+    scope = graph
+    while scope is not None:
+        if _has_qdq_ops(scope):
             return True
-        graph = graph.outer
-    return False
+        scope = scope.outer
+    return graph is not None and any(_nested_qdq(sub) for sub in _bodies(graph))
 
 
-def quantized_unit(graph: Graph, replaced: list[int], replacement: list[NodeProto]) -> str | None:
+def quantized_unit(graph: Graph, replaced: Iterable[int], replacement: list[NodeProto], exact: bool) -> str | None:
     """Why replacing the nodes `replaced` with `replacement` would break a quantized group, or
-    None when it does not (see the module's docstring)."""
-    if not has_qdq(graph):
+    None when it does not; `exact`: the rule's rewrites give bit-identical results. See the
+    module's docstring."""
+    if exact or not has_qdq(graph):
         return None
     removed = set(replaced)
     for node_id in removed:
@@ -56,61 +64,95 @@ def quantized_unit(graph: Graph, replaced: list[int], replacement: list[NodeProt
         if _is_qdq(info) or info.op_type in SHAPE_READERS:
             continue
         dequantized = {
-            slot: tensor
-            for slot, tensor in enumerate(info.inputs)
-            if tensor and _read_from_dequantize(graph, tensor, removed)
+            slot: tensor for slot, tensor in enumerate(info.inputs) if tensor and _dequantized(graph, tensor, removed)
         }
-        quantizer = next(
-            (
-                reader.op_type
-                for tensor in info.outputs
-                if tensor
-                for reader in map(graph.node, graph.op_consumers(tensor))
-                if reader.id not in removed and reader.op_type in QUANTIZERS and (reader.domain or "") in DOMAINS
-            ),
-            None,
-        )
-        if not dequantized and quantizer is None:
-            continue
-        if any(_same_operator(info, node, dequantized) for node in replacement):
-            continue
-        if dequantized:
+        if dequantized and not any(_same_operator(info, node, dequantized) for node in replacement):
             tensor = next(iter(dequantized.values()))
             return (
                 f"{info.label} reads '{tensor}' from a DequantizeLinear: it is a quantized (QDQ) operator, "
                 "which runtimes run as an integer kernel"
             )
-        return (
-            f"{info.label} feeds a {quantizer}: rounded differently, its result can move by a whole quantization step"
-        )
+        quantizer = next((q for t in info.outputs if t for q in [_quantizer_reading(graph, t, removed)] if q), None)
+        if quantizer is not None:
+            return (
+                f"{info.label} feeds a {quantizer}: rounded differently, its result can move by a whole "
+                "quantization step"
+            )
     return None
 
 
 def _same_operator(info: NodeInfo, node: NodeProto, dequantized: dict[int, str]) -> bool:
     """Whether `node` is `info`'s operator again, reading the same dequantized tensors in the same slots."""
-    if node.op_type != info.op_type or (node.domain or "") != (info.domain or ""):
+    if node.op_type != info.op_type or _domain(node.domain) != _domain(info.domain):
         return False
     return all(slot < len(node.input) and node.input[slot] == tensor for slot, tensor in dequantized.items())
 
 
-def _read_from_dequantize(graph: Graph, tensor: str, removed: set[int]) -> bool:
-    """Whether `tensor` is a DequantizeLinear's result, from this scope (and not among `removed`)
-    or an enclosing one."""
+def _dequantized(graph: Graph, tensor: str, removed: set[int]) -> bool:
+    """Whether `tensor` is a DequantizeLinear's result, directly or through PASS_THROUGH operators,
+    from this scope or an enclosing one; nodes among `removed` (this scope's) end the search."""
     scope = graph
-    while scope is not None:
+    for _ in range(64):  # a chain of layout operators is short; a cycle is not possible, but cheap to bound
         kind = scope.source_kind(tensor)
-        if kind == "op":
-            node_id = scope.producer(tensor)
-            return _is(scope.node(node_id), DEQUANTIZE) and not (scope is graph and node_id in removed)
-        if kind != "outer":
+        if kind == "outer":
+            scope = scope.outer
+            continue
+        if kind != "op":
             return False
-        scope = scope.outer
+        node_id = scope.producer(tensor)
+        if scope is graph and node_id in removed:
+            return False
+        producer = scope.node(node_id)
+        if _is(producer, (DEQUANTIZE,)):
+            return True
+        if producer.op_type not in PASS_THROUGH or not producer.inputs or not producer.inputs[0]:
+            return False
+        tensor = producer.inputs[0]
     return False
 
 
-def _is(info: NodeInfo, op_type: str) -> bool:
-    return info.op_type == op_type and (info.domain or "") in DOMAINS
+def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | None:
+    """The op type of a quantizer reading `tensor`, directly or through PASS_THROUGH operators or
+    inside a subgraph that reads it; None if none does. Nodes among `removed` are not looked at."""
+    pending = [(graph, tensor)]
+    seen = set()
+    while pending:
+        scope, name = pending.pop()
+        if (id(scope), name) in seen:
+            continue
+        seen.add((id(scope), name))
+        for consumer, slot in scope.consumers(name):
+            if not scope.has_node(consumer) or (scope is graph and consumer in removed):
+                continue
+            reader = scope.node(consumer)
+            if _is(reader, QUANTIZERS):
+                return reader.op_type
+            if slot == SUBGRAPH_SLOT:
+                pending.extend((body, name) for bodies in reader.subgraphs.values() for body in bodies)
+            elif reader.op_type in PASS_THROUGH and slot == 0:
+                pending.extend((scope, output) for output in reader.outputs[:1] if output)
+    return None
+
+
+def _has_qdq_ops(graph: Graph) -> bool:
+    return graph.has_op((*QUANTIZERS, DEQUANTIZE)) or graph.has_op((*QUANTIZERS, DEQUANTIZE), "com.microsoft")
+
+
+def _bodies(graph: Graph) -> list[Graph]:
+    return [body for info in graph.nodes_with_subgraphs() for bodies in info.subgraphs.values() for body in bodies]
+
+
+def _nested_qdq(graph: Graph) -> bool:
+    return _has_qdq_ops(graph) or any(_nested_qdq(sub) for sub in _bodies(graph))
+
+
+def _domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def _is(info: NodeInfo, op_types: tuple[str, ...]) -> bool:
+    return info.op_type in op_types and (info.domain or "") in DOMAINS
 
 
 def _is_qdq(info: NodeInfo) -> bool:
-    return (info.op_type in QUANTIZERS or info.op_type == DEQUANTIZE) and (info.domain or "") in DOMAINS
+    return _is(info, (*QUANTIZERS, DEQUANTIZE))

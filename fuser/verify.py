@@ -807,19 +807,36 @@ def as_array(value, dtype=None) -> np.ndarray:
     """An output as one array: a tensor as it is; a map (a dict from onnxruntime) as its values
     in the order of its sorted keys; a sequence (a list) as its items' arrays stacked, or joined
     flat when their shapes differ; `dtype`, the element type the output declares, for the
-    values onnxruntime hands a map's as Python numbers. scikit-learn classifiers exported by
-    skl2onnx return their probabilities as a sequence of maps (ZipMap), one {class: probability}
-    per row. The keys are the classes the ZipMap node states, which no rule changes."""
+    values onnxruntime hands a map's as Python numbers. What the array alone does not show (a
+    map's keys, the shapes of a sequence's items) is its `layout`, which compare() compares too.
+    scikit-learn classifiers exported by skl2onnx return their probabilities as a sequence of
+    maps (ZipMap), one {class: probability} per row."""
     if isinstance(value, dict):
-        return np.asarray([value[key] for key in sorted(value)], dtype=dtype)
+        keys = sorted(value)
+        return _laid_out(np.asarray([value[key] for key in keys], dtype=dtype), ("map", tuple(keys)))
     if isinstance(value, list):
         items = [as_array(item, dtype) for item in value]
         if not items:
             return np.zeros((0,), dtype or np.float32)
-        if all(item.shape == items[0].shape for item in items):
-            return np.stack(items)
-        return np.concatenate([item.ravel() for item in items])
+        layouts = tuple(getattr(item, "layout", None) for item in items)
+        shapes = tuple(item.shape for item in items)
+        if len(set(shapes)) == 1:
+            stacked = np.stack([np.asarray(item) for item in items])
+            return _laid_out(stacked, ("items", layouts)) if any(layouts) else stacked
+        return _laid_out(np.concatenate([np.asarray(item).ravel() for item in items]), ("ragged", shapes, layouts))
     return np.asarray(value)
+
+
+class _LaidOut(np.ndarray):
+    """An array with the `layout` of the sequence or map it was made from (as_array)."""
+
+    layout: tuple = ()
+
+
+def _laid_out(array: np.ndarray, layout: tuple) -> np.ndarray:
+    view = array.view(_LaidOut)
+    view.layout = layout
+    return view
 
 
 def _innermost_dtype(ort_type: str):
@@ -842,11 +859,12 @@ def compare(
     With allow_stabilized, a finite value where the original is inf/NaN counts as
     "stabilized"; without it (no applied rule claims to stabilize), as a mismatch.
     """
+    same_layout = getattr(expected, "layout", None) == getattr(actual, "layout", None)
     expected = np.asarray(expected)
     actual = np.asarray(actual)
     dtype = str(expected.dtype)
     check = OutputCheck(name=name, dtype=dtype, shape=expected.shape, status="ok")
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+    if not same_layout or expected.shape != actual.shape or expected.dtype != actual.dtype:
         check.status = "mismatch"
         check.fraction_out_of_tolerance = 1.0
         return check
@@ -867,7 +885,10 @@ def compare(
     if not floating:
         bad = expected != actual
         check.fraction_out_of_tolerance = float(bad.mean())
-        if bad.any():
+        if bad.any() and expected.dtype.kind in "OSU":  # strings: equal or not, no distance
+            check.status = "mismatch"
+            check.worst_index = tuple(int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
+        elif bad.any():
             check.status = "mismatch"
             diff = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
             check.max_abs_error = float(diff.max())

@@ -78,7 +78,7 @@ def qdq_convs(quantized: bool = True) -> onnx.ModelProto:
     return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, SHAPE)], inits, opset=13)
 
 
-def test_quantized_convolutions_are_neither_fused_nor_blocked():
+def test_quantized_convolutions_are_neither_fused_nor_made_nchwc():
     model = qdq_convs()
     after, report = fuser.optimize(model, target="onnxruntime", trace=True)
     reasons = {(d.rule, d.node): d.reason for d in report.engine.declined}
@@ -90,7 +90,7 @@ def test_quantized_convolutions_are_neither_fused_nor_blocked():
     assert report.verdict.passed
 
 
-def test_the_float_twin_of_those_convolutions_is_fused_and_blocked():
+def test_the_float_twin_of_those_convolutions_is_fused_and_made_nchwc():
     after, report = fuser.optimize(qdq_convs(quantized=False), target="onnxruntime")
     assert report.counts["fused-conv"] == 1 and report.counts["nchwc-conv"] == 1
     assert any(n.domain == "com.microsoft.nchwc" for n in after.graph.node) and report.verdict.passed
@@ -186,8 +186,8 @@ def quantized_reshape() -> onnx.ModelProto:
 
 
 def test_a_quantized_reshape_takes_a_constant_target_and_stays_a_reshape():
-    """The rewrite keeps the operator (a Reshape reading the same dequantized tensor), so the
-    group stays whole: reshape-dims-fold rewrites it, and the Shape reading x_dq goes."""
+    """reshape-dims-fold is exact (bit-identical results) and keeps the Reshape reading x_dq: the
+    group stays whole, and the Shape reading x_dq goes."""
     feeds = {"x": RNG.normal(size=(3, C, 8, 8)).astype(np.float32)}
     after, _ = assert_rewritten(quantized_reshape(), "reshape-dims-fold", counts={"reshape-dims-fold": 1}, feeds=feeds)
     (reshape,) = [n for n in after.graph.node if n.op_type == "Reshape"]
@@ -224,6 +224,105 @@ def test_the_shape_of_a_dequantized_tensor_folds():
     assert "Shape" not in op_types(after)
 
 
+@rule("zero-pads-dropped", pattern=op.Conv(var("x"), var("w"), name="conv"))
+def zero_pads_dropped(m: Match, b: Builder):
+    """Conv with pads all zero  =>  the same Conv without the attribute (a rule not marked exact)."""
+    m.require(m.attr("conv", "pads") == [0, 0, 0, 0], "pads are not all zero")
+    attrs = {k: v for k, v in m.attrs("conv").items() if k != "pads"}
+    return b.Conv(m["x"], m["w"], **attrs)
+
+
+@rule("relu-as-max", pattern=op.Relu(var("x"), name="relu"))
+def relu_as_max(m: Match, b: Builder):
+    """Relu(x)  =>  Max(x, 0) (a rule not marked exact)."""
+    return b.Max(m["x"], b.constant(np.zeros((), np.float32), "zero"))
+
+
+def quantized_conv_with_zero_pads() -> onnx.ModelProto:
+    weights = conv_weights()
+    nodes = [
+        *quantize("x"),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=0),
+        helper.make_node("Conv", ["x_dq", "w"], ["c"], pads=[0, 0, 0, 0]),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    inits = {**ACT, **{k: weights[k] for k in ("w_q", "w_scale", "w_zero")}}
+    return make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, [1, C, 6, 6])], inits, opset=13)
+
+
+def test_a_rewrite_keeping_the_operator_on_the_same_dequantized_inputs_goes():
+    after, _ = assert_rewritten(quantized_conv_with_zero_pads(), zero_pads_dropped, counts={"zero-pads-dropped": 1})
+    (conv,) = [n for n in after.graph.node if n.op_type == "Conv"]
+    assert list(conv.input) == ["x_dq", "w"] and not conv.attribute
+
+
+def test_a_hardswish_regrouped_before_a_quantizer_is_left_as_it_is():
+    """x * Clip(x + 3, 0, 6) * (1/6) becomes x * HardSigmoid(x): the same value, rounded otherwise.
+    The replacement ends in a Mul as the original does, which must not pass for the same operator."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Add", ["r", "three"], ["a"]),
+        helper.make_node("Clip", ["a", "zero", "six"], ["c"]),
+        helper.make_node("Mul", ["r", "c"], ["m"]),
+        helper.make_node("Mul", ["m", "sixth"], ["h"]),
+        *quantize("h"),
+        helper.make_node("Identity", ["h_dq"], ["y"]),
+    ]
+    constants = (("three", 3), ("zero", 0), ("six", 6), ("sixth", 1 / 6))
+    inits = {**ACT, **{k: np.array(v, np.float32) for k, v in constants}}
+    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, SHAPE)], inits, opset=13)
+    assert_declined(model, "hardswish-clip-regroup", "Mul->h feeds a QuantizeLinear")
+
+
+def test_exact_rewrites_go_through_quantized_groups():
+    """An Identity between a DequantizeLinear and a Conv, and a Mul by one before a
+    QuantizeLinear, go: exact rules change no value, and the group is whole afterwards."""
+    weights = conv_weights()
+    nodes = [
+        *quantize("x"),
+        helper.make_node("Identity", ["x_dq"], ["x_copy"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=0),
+        helper.make_node("Conv", ["x_copy", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c", "one"], ["c1"]),
+        *quantize("c1"),
+        helper.make_node("Relu", ["c1_dq"], ["y"]),
+    ]
+    inits = {**ACT, **{k: weights[k] for k in ("w_q", "w_scale", "w_zero")}, "one": np.array(1, np.float32)}
+    model = make_model(nodes, [("x", np.float32, SHAPE)], [("y", np.float32, SHAPE)], inits, opset=13)
+    after, _ = assert_rewritten(
+        model, ["identity-elimination", "neutral-element"], counts={"identity-elimination": 1, "neutral-element": 1}
+    )
+    (conv,) = [n for n in after.graph.node if n.op_type == "Conv"]
+    assert conv.input[0] == "x_dq" and "Mul" not in op_types(after)
+
+
+@pytest.mark.parametrize("domain", ["", "com.microsoft"])
+def test_an_operator_reading_a_dequantize_linear_of_either_domain_stays(domain):
+    nodes = [
+        helper.make_node("DequantizeLinear", ["x_q", "scale"], ["x"], domain=domain),
+        helper.make_node("Relu", ["x"], ["y"]),
+    ]
+    opsets = {"com.microsoft": 1} if domain else None
+    inits = {"scale": np.array(0.1, np.float32)}
+    model = make_model(
+        nodes,
+        [("x_q", np.int8, [4, 8])],
+        [("y", np.float32, [4, 8])],
+        inits,
+        opset=13,
+        extra_opsets=opsets,
+        check=False,
+    )
+    assert_declined(model, relu_as_max, "Relu->y reads 'x' from a DequantizeLinear")
+
+
+def test_relu_as_max_rewrites_a_float_relu():
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [4, 8])], [("y", np.float32, [4, 8])]
+    )
+    assert_rewritten(model, relu_as_max, counts={"relu-as-max": 1})
+
+
 def gelu_then(reader: str) -> onnx.ModelProto:
     """Erf GELU of x, read by a DynamicQuantizeLinear feeding MatMulInteger (onnxruntime's
     quantize_dynamic), or by a float MatMul."""
@@ -255,6 +354,34 @@ def gelu_then(reader: str) -> onnx.ModelProto:
 
 def test_a_gelu_read_by_a_dynamic_quantizer_is_left_decomposed():
     assert_declined(gelu_then("dynamic"), "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_a_gelu_read_through_a_dropout_by_a_dynamic_quantizer_is_left_decomposed():
+    model = gelu_then("dynamic")
+    quantizer = next(n for n in model.graph.node if n.op_type == "DynamicQuantizeLinear")
+    quantizer.input[0] = "g_kept"
+    model.graph.node.insert(5, helper.make_node("Dropout", ["g"], ["g_kept"]))
+    assert_declined(model, "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_a_gelu_quantized_inside_an_if_branch_is_left_decomposed():
+    """The GELU is in the main graph; the DynamicQuantizeLinear reading it is in a branch."""
+    model = gelu_then("float")
+    quantized = helper.make_graph(
+        [helper.make_node("DynamicQuantizeLinear", ["g"], ["q", "scale", "zero"]),
+         helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["t"])],
+        "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, 8])],
+    )  # fmt: skip
+    plain = helper.make_graph(
+        [helper.make_node("Identity", ["g"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 8])],
+    )
+    model.graph.node.append(helper.make_node("If", ["flag"], ["z"], then_branch=quantized, else_branch=plain))
+    model.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 8]))
+    assert_declined(model, "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
 
 
 def test_the_same_gelu_read_by_a_float_matmul_is_fused():

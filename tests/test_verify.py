@@ -1138,3 +1138,22 @@ def test_an_operator_onnxruntime_does_not_know_points_to_no_check():
     with pytest.raises(InputError, match="Tokenize.*not a registered.*--no-check"):
         fuser.optimize(model)
     assert fuser.optimize(model, check=False)[1].counts == {"identity-elimination": 1}
+
+
+def test_a_maps_keys_and_a_sequences_item_shapes_count():
+    from fuser.verify import as_array
+
+    assert (
+        compare(
+            "p", as_array([{1: 0.5, 2: 0.5}], np.float32), as_array([{1: 0.5, 3: 0.5}], np.float32), exact=False
+        ).status
+        == "mismatch"
+    )
+    first, second = [np.ones((1, 1)), np.ones((1, 2))], [np.ones((1, 2)), np.ones((1, 1))]
+    assert compare("s", as_array(first), as_array(second), exact=False).status == "mismatch"
+    assert compare("s", as_array(first), as_array(list(first)), exact=False).status == "ok"
+
+
+def test_string_outputs_compare_without_a_distance():
+    check = compare("label", np.array(["cat", "dog"]), np.array(["cat", "cow"]), exact=True)
+    assert check.status == "mismatch" and check.worst_index == (1,) and check.fraction_out_of_tolerance == 0.5
