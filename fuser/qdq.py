@@ -72,7 +72,7 @@ def quantized_unit(graph: Graph, replaced: Iterable[int], replacement: list[Node
                 f"{info.label} reads '{tensor}' from a DequantizeLinear: it is a quantized (QDQ) operator, "
                 "which runtimes run as an integer kernel"
             )
-        quantizer = next((q for t in info.outputs if t for q in [_quantizer_reading(graph, t, removed)] if q), None)
+        quantizer = next(filter(None, (_quantizer_reading(graph, t, removed) for t in info.outputs if t)), None)
         if quantizer is not None:
             return (
                 f"{info.label} feeds a {quantizer}: rounded differently, its result can move by a whole "
@@ -92,7 +92,7 @@ def _dequantized(graph: Graph, tensor: str, removed: set[int]) -> bool:
     """Whether `tensor` is a DequantizeLinear's result, directly or through PASS_THROUGH operators,
     from this scope or an enclosing one; nodes among `removed` (this scope's) end the search."""
     scope = graph
-    for _ in range(64):  # a chain of layout operators is short; a cycle is not possible, but cheap to bound
+    for _ in range(64):  # a chain of layout operators is short; the bound keeps a malformed graph from looping
         kind = scope.source_kind(tensor)
         if kind == "outer":
             scope = scope.outer
