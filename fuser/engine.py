@@ -22,7 +22,7 @@ from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
 from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
 from fuser.model import Model
 from fuser.progress import Progress, Ticker
-from fuser.qdq import quantized_unit
+from fuser.qdq import is_qdq_op, quantized_unit, quantizes
 from fuser.rule import Builder, Change, Rule, as_outputs
 
 
@@ -191,6 +191,9 @@ class Engine:
         self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types())
         self._max_rewrites = max_rewrites
         self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
+        # Whether the model quantizes anything (or a rewrite made it): a model that does not has
+        # no quantized group to keep whole, and the check is skipped at every rewrite.
+        self._quantized = any(quantizes(g) for g in model.graph.all_graphs())
         # During a pass over a whole scope: the nodes each rule with `candidates` is tried at, and
         # the nodes a rewrite of the pass touched, which every rule is tried at again.
         self._nominated: dict[int, set[int]] = {}  # id(rule) -> node ids
@@ -480,7 +483,8 @@ class Engine:
                         if self._vetoed(candidate, scope, match):
                             continue
                     _require_no_escape(escaping, builder.stand_ins)
-                    _require_unquantized(graph, candidate, match, keep, builder.nodes)
+                    if self._quantized:
+                        _require_unquantized(graph, candidate, match, keep, builder.nodes)
                 except Decline as decline:
                     if self.trace and not isinstance(decline, NotACandidate):
                         self._decline(candidate, scope, match, str(decline))
@@ -653,6 +657,7 @@ class Engine:
         # A tensor the replacement reads is still read: its sole reader, if any, is new and visited anyway.
         read_by_new = {i for node in builder.nodes for i in node.input}
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
+        self._quantized = self._quantized or any(is_qdq_op(node.op_type, node.domain) for node in builder.nodes)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
         self._types.invalidate(produced=[o for node in builder.nodes for o in node.output])
         rewrite = Rewrite(

@@ -42,11 +42,20 @@ SHAPE_READERS = ("Shape", "Size")
 PASS_THROUGH = ("Identity", "Dropout", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
+def quantizes(graph: Graph) -> bool:
+    """Whether this scope itself quantizes or dequantizes anything."""
+    return graph.has_op((*QUANTIZERS, DEQUANTIZE)) or graph.has_op((*QUANTIZERS, DEQUANTIZE), "com.microsoft")
+
+
+def is_qdq_op(op_type: str, domain: str) -> bool:
+    return op_type in (*QUANTIZERS, DEQUANTIZE) and (domain or "") in DOMAINS
+
+
 def has_qdq(graph: Graph | None) -> bool:
     """Whether this scope, one enclosing it or one nested in it quantizes or dequantizes anything."""
     scope = graph
     while scope is not None:
-        if _has_qdq_ops(scope):
+        if quantizes(scope):
             return True
         scope = scope.outer
     return graph is not None and any(_nested_qdq(sub) for sub in _bodies(graph))
@@ -134,16 +143,12 @@ def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | No
     return None
 
 
-def _has_qdq_ops(graph: Graph) -> bool:
-    return graph.has_op((*QUANTIZERS, DEQUANTIZE)) or graph.has_op((*QUANTIZERS, DEQUANTIZE), "com.microsoft")
-
-
 def _bodies(graph: Graph) -> list[Graph]:
     return [body for info in graph.nodes_with_subgraphs() for bodies in info.subgraphs.values() for body in bodies]
 
 
 def _nested_qdq(graph: Graph) -> bool:
-    return _has_qdq_ops(graph) or any(_nested_qdq(sub) for sub in _bodies(graph))
+    return quantizes(graph) or any(_nested_qdq(sub) for sub in _bodies(graph))
 
 
 def _domain(domain: str) -> str:
@@ -155,4 +160,4 @@ def _is(info: NodeInfo, op_types: tuple[str, ...]) -> bool:
 
 
 def _is_qdq(info: NodeInfo) -> bool:
-    return _is(info, (*QUANTIZERS, DEQUANTIZE))
+    return is_qdq_op(info.op_type, info.domain)
