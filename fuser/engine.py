@@ -371,7 +371,7 @@ class Engine:
         """Run the current phase's rules over every node of their root types, or over `seeds` and
         the nodes below them within the phase's pattern depth; returns the nodes its rewrites
         created or touched."""
-        heap: list[tuple[tuple, int]] = []
+        queue = _VisitQueue()
         queued: set[int] = set()
         touched_all: set[int] = set()
 
@@ -380,7 +380,7 @@ class Engine:
                 self._released.add(node_id)
             if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
                 queued.add(node_id)
-                heapq.heappush(heap, (graph.sort_key(node_id), node_id))
+                queue.push(graph.sort_key(node_id), node_id)
 
         self._nominated, self._released = {}, set()
         phase_rules = list({id(r): r for rules in self._by_root.values() for r in rules}.values())
@@ -404,6 +404,7 @@ class Engine:
                 for root_type, domain in rule.roots:
                     for node_id in graph.nodes_of_type(root_type, domain):
                         push(node_id, release=False)
+        queue.settle()
         # A rewrite re-queues the readers of every tensor its replacement reads; in a deep model
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
         # the front of the queue after each layer's rewrite. Touched nodes behind the current
@@ -414,18 +415,18 @@ class Engine:
         # been visited already; such nodes wait behind too.
         behind: set[int] = set()
         while not self._limit_reached():
-            if not heap:
+            if not queue:
                 if not behind:
                     break
                 for node_id in self._downstream(graph, {n for n in behind if graph.has_node(n)}):
                     push(node_id)
                 behind.clear()
                 continue
-            position, node_id = heapq.heappop(heap)
+            position, node_id = queue.pop()
             queued.discard(node_id)
             if not graph.has_node(node_id):
                 continue
-            self._visits.tick(len(heap) + len(behind))
+            self._visits.tick(len(queue) + len(behind))
             touched = self._visit(graph, scope, node_id, apply)
             if touched:  # most visits change nothing
                 touched_all.update(touched)
@@ -739,6 +740,35 @@ class Engine:
         )
         self._reaches[id(graph)] = (version, reach)
         return reach
+
+
+class _VisitQueue:
+    """The nodes a pass visits, smallest graph position first. A pass starts with many nodes
+    and pushes few more: those it starts with are sorted once (settle) and read in order, the
+    later ones go on a heap, so most visits take no heap operation."""
+
+    def __init__(self) -> None:
+        self._run: list[tuple[tuple, int]] = []
+        self._next = 0  # the position in _run of its first entry not yet popped
+        self._heap: list[tuple[tuple, int]] = []
+
+    def push(self, position: tuple, node_id: int) -> None:
+        heapq.heappush(self._heap, (position, node_id))
+
+    def settle(self) -> None:
+        """Move what has been pushed so far into the sorted run."""
+        self._run = sorted(self._run[self._next :] + self._heap)
+        self._next, self._heap = 0, []
+
+    def pop(self) -> tuple[tuple, int]:
+        run, heap = self._run, self._heap
+        if self._next < len(run) and (not heap or run[self._next] <= heap[0]):
+            self._next += 1
+            return run[self._next - 1]
+        return heapq.heappop(heap)
+
+    def __len__(self) -> int:
+        return len(self._run) - self._next + len(self._heap)
 
 
 def _same_nodes(nodes: list[NodeProto], others: list[NodeProto]) -> bool:

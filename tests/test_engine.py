@@ -7,6 +7,7 @@ Rules are written with the public API only; numerics are compared in onnxruntime
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import subprocess
 import sys
@@ -14,15 +15,17 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from fuser.rules.conv_bn_fold import conv_bn_fold
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import fuser
 from fuser import Builder, Decline, Match, const, op, rule, var
-from fuser.engine import Engine
+from fuser.engine import Engine, _VisitQueue
 from fuser.errors import FuserError, RewriteLimitExceeded, RuleError
 from fuser.model import Model
 from fuser.pattern import PatternError
-from fuser.rules.conv_bn_fold import conv_bn_fold
 from tests.helpers import assert_same_outputs, make_model, op_types, run
 
 F32 = np.float32
@@ -1497,3 +1500,26 @@ def test_walks_must_be_a_depth():
         @rule("bad-walks", pattern=op.Relu(var("x")), walks=-1)
         def bad_walks(m: Match, b: Builder):
             """Never built."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=60), st.integers(0, 30))
+def test_the_visit_queue_pops_in_the_order_of_one_heap(operations, initial):
+    """Positions pushed before a pass settles are read as a sorted run, later ones from a
+    heap; whatever the mix, nodes come out smallest position first, as from a single heap."""
+    queue, heap = _VisitQueue(), []
+    for node_id in range(initial):
+        queue.push(((initial - node_id) % 7,), node_id)
+        heapq.heappush(heap, (((initial - node_id) % 7,), node_id))
+    queue.settle()
+    node_ids = iter(range(initial, 10_000))
+    for is_pop, position in operations:
+        if is_pop:
+            assert len(queue) == len(heap)
+            if heap:
+                assert queue.pop() == heapq.heappop(heap)
+        else:
+            node_id = next(node_ids)
+            queue.push((position,), node_id)
+            heapq.heappush(heap, ((position,), node_id))
+    assert [queue.pop() for _ in range(len(queue))] == [heapq.heappop(heap) for _ in range(len(heap))]
