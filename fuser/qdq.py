@@ -121,8 +121,9 @@ def _dequantized(graph: Graph, tensor: str, removed: set[int]) -> bool:
 
 
 def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | None:
-    """The op type of a quantizer reading `tensor`, directly or through PASS_THROUGH operators or
-    inside a subgraph that reads it; None if none does. Nodes among `removed` are not looked at."""
+    """The op type of a quantizer reading `tensor`, directly or through PASS_THROUGH operators,
+    inside a subgraph that reads it, or where a body's output goes on (_after_body); None if none
+    does. Nodes among `removed` are not looked at."""
     pending = [(graph, tensor)]
     seen = set()
     while pending:
@@ -140,7 +141,49 @@ def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | No
                 pending.extend((body, name) for bodies in reader.subgraphs.values() for body in bodies)
             elif reader.op_type in PASS_THROUGH and slot == 0:
                 pending.extend((scope, output) for output in reader.outputs[:1] if output)
+        if scope.is_graph_output(name):
+            pending.extend(_after_body(scope, name))
     return None
+
+
+def _after_body(body: Graph, tensor: str) -> list[tuple[Graph, str]]:
+    """Where an If, Loop or Scan body's output `tensor` goes once the body has run: into the
+    holding node's output, and a Loop's or Scan's state into the body's own input for the next
+    iteration. Empty for the main graph."""
+    outer, owner = body.outer, body.owner
+    if outer is None or owner is None or not outer.has_node(owner):
+        return []
+    holder = outer.node(owner)
+    body_inputs = [value.name for value in body.feedable_inputs()]
+    found = []
+    for position, value in enumerate(body.output_values()):
+        if value.name != tensor:
+            continue
+        result, carried = _body_output_slots(outer, holder, position)
+        if result is not None and 0 <= result < len(holder.outputs) and holder.outputs[result]:
+            found.append((outer, holder.outputs[result]))
+        if carried is not None and carried < len(body_inputs):
+            found.append((body, body_inputs[carried]))
+    return found
+
+
+def _body_output_slots(outer: Graph, holder: NodeInfo, position: int) -> tuple[int | None, int | None]:
+    """For the body output at `position`: the holder's output it becomes, and the body input it
+    becomes in the next iteration (None where there is none)."""
+    if holder.op_type == "If":
+        return position, None
+    if holder.op_type == "Loop":
+        # Body inputs: iteration, condition, states; outputs: condition, states, scanned values.
+        # The Loop's outputs are the final states, then the scanned values.
+        states = len(holder.inputs) - 2
+        return position - 1, (position + 1 if 1 <= position <= states else None)
+    if holder.op_type == "Scan":
+        # States come first in the body's inputs and outputs and in the Scan's outputs; Scan
+        # before opset 9 reads the sequence lengths first.
+        lengths = 1 if (outer.opset("") or 9) < 9 else 0
+        states = len(holder.inputs) - lengths - (holder.attr("num_scan_inputs") or 0)
+        return position, (position if position < states else None)
+    return None, None
 
 
 def _bodies(graph: Graph) -> list[Graph]:

@@ -396,6 +396,103 @@ def test_the_same_gelu_read_by_a_float_matmul_is_fused():
     assert_rewritten(gelu_then("float"), "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime")
 
 
+def gelu_nodes(x: str, out: str) -> list:
+    """Erf GELU of `x` into `out` (its constants: gelu_constants)."""
+    return [
+        helper.make_node("Div", [x, "sqrt2"], [f"{out}_d"]),
+        helper.make_node("Erf", [f"{out}_d"], [f"{out}_e"]),
+        helper.make_node("Add", [f"{out}_e", "one"], [f"{out}_a"]),
+        helper.make_node("Mul", [x, f"{out}_a"], [f"{out}_m"]),
+        helper.make_node("Mul", [f"{out}_m", "half"], [out]),
+    ]
+
+
+def gelu_constants() -> dict:
+    return {
+        "sqrt2": np.array(np.sqrt(2), np.float32),
+        "one": np.array(1, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+
+
+def dynamically_quantized(tensor: str, out: str) -> list:
+    return [
+        helper.make_node("DynamicQuantizeLinear", [tensor], [f"{tensor}_q", f"{tensor}_scale", f"{tensor}_zero"]),
+        helper.make_node("DequantizeLinear", [f"{tensor}_q", f"{tensor}_scale", f"{tensor}_zero"], [out]),
+    ]
+
+
+def gelu_branch_then(quantized: bool) -> onnx.ModelProto:
+    """An If whose then-branch returns a GELU of x; after the If, a DynamicQuantizeLinear reads
+    its result (quantized=True) or a float Relu does."""
+    value = helper.make_tensor_value_info
+    then_branch = helper.make_graph(gelu_nodes("x", "g"), "then", [], [value("g", TensorProto.FLOAT, [4, 8])])
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"])], "else", [], [value("e", TensorProto.FLOAT, [4, 8])]
+    )
+    after = dynamically_quantized("z", "y") if quantized else [helper.make_node("Relu", ["z"], ["y"])]
+    nodes = [helper.make_node("If", ["flag"], ["z"], then_branch=then_branch, else_branch=else_branch), *after]
+    inputs = [("x", np.float32, [4, 8]), ("flag", np.bool_, [])]
+    return make_model(nodes, inputs, [("y", np.float32, [4, 8])], gelu_constants(), opset=13)
+
+
+def test_a_gelu_a_branch_returns_to_a_quantizer_after_the_if_is_left_decomposed():
+    assert_declined(gelu_branch_then(True), "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_the_same_branch_returning_to_a_float_relu_is_fused():
+    assert_rewritten(gelu_branch_then(False), "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime")
+
+
+def gelu_loop_state(quantized: bool) -> onnx.ModelProto:
+    """A Loop whose state goes through a GELU each iteration; the body also scans out the state
+    it starts the iteration with, through a DynamicQuantizeLinear (quantized=True) or a Relu."""
+    value = helper.make_tensor_value_info
+    scanned = dynamically_quantized("state", "seen") if quantized else [helper.make_node("Relu", ["state"], ["seen"])]
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond"], ["cond_out"]), *gelu_nodes("state", "next"), *scanned],
+        "body",
+        [value("i", TensorProto.INT64, []), value("cond", TensorProto.BOOL, []), value("state", TensorProto.FLOAT, [4, 8])],
+        [value("cond_out", TensorProto.BOOL, []), value("next", TensorProto.FLOAT, [4, 8]), value("seen", TensorProto.FLOAT, [4, 8])],
+    )  # fmt: skip
+    loop = helper.make_node("Loop", ["trips", "", "x"], ["y", "history"], body=body)
+    inits = {**gelu_constants(), "trips": np.array(3, np.int64)}
+    outputs = [("y", np.float32, [4, 8]), ("history", np.float32, [3, 4, 8])]
+    return make_model([loop], [("x", np.float32, [4, 8])], outputs, inits, opset=13)
+
+
+def test_a_gelu_whose_loop_state_is_quantized_in_the_next_iteration_is_left_decomposed():
+    assert_declined(gelu_loop_state(True), "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_the_same_loop_state_read_by_a_float_relu_is_fused():
+    assert_rewritten(gelu_loop_state(False), "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime")
+
+
+def gelu_scan_state(quantized: bool) -> onnx.ModelProto:
+    """gelu_loop_state as a Scan over the rows of `xs`, whose row is added to the state first."""
+    value = helper.make_tensor_value_info
+    scanned = dynamically_quantized("state", "seen") if quantized else [helper.make_node("Relu", ["state"], ["seen"])]
+    body = helper.make_graph(
+        [helper.make_node("Add", ["state", "row"], ["summed"]), *gelu_nodes("summed", "next"), *scanned],
+        "body",
+        [value("state", TensorProto.FLOAT, [8]), value("row", TensorProto.FLOAT, [8])],
+        [value("next", TensorProto.FLOAT, [8]), value("seen", TensorProto.FLOAT, [8])],
+    )
+    scan = helper.make_node("Scan", ["x", "xs"], ["y", "history"], body=body, num_scan_inputs=1)
+    inputs = [("x", np.float32, [8]), ("xs", np.float32, [3, 8])]
+    outputs = [("y", np.float32, [8]), ("history", np.float32, [3, 8])]
+    return make_model([scan], inputs, outputs, gelu_constants(), opset=13)
+
+
+def test_a_gelu_whose_scan_state_is_quantized_in_the_next_iteration_is_left_decomposed():
+    assert_declined(gelu_scan_state(True), "gelu-ort", "feeds a DynamicQuantizeLinear", target="onnxruntime")
+
+
+def test_the_same_scan_state_read_by_a_float_relu_is_fused():
+    assert_rewritten(gelu_scan_state(False), "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime")
+
+
 def test_a_branch_reading_an_outer_dequantized_weight_declines():
     """The DequantizeLinear is in the main graph, the MatMul + Add inside an If branch."""
     then_branch = helper.make_graph(
