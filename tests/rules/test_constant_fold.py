@@ -5,13 +5,14 @@ Numerics: every positive case runs both models in onnxruntime (graph optimizatio
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from fuser.rules.constant_fold import constant_fold
 from fuser.rules.identity_elimination import identity_elimination
 from onnx import TensorProto, helper, numpy_helper
 
 import fuser
-from tests.helpers import assert_declined, assert_rewritten, initializer_value, make_model
+from tests.helpers import assert_declined, assert_rewritten, initializer_value, make_model, run
 
 RULE = "constant-fold"
 X = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
@@ -139,12 +140,15 @@ def test_a_large_weight_another_node_reads_is_not_copied(unsqueezed):
     assert_declined(model, constant_fold, "the model would hold both", check=False)
 
 
+LARGE_TABLE = np.random.default_rng(4).standard_normal((5000, 64)).astype(np.float32)  # 1.28 MB, above BODY_COPY_BYTES
+
+
 def test_a_large_weight_captured_by_branches_is_not_copied_into_each():
     # Each branch of the If would fold its own Transpose of the outer table: two copies of it.
     def branch(name, op_type):
         nodes = [helper.make_node("Transpose", ["table"], [f"{name}_t"], perm=[1, 0])]
         nodes.append(helper.make_node(op_type, [f"{name}_t"], [f"{name}_out"]))
-        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [64, 1000])
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [64, 5000])
         return helper.make_graph(nodes, name, [], [out])
 
     nodes = [
@@ -152,7 +156,7 @@ def test_a_large_weight_captured_by_branches_is_not_copied_into_each():
             "If", ["flag"], ["chosen"], then_branch=branch("then", "Neg"), else_branch=branch("other", "Abs")
         )
     ]
-    model = make_model(nodes, [("flag", np.bool_, [])], [("chosen", np.float32, [64, 1000])], {"table": TABLE})
+    model = make_model(nodes, [("flag", np.bool_, [])], [("chosen", np.float32, [64, 5000])], {"table": LARGE_TABLE})
     after, report = fuser.optimize(model, rules=[constant_fold], check=False)
     assert report.counts == {}
     assert after.SerializeToString() == model.SerializeToString()
@@ -174,25 +178,60 @@ def test_a_small_slice_of_a_weight_another_node_reads_is_not_copied():
     assert_declined(model, constant_fold, "likely a copy", check=False)
 
 
-def test_slices_of_an_outer_weight_are_not_copied_into_each_branch():
-    # Silero VAD's LSTM: each branch of an If slices the gates its parent holds.
-    def branch(name, start):
+def gate_branches() -> onnx.ModelProto:
+    """Silero VAD's LSTM: each branch of an If cuts the gates of a weight its parent holds and
+    puts them together in another order (Slice, Slice, Concat), as PyTorch's exporter writes an
+    LSTM's weights in ONNX's gate order."""
+
+    def branch(name, op_type):
         nodes = [
-            helper.make_node("Slice", ["gates", f"{name}_start", f"{name}_end"], [f"{name}_gate"]),
-            helper.make_node("Neg", [f"{name}_gate"], [f"{name}_out"]),
+            helper.make_node("Slice", ["gates", f"{name}_0", f"{name}_2"], [f"{name}_low"]),
+            helper.make_node("Slice", ["gates", f"{name}_2", f"{name}_4"], [f"{name}_high"]),
+            helper.make_node("Concat", [f"{name}_high", f"{name}_low"], [f"{name}_reordered"], axis=0),
+            helper.make_node(op_type, ["x", f"{name}_reordered"], [f"{name}_out"]),
         ]
-        bounds = [
-            numpy_helper.from_array(np.array([start], np.int64), f"{name}_start"),
-            numpy_helper.from_array(np.array([start + 2], np.int64), f"{name}_end"),
-        ]
-        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2, 2048])
+        bounds = [numpy_helper.from_array(np.array([i], np.int64), f"{name}_{i}") for i in (0, 2, 4)]
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [4, 2048])
         return helper.make_graph(nodes, name, [], [out], initializer=bounds)
 
-    nodes = [helper.make_node("If", ["flag"], ["chosen"], then_branch=branch("then", 0), else_branch=branch("other", 2))]
-    model = make_model(nodes, [("flag", np.bool_, [])], [("chosen", np.float32, [2, 2048])], {"gates": GATES})
+    then_branch, else_branch = branch("then", "Mul"), branch("other", "Add")
+    nodes = [helper.make_node("If", ["flag"], ["chosen"], then_branch=then_branch, else_branch=else_branch)]
+    inputs = [("flag", np.bool_, []), ("x", np.float32, [1, 2048])]
+    return make_model(nodes, inputs, [("chosen", np.float32, [4, 2048])], {"gates": GATES})
+
+
+def test_the_gates_an_if_reads_are_reordered_ahead_of_time_in_each_branch():
+    # A copy per branch (32 KB each here, 256 KB in Silero VAD) instead of two Slices and a
+    # Concat at every run: the outer weight goes once both branches hold their own.
+    model = gate_branches()
     after, report = fuser.optimize(model, rules=[constant_fold], check=False)
-    assert report.counts == {}
-    assert after.ByteSize() == model.ByteSize()
+    assert report.counts == {RULE: 6}
+    branches = {attribute.name: [n.op_type for n in attribute.g.node] for attribute in after.graph.node[0].attribute}
+    assert branches == {"then_branch": ["Mul"], "else_branch": ["Add"]}
+    assert [t.name for t in after.graph.initializer] == []
+    x = np.random.default_rng(6).standard_normal((1, 2048)).astype(np.float32)
+    for flag in (True, False):
+        reordered = GATES[[2, 3, 0, 1]]
+        expected = x * reordered if flag else x + reordered
+        for candidate in (model, after):
+            (got,) = run(candidate, {"flag": np.array(flag), "x": x})
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_reordered_gates_in_the_main_graph_free_the_weight_they_come_from():
+    # Both Slices read the weight: folding either alone frees nothing and would copy part of it;
+    # folding the Concat frees all of it, whatever order the pass takes them in.
+    nodes = [
+        helper.make_node("Slice", ["gates", "i0", "i2"], ["low"]),
+        helper.make_node("Slice", ["gates", "i2", "i4"], ["high"]),
+        helper.make_node("Concat", ["high", "low"], ["reordered"], axis=0),
+        helper.make_node("MatMul", ["h", "reordered"], ["y"]),
+    ]
+    constants = {"gates": GATES, **{f"i{i}": np.array([i], np.int64) for i in (0, 2, 4)}}
+    model = make_model(nodes, [("h", np.float32, [3, 4])], [("y", np.float32, [3, 2048])], constants)
+    feeds = {"h": np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)}
+    after, _ = assert_rewritten(model, [constant_fold], counts={RULE: 1}, expected_ops=["MatMul"], feeds=feeds)
+    assert [list(t.dims) for t in after.graph.initializer] == [[4, 2048]]
 
 
 def test_a_mask_made_from_a_shape_another_node_reads_still_folds():
@@ -208,7 +247,10 @@ def test_a_mask_made_from_a_shape_another_node_reads_still_folds():
     ]
     x = np.random.default_rng(4).standard_normal((128, 128)).astype(np.float32)
     model = make_model(
-        nodes, [("x", np.float32, [128, 128])], [("y", np.float32, [128, 128])], {"shape": np.array([128, 128], np.int64)}
+        nodes,
+        [("x", np.float32, [128, 128])],
+        [("y", np.float32, [128, 128])],
+        {"shape": np.array([128, 128], np.int64)},
     )
     assert_rewritten(model, [constant_fold], counts={RULE: 1}, expected_ops=["Reshape", "Add"], feeds={"x": x})
 
@@ -222,7 +264,10 @@ def test_a_float32_result_of_exactly_fold_bytes_folds():
     ]
     x = np.random.default_rng(5).standard_normal((128, 128)).astype(np.float32)
     model = make_model(
-        nodes, [("x", np.float32, [128, 128])], [("y", np.float32, [128, 128])], {"shape": np.array([128, 128], np.int64)}
+        nodes,
+        [("x", np.float32, [128, 128])],
+        [("y", np.float32, [128, 128])],
+        {"shape": np.array([128, 128], np.int64)},
     )
     assert_rewritten(model, [constant_fold], counts={RULE: 1}, expected_ops=["Add"], feeds={"x": x})
 
