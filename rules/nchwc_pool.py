@@ -3,7 +3,8 @@
 MaxPool, AveragePool, GlobalMaxPool and GlobalAveragePool whose input just left the
 blocked layout run in it instead, so the next convolution need not reorder again. So do
 ReduceMean and ReduceMax over both spatial axes, keeping them: torch's dynamo exporter writes
-a squeeze-and-excitation block's global pooling that way.
+a squeeze-and-excitation block's global pooling that way (a ReduceMean only over at most
+MAX_AVERAGED_PIXELS pixels).
 MaxPool and AveragePool also move into it from a plain input (after an LRN, say), as
 the next convolution would reorder that input anyway. The channel count need not be a
 multiple of the block size (onnxruntime's own layout pass asks that it be): the kernels pool
@@ -28,6 +29,14 @@ from fuser.rules._nchwc import (
 
 # Reductions over H and W that keep them: the global pooling of the same kind.
 GLOBAL_POOL_OF = {"ReduceMean": "GlobalAveragePool", "ReduceMax": "GlobalMaxPool"}
+# The most pixels a ReduceMean averages in the blocked layout. Its NCHWc global pooling sums in
+# float32 with 5 to 10 times the rounding error of ReduceMean (1.6e-6 against 1.6e-7 over 64x64
+# pixels, 3.4e-6 against 4.6e-7 over 160x160, values of spread 3). PP-OCRv6's tiny detector
+# averages its input's size / 4 in its first gate: with blocked pooling its check passed at
+# 224x224 (56x56 pixels, max abs error 1.5e-5) and failed from 256x256 (64x64: 5e-4 on the
+# text map; 1.6e-3 at 640x640). onnxruntime's own layout pass leaves ReduceMean as it is; its
+# GlobalAveragePool it pools blocked at any size, as here.
+MAX_AVERAGED_PIXELS = 56 * 56
 
 
 def _pool(m: Match, b: Builder, x: str, channels: int) -> str:
@@ -55,7 +64,17 @@ def _global_pool(m: Match, b: Builder, x: str, channels: int) -> str:
     """ReduceMean/ReduceMax over axes 2 and 3 with keepdims, as NCHWc global pooling."""
     m.require(m.attr("pool", "keepdims", 1) == 1, "the reduction drops the spatial axes")
     axes = m.value("axes").ravel().tolist() if m.has("axes") else m.attr("pool", "axes")
-    m.require(axes is not None and sorted(a % 4 for a in axes) == [2, 3], f"the reduction is over axes {axes}, not H and W")
+    m.require(
+        axes is not None and sorted(a % 4 for a in axes) == [2, 3], f"the reduction is over axes {axes}, not H and W"
+    )
+    if m.node("pool").op_type == "ReduceMean":
+        shape = m.shape("to_plain")
+        pixels = shape[2] * shape[3] if shape is not None and all(isinstance(d, int) for d in shape[2:]) else None
+        m.require(
+            pixels is not None and pixels <= MAX_AVERAGED_PIXELS,
+            f"it averages {'an unknown number of' if pixels is None else pixels} pixels, more than "
+            f"{MAX_AVERAGED_PIXELS}: the blocked pooling would round their sum more coarsely",
+        )
     require_block_size(m)
     blocked = b.op(GLOBAL_POOL_OF[m.node("pool").op_type], x, domain=NCHWC)
     return reorder_output(b, blocked, channels)

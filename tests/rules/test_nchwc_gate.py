@@ -130,7 +130,7 @@ def test_one_pixel_map_is_left_to_the_element_wise_rules():
 # ------------------------------------------------------------- nchwc-pool: ReduceMean over H, W
 
 
-def reduce_block(op_type: str, axes, keepdims: int = 1, opset: int = 17):
+def reduce_block(op_type: str, axes, keepdims: int = 1, opset: int = 17, size=5):
     """conv -> ReduceMean/ReduceMax(axes) -> conv, the axes an attribute (opset < 18) or input."""
     net = Net(46)
     x = net.conv("x", 2 * B, 2 * B)
@@ -144,7 +144,7 @@ def reduce_block(op_type: str, axes, keepdims: int = 1, opset: int = 17):
     else:
         net.add("Identity", reduced, output="y")
     outputs = ["y"] if spatial else [("y", np.float32, [None] * (4 if keepdims else 4 - len(axes)))]
-    return net.model([("x", [1, 2 * B, 5, 5])], outputs, opset=opset)
+    return net.model([("x", [1, 2 * B, size, size])], outputs, opset=opset)
 
 
 @pytest.mark.parametrize("opset", [17, 18])
@@ -155,6 +155,27 @@ def test_spatial_reduction_becomes_global_pooling(opset, op_type, pool, axes):
     assert report.counts["nchwc-pool"] == 1
     assert len(nchwc_nodes(after, pool)) == 1
     assert standard_nodes(after, op_type) == []
+
+
+def test_a_mean_over_many_pixels_stays_a_reduce_mean():
+    # 64x64 pixels: the blocked pooling's float32 sum would round more coarsely than ReduceMean's.
+    after, report = optimize_and_compare(reduce_block("ReduceMean", [2, 3], size=64), trace=True)
+    assert nchwc_nodes(after, "GlobalAveragePool") == []
+    assert len(standard_nodes(after, "ReduceMean")) == 1
+    assert any("averages 4096 pixels, more than 3136" in r for r in declines(report, "nchwc-pool"))
+
+
+def test_a_mean_over_56_by_56_pixels_is_pooled_blocked():
+    after, report = optimize_and_compare(reduce_block("ReduceMean", [2, 3], size=56))
+    assert report.counts["nchwc-pool"] == 1
+    assert len(nchwc_nodes(after, "GlobalAveragePool")) == 1
+
+
+def test_a_max_over_many_pixels_is_pooled_blocked():
+    # A maximum rounds nothing: any size goes.
+    after, report = optimize_and_compare(reduce_block("ReduceMax", [2, 3], size=64))
+    assert report.counts["nchwc-pool"] == 1
+    assert len(nchwc_nodes(after, "GlobalMaxPool")) == 1
 
 
 @pytest.mark.parametrize(
