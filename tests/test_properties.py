@@ -819,7 +819,20 @@ PRECISION_LOSS = pytest.mark.xfail(
 )
 
 
-@PRECISION_LOSS
+def _keeps_subnormal_probability() -> bool:
+    """Whether this machine's onnxruntime gives softmax([0, -103])[1] as the subnormal it is:
+    where its kernel flushes it to zero, the original's log is -inf, which the check accepts as
+    stabilized, and the limitation below does not show."""
+    feeds = {"x": _f32([[0.0, -103.0]])}
+    return bool(np.isfinite(_run(_log_softmax_model(), feeds)[0]).all())
+
+
+@pytest.mark.xfail(
+    condition=_keeps_subnormal_probability(),
+    strict=True,
+    raises=NumericsMismatch,
+    reason=PRECISION_LOSS.kwargs["reason"],
+)
 def test_log_softmax_of_a_subnormal_probability_is_accepted():
     """log-softmax is exact, and more accurate than the original here: softmax([0, -103])[1]
     = exp(-103) is a float32 subnormal, rounded to 1.4e-45, whose log is -103.28 instead of

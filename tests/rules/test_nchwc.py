@@ -303,10 +303,11 @@ def test_output_channels_not_a_multiple_of_the_block():
 
 
 def test_padded_output_feeds_next_conv_directly():
-    """Conv(2B -> 20) + Sigmoid -> Conv(20 -> 2B): the reorders cancel, so the second conv reads
-    the first's padding channels, which hold Sigmoid(0) = 0.5, not zero; its zero-padded
-    filter must make them irrelevant."""
-    c_mid = B + B // 4
+    """Conv(2B -> HALF) + Sigmoid -> Conv(HALF -> 2B): the reorders cancel, so the second conv
+    reads the first's padding channels, which hold Sigmoid(0) = 0.5, not zero; its zero-padded
+    filter must make them irrelevant. HALF, not B + B // 4: a blocked input needs a multiple of
+    4 channels, which B + B // 4 is only for B = 16."""
+    c_mid = HALF
     net = Net(4)
     hidden = net.add("Sigmoid", net.conv("x", 2 * B, c_mid))
     net.conv(hidden, c_mid, 2 * B, output="y")
@@ -1322,8 +1323,13 @@ def test_light_model(name):
     elif 34 % B:  # shufflenet's 1x1 convolutions in 4 groups of 34 channels
         assert left
         assert any("channels per group are not a multiple" in d.reason for d in report.engine.declined)
-        # its depthwise 3x3 convolutions of 136 channels are converted, padded to the block
-        depthwise = [n for n in nchwc_nodes(after, "Conv") if attrs_of(n).get("group", 1) > 1]
+        # its depthwise 3x3 convolutions of 136 channels are converted, padded to the block (with
+        # B = 8 its grouped 1x1 convolutions of 136 channels per group are too: not depthwise)
+        depthwise = [
+            n
+            for n in nchwc_nodes(after, "Conv")
+            if attrs_of(n).get("group", 1) > 1 and initializer_array(after, n.input[1]).shape[1] == 1
+        ]
         assert depthwise and all(attrs_of(n)["group"] % B == 0 for n in depthwise)
     data = next(i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
     shape = [d.dim_value for d in data.type.tensor_type.shape.dim]
