@@ -381,6 +381,10 @@ class Graph:
         domains = _DEFAULT_DOMAINS if domain in _DEFAULT_DOMAINS else (domain,)
         return any(self._by_op.get((d, t)) for d in domains for t in op_types)
 
+    def domains(self) -> set[str]:
+        """The domains of this scope's nodes (not of its bodies')."""
+        return {domain for (domain, _), ids in self._by_op.items() if ids}
+
     def sort_key(self, node_id: int) -> tuple:
         return self._attrs[node_id]["key"]
 

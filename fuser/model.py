@@ -69,6 +69,7 @@ class Model:
         self._source = proto
         self._shell = ModelProto()
         copy_fields_except(proto, self._shell, {"graph"})
+        self._added_domains: set[str] = set()  # imported by require_opset
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         self.names = Names()
         self.tensors = tensors if tensors is not None else TensorStore(base_dir)
@@ -137,14 +138,14 @@ class Model:
         place from the model's file are put back inline, unless `in_place`: then they stay
         references to the file, for onnxruntime sessions told the model's folder."""
         model = ModelProto()
-        model.CopyFrom(self._shell)
+        model.CopyFrom(self._written_shell())
         self.graph.fill_proto(model.graph, weights)
         return model if in_place or not weights else self.self_contained(model)
 
     def parts(self) -> ModelParts:
         """The model as ONNX with its main graph's initializers held apart, not copied (ModelParts)."""
         proto = ModelProto()
-        proto.CopyFrom(self._shell)
+        proto.CopyFrom(self._written_shell())
         self.graph.fill_proto(proto.graph, apart=True)
         return ModelParts(proto, self.graph.initializers(), self.tensors)
 
@@ -184,7 +185,22 @@ class Model:
         if key in self.opsets:
             return
         self.opsets[key] = version
+        self._added_domains.add(domain)
         self._shell.opset_import.append(onnx.helper.make_opsetid(domain, version))
+
+    def _written_shell(self) -> ModelProto:
+        """The model without its graph, as written: an import a rewrite added for a domain that
+        no node uses any more (FusedConv's com.microsoft, once NCHWc Convs replaced every
+        FusedConv) is left out; the model's own imports all stay."""
+        unused = self._added_domains - {d for g in self.graph.all_graphs() for d in g.domains()}
+        if not unused:
+            return self._shell
+        shell = ModelProto()
+        shell.CopyFrom(self._shell)
+        kept = [o for o in shell.opset_import if o.domain not in unused]
+        del shell.opset_import[:]
+        shell.opset_import.extend(kept)
+        return shell
 
     def node_count(self) -> int:
         return sum(g.node_count() for g in self.graph.all_graphs())

@@ -155,3 +155,37 @@ def test_the_upgrade_keeps_the_exporters_shape_annotations():
     optimized, report = fuser.optimize(BERT_DYNAMO, target="onnx", opset=23)
     assert "Softmax" not in op_types(optimized) and "Attention" in op_types(optimized)
     assert report.verdict.passed
+
+
+def _relu_model(imports_microsoft: bool) -> onnx.ModelProto:
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], {}, 17
+    )
+    if imports_microsoft:
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+@fuser.rule("relu-quick-gelu-test", pattern=fuser.op.Relu(fuser.var("x")), emits={"com.microsoft": 1})
+def _relu_to_microsoft(m, b):
+    """Relu => com.microsoft QuickGelu (not the same function: checked off)."""
+    return b.op("QuickGelu", m["x"], domain="com.microsoft")
+
+
+@fuser.rule("quick-gelu-abs-test", pattern=fuser.op.domain("com.microsoft").QuickGelu(fuser.var("x")), phase=1)
+def _microsoft_to_abs(m, b):
+    """com.microsoft QuickGelu => Abs."""
+    return b.Abs(m["x"])
+
+
+@pytest.mark.parametrize("imports_microsoft", [False, True])
+def test_an_import_a_rewrite_added_goes_when_no_node_uses_it(imports_microsoft):
+    """A later rewrite replaced every node of the domain an earlier one imported: the written
+    model does not import it. One the model itself imported stays."""
+    rules = [_relu_to_microsoft, _microsoft_to_abs]
+    optimized, report = fuser.optimize(_relu_model(imports_microsoft), rules=rules, check=False)
+    assert report.counts == {"relu-quick-gelu-test": 1, "quick-gelu-abs-test": 1}
+    assert op_types(optimized) == ["Abs"]
+    assert ("com.microsoft" in opsets_of(optimized)) == imports_microsoft
+    halfway, _ = fuser.optimize(_relu_model(False), rules=rules[:1], check=False)
+    assert opsets_of(halfway)["com.microsoft"] == 1
