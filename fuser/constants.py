@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, NodeProto, numpy_helper
+from onnx import NodeProto, numpy_helper
 
 if TYPE_CHECKING:
     from fuser.graph import Graph
@@ -34,12 +34,9 @@ _EXPANDING = {"ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample"
 
 
 def is_foldable(info) -> bool:
-    proto: NodeProto = info.proto
-    if proto.domain not in ("", "ai.onnx"):
-        return False
-    if proto.op_type in _NONDETERMINISTIC:
-        return False
-    return not any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in proto.attribute)
+    """Whether a node (a NodeInfo) computes a function of its inputs alone: a standard operator,
+    not a random one, holding no subgraph."""
+    return info.domain in ("", "ai.onnx") and info.op_type not in _NONDETERMINISTIC and not info.subgraphs
 
 
 def constant_node_value(node: NodeProto) -> np.ndarray | None:
@@ -189,7 +186,7 @@ class ConstantValues:
             tensor = pending.pop()
             self._not_constant.discard(tensor)
             for consumer in self._graph.op_consumers(tensor):
-                pending.extend(t for t in self._graph.node(consumer).proto.output if t in self._not_constant)
+                pending.extend(t for t in self._graph.node(consumer).output_names if t in self._not_constant)
 
     def renewed(self, tensor: str) -> None:
         """A rewrite produces `tensor` anew under its name: if it is constant now (a Shape
@@ -197,7 +194,7 @@ class ConstantValues:
         was found not to be while `tensor` was not."""
         if self._dependencies(tensor) is not None:
             graph = self._graph
-            self.reconsider(o for c in graph.op_consumers(tensor) for o in graph.node(c).proto.output)
+            self.reconsider(o for c in graph.op_consumers(tensor) for o in graph.node(c).output_names)
 
     def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
         """An initializer's, a capture's or an already evaluated tensor's value."""
@@ -257,5 +254,5 @@ class ConstantValues:
                 stack.append((name, True))
                 # The first input is looked at first: it is the activation where there is one
                 # (Conv's x, MatMul's A), which settles the question before any weight is.
-                stack.extend((i, False) for i in reversed(graph.node(node_id).proto.input) if i)
+                stack.extend((i, False) for i in reversed(graph.node(node_id).input_names) if i)
         return order

@@ -190,7 +190,9 @@ class Engine:
         self._reaches: dict[int, tuple[int, int]] = {}  # id(graph) -> (its op_types_version, reach)
         self._types = TypeInfo(lambda: model.to_proto(weights=False), seed=model.take_inferred_types())
         self._max_rewrites = max_rewrites
-        self._present: dict[tuple, bool] = {}  # (scope graph, op types needed) -> in it; reset by each rewrite
+        # id(scope graph) -> (the graph, its op_types_version, {op types needed: in it}): the
+        # answers change only when an op type appears in the scope or leaves it.
+        self._present: dict[int, tuple[Graph, int, dict]] = {}
         # Whether the model quantizes anything (or a rewrite made it): a model that does not has
         # no quantized group to keep whole, and the check is skipped at every rewrite.
         self._quantized = any(quantizes(g) for g in model.graph.all_graphs())
@@ -674,7 +676,6 @@ class Engine:
         return {n for n in touched if graph.has_node(n)}
 
     def _log(self, rewrite: Rewrite) -> None:
-        self._present.clear()
         self.result.rewrites.append(rewrite)
         if len(self.result.rewrites) > self._max_rewrites:
             recent = Counter(r.rule for r in self.result.rewrites[-50:])
@@ -791,9 +792,13 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict)
     its attribute predicates reported as the rule's bug. `present` caches which op types the
     graph has: a pattern needing one it lacks is not tried (the node that would complete it
     is new when it comes, and the engine revisits the nodes below a new node)."""
+    known = None
     for pattern, needs in zip(candidate.alternatives, candidate.needs):
-        if needs and not all(_present(graph, need, present) for need in needs):
-            continue
+        if needs:
+            if known is None:
+                known = _present_in(graph, present)
+            if not all(_present(graph, need, known) for need in needs):
+                continue
         matches = find_matches(graph, pattern, node_id)
         while True:
             try:
@@ -804,11 +809,19 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict)
                 raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
 
 
-def _present(graph: Graph, need: tuple[tuple[str, ...], str], present: dict) -> bool:
-    key = (id(graph), need)
-    found = present.get(key)
+def _present_in(graph: Graph, present: dict) -> dict:
+    """The cache of `graph`'s answers to has_op, while its set of op types is the same."""
+    version = graph.op_types_version
+    cached = present.get(id(graph))
+    if cached is None or cached[0] is not graph or cached[1] != version:
+        cached = present[id(graph)] = (graph, version, {})
+    return cached[2]
+
+
+def _present(graph: Graph, need: tuple[tuple[str, ...], str], known: dict) -> bool:
+    found = known.get(need)
     if found is None:
-        found = present[key] = graph.has_op(*need)
+        found = known[need] = graph.has_op(*need)
     return found
 
 

@@ -91,19 +91,27 @@ class Names:
 
 @dataclass(slots=True)  # no per-instance dict: a graph holds one per node
 class NodeInfo:
-    """What a rule or the engine may read about one op node."""
+    """What a rule or the engine may read about one op node.
+
+    The op type, domain and tensor names are read from the NodeProto once, when the node joins
+    the graph: protobuf makes a new Python string at every read of a field (about a microsecond
+    each, and a hash to compute again), and the matcher and the engine read them millions of
+    times on a large graph. Only Graph changes a node's inputs, and it keeps them current."""
 
     id: int
     proto: NodeProto
     subgraphs: dict[str, list["Graph"]] = field(default_factory=dict)
+    op_type: str = field(init=False)
+    domain: str = field(init=False)
+    input_names: tuple[str, ...] = field(init=False)  # interned, "" for an absent optional input
+    output_names: tuple[str, ...] = field(init=False)
 
-    @property
-    def op_type(self) -> str:
-        return self.proto.op_type
-
-    @property
-    def domain(self) -> str:
-        return self.proto.domain
+    def __post_init__(self) -> None:
+        proto = self.proto
+        self.op_type = sys.intern(proto.op_type)
+        self.domain = sys.intern(proto.domain)
+        self.input_names = tuple(map(sys.intern, proto.input))
+        self.output_names = tuple(map(sys.intern, proto.output))
 
     @property
     def name(self) -> str:
@@ -112,18 +120,19 @@ class NodeInfo:
     @property
     def label(self) -> str:
         """The node's name, or for an unnamed node its op and first output (unique in a graph)."""
-        if self.proto.name:
-            return self.proto.name
-        first = next((o for o in self.proto.output if o), "")
-        return f"{self.proto.op_type}->{first}"
+        name = self.proto.name
+        if name:
+            return name
+        first = next((o for o in self.output_names if o), "")
+        return f"{self.op_type}->{first}"
 
     @property
     def inputs(self) -> list[str]:
-        return list(self.proto.input)
+        return list(self.input_names)
 
     @property
     def outputs(self) -> list[str]:
-        return list(self.proto.output)
+        return list(self.output_names)
 
     def attr(self, name: str, default=None):
         for attribute in self.proto.attribute:
@@ -253,12 +262,11 @@ class Graph:
             self._holders[node_id] = None
         self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
-        for index, output in enumerate(proto.output):
+        for index, output in enumerate(info.output_names):
             if output:
-                output = sys.intern(output)
                 self.names.add(output)
                 self._producer[output] = (node_id, index)
-        of_type = self._by_op.setdefault((proto.domain, proto.op_type), {})
+        of_type = self._by_op.setdefault((info.domain, info.op_type), {})
         if not of_type:
             self.op_types_version += 1
         of_type[node_id] = None
@@ -279,7 +287,7 @@ class Graph:
     def _reads_known(self, node_id: int) -> bool:
         info: NodeInfo = self._attrs[node_id]["info"]
         producer = self._producer
-        if not all(tensor in producer for tensor in info.proto.input if tensor):
+        if not all(tensor in producer for tensor in info.input_names if tensor):
             return False
         if not info.subgraphs:
             return True
@@ -287,7 +295,7 @@ class Graph:
 
     def _connect_inputs(self, node_id: int) -> None:
         info: NodeInfo = self._attrs[node_id]["info"]
-        for slot, tensor in enumerate(info.proto.input):
+        for slot, tensor in enumerate(info.input_names):
             if tensor:
                 self._connect(tensor, node_id, slot)
         if not info.subgraphs:
@@ -516,9 +524,9 @@ class Graph:
 
     def remove_node(self, node_id: int) -> None:
         info = self.node(node_id)
-        self._lost_readers.update(i for i in info.proto.input if i)
+        self._lost_readers.update(i for i in info.input_names if i)
         self._lost_readers.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
-        for output in info.proto.output:
+        for output in info.output_names:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
                 self._constants.forget(output)
@@ -549,12 +557,13 @@ class Graph:
                 info.proto = self._stored(info.proto)
                 self._attrs[consumer]["owned"] = True
             info.proto.input[slot] = new
+            info.input_names = tuple(map(sys.intern, info.proto.input))
             producer = self._producer[old][0]
             for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
                 if data["tensor"] == old and data["slot"] == slot:
                     self.nx.remove_edge(producer, consumer, key)
             self._connect(new, consumer, slot)
-            self._constants.reconsider(info.proto.output)
+            self._constants.reconsider(info.output_names)
         self.modified = True
 
     def replace_nodes(
@@ -572,9 +581,9 @@ class Graph:
         inputs = []
         for node_id in removed:
             info = self.node(node_id)
-            inputs.extend(i for i in info.proto.input if i)
+            inputs.extend(i for i in info.input_names if i)
             inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
-            for output in info.proto.output:
+            for output in info.output_names:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
         for node_id in removed:
@@ -630,11 +639,11 @@ class Graph:
             self.modified = True
         elif kind == OP:
             info = self.node(node_id)
-            if any(self.consumers(o) for o in info.proto.output if o):
+            if any(self.consumers(o) for o in info.output_names if o):
                 return
             if not is_foldable(info):
                 return
-            inputs = [i for i in info.proto.input if i]
+            inputs = [i for i in info.input_names if i]
             self.remove_node(node_id)
             for name in inputs:
                 self.remove_if_unused(name)

@@ -34,7 +34,31 @@ class Bindings:
 
 def find_matches(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindings]:
     """Every way `pattern` matches with its root at node `root` (usually zero or one)."""
-    yield from _match_op(graph, pattern, root, Bindings())
+    if not _may_match(graph, pattern, root):
+        return iter(())
+    return _match_op(graph, pattern, root, Bindings())
+
+
+def _may_match(graph: Graph, pattern: OpPattern, root: int) -> bool:
+    """Whether the root and the op types of its required producers fit `pattern`: what turns
+    away most nodes, asked before any matching state is built (an engine tries each node of a
+    large graph against every rule rooted at its op type, and few of them match)."""
+    info = graph.node(root)
+    if info.op_type not in pattern.op_types:
+        return False
+    plan = _plan(pattern)
+    if info.domain not in plan.domains:
+        return False
+    inputs = info.input_names
+    for required in plan.producers:
+        for slot, op_types in required:
+            tensor = inputs[slot] if slot < len(inputs) else ""
+            producer = graph.producer(tensor) if tensor else None
+            if producer is None or graph.node(producer).op_type not in op_types:
+                break
+        else:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,9 @@ class _Plan:
     # For a pattern of one order whose inputs are all leaves (constant-fold's, tried at every
     # node), the slots of its const leaves: asked first, they turn most nodes away at once.
     const_slots: tuple[int, ...] | None = None
+    # Per input order, (slot, op types) of each required op input: a node matches only where
+    # some order has a producer of those types at each of those slots (_may_match).
+    producers: tuple[tuple[tuple[int, tuple[str, ...]], ...], ...] = ((),)
 
 
 _plans: dict[int, tuple[OpPattern, _Plan]] = {}
@@ -86,17 +113,18 @@ def _plan(pattern: OpPattern) -> _Plan:
         const_slots=tuple(slot for slot, _, _, is_const in leaves if is_const)
         if len(orders) == 1 and not ops
         else None,
+        producers=tuple(tuple((slot, p.op_types) for slot, p in ops if not p.optional) for _, ops, _ in orders),
     )
     _plans[id(pattern)] = (pattern, plan)  # the pattern is kept alive, so its id stays its own
     return plan
 
 
 def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings) -> Iterator[Bindings]:
-    proto = graph.node(node_id).proto
-    if proto.op_type not in pattern.op_types:
+    info = graph.node(node_id)
+    if info.op_type not in pattern.op_types:
         return
     plan = _plan(pattern)
-    if proto.domain not in plan.domains:
+    if info.domain not in plan.domains:
         return
     bound = bindings.nodes.get(pattern.name)
     if bound is not None:
@@ -106,7 +134,6 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
     if node_id in bindings.nodes.values():
         return
     if pattern.attrs:
-        info = graph.node(node_id)
         for attr, expected in pattern.attrs:
             actual = info.attr(attr)
             if actual is None:
@@ -116,7 +143,7 @@ def _match_op(graph: Graph, pattern: OpPattern, node_id: int, bindings: Bindings
                     return
             elif not _same_attribute(actual, expected):
                 return
-    actual_inputs = proto.input
+    actual_inputs = info.input_names
     present = len(actual_inputs)
     while present and not actual_inputs[present - 1]:
         present -= 1
@@ -185,7 +212,7 @@ def _match_op_inputs(graph: Graph, ops: tuple, index: int, actual, present: int,
     producer = graph.producer(tensor)
     if producer is None:
         return
-    outputs = graph.node(producer).proto.output
+    outputs = graph.node(producer).output_names
     if pattern.output >= len(outputs) or outputs[pattern.output] != tensor:
         return
     for partial in _match_op(graph, pattern, producer, bindings):
@@ -234,7 +261,7 @@ class Match:
         if name in self._bindings.tensors:
             return self._bindings.tensors[name]
         if name in self._bindings.nodes:
-            return self.node(name).proto.output[0]
+            return self.node(name).output_names[0]
         raise KeyError(f"the pattern binds no tensor or node named '{name}'")
 
     def has(self, name: str) -> bool:

@@ -122,7 +122,7 @@ class Rule:
         matched = {i.domain for p in self.alternatives for i in p.walk() if isinstance(i, OpPattern)}
         return frozenset(set(self.emits) | matched) - set(DEFAULT_DOMAINS)
 
-    @property
+    @functools.cached_property
     def alternatives(self) -> tuple[OpPattern, ...]:
         """The patterns the rule matches: one, or several spellings of the same computation."""
         if self.pattern is None:
