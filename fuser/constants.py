@@ -222,6 +222,15 @@ class ConstantValues:
         them are recorded as non-constant too and later queries stop at once.
         """
         graph = self._graph
+        producer = graph.producer(tensor)
+        if producer is not None and tensor not in self._cache:
+            # Most tensors are computed from an input already known not to be constant: settled
+            # without the search, which is most of the time of a first look at a large graph.
+            info = graph.node(producer)
+            not_constant = self._not_constant
+            if not is_foldable(info) or any(name in not_constant for name in info.input_names):
+                not_constant.add(tensor)
+                return None
         stack: list[tuple[str, bool]] = [(tensor, False)]
         order: list[int] = []
         done: set[int] = set()

@@ -50,6 +50,10 @@ def _may_match(graph: Graph, pattern: OpPattern, root: int) -> bool:
     if info.domain not in plan.domains:
         return False
     inputs = info.input_names
+    if plan.const_slots:
+        for slot in plan.const_slots:
+            if slot < len(inputs) and inputs[slot] and not graph.is_constant(inputs[slot]):
+                return False
     for required in plan.producers:
         for slot, op_types in required:
             tensor = inputs[slot] if slot < len(inputs) else ""

@@ -287,6 +287,9 @@ class TensorStore:
 
     def value(self, tensor: TensorProto, max_bytes: int | None = None) -> np.ndarray | None:
         """Decode `tensor`; None when it is larger than `max_bytes`."""
+        plain = _plain_value(tensor, max_bytes)
+        if plain is not None:
+            return None if plain is _TOO_LARGE else plain
         if max_bytes is not None and nbytes(tensor) > max_bytes:
             return None
         self.check(tensor)  # a rule must never see bytes that do not fit the dtype and dims
@@ -303,6 +306,30 @@ class TensorStore:
         inline.data_location = TensorProto.DEFAULT
         inline.raw_data = raw
         return numpy_helper.to_array(inline)
+
+
+_TOO_LARGE = np.empty(0)
+
+
+def _plain_value(tensor: TensorProto, max_bytes: int | None) -> np.ndarray | None:
+    """What almost every stored tensor is, decoded with each protobuf field read once: inline
+    raw data of a plain dtype, exactly as long as its dims call for (_TOO_LARGE past
+    `max_bytes`); None for anything else, which the full check and decoding handle."""
+    dtype = _PLAIN_DTYPES.get(tensor.data_type)
+    if dtype is None or tensor.data_location == TensorProto.EXTERNAL or tensor.HasField("segment"):
+        return None
+    raw = tensor.raw_data
+    dims = tuple(tensor.dims)
+    count = 1
+    for dim in dims:
+        if dim < 0:
+            return None
+        count *= dim
+    if not raw or len(raw) != count * dtype.itemsize:
+        return None
+    if max_bytes is not None and len(raw) > max_bytes:
+        return _TOO_LARGE
+    return np.frombuffer(raw, dtype).reshape(dims)
 
 
 def nbytes(tensor: TensorProto) -> int:

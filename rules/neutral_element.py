@@ -43,8 +43,10 @@ def neutral_element_right(m: Match, b: Builder):
 def _neutral(m: Match) -> str:
     kind = m.node("arith").op_type
     value = m.value("c")
-    # Nearly every bias and scale in a model matches the pattern: only a neutral one is a candidate.
-    m.only_if(value.size > 0 and bool(np.all(value == NEUTRAL[kind])))
+    # Nearly every bias and scale in a model matches the pattern: only a neutral one is a candidate
+    # (its first element, read first, turns most others away).
+    neutral = NEUTRAL[kind]
+    m.only_if(value.size > 0 and value.item(0) == neutral and bool(np.all(value == neutral)))
     dtype = m.dtype("x")
     m.require(dtype is not None and dtype == value.dtype, f"x is {dtype}, the constant {value.dtype}")
     m.require(broadcast_keeps_shape(m, "x", value), f"the constant of shape {value.shape} may broadcast x's shape")
