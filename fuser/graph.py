@@ -329,6 +329,15 @@ class Graph:
         self._pred[node_id] = {}
         self._attrs[node_id] = attrs
 
+    def _remove_vertex(self, node_id: int) -> None:
+        """networkx's remove_node, written into its dicts as _connect writes its edges."""
+        succ, pred = self._succ, self._pred
+        for consumer in succ.pop(node_id):
+            del pred[consumer][node_id]
+        for producer in pred.pop(node_id):
+            del succ[producer][node_id]
+        del self._attrs[node_id]
+
     @property
     def outer(self) -> Graph | None:
         """The graph enclosing this one (an If/Loop/Scan body's), or None for the main graph."""
@@ -535,7 +544,7 @@ class Graph:
         if not of_type:
             self.op_types_version += 1
         self._holders.pop(node_id, None)
-        self.nx.remove_node(node_id)
+        self._remove_vertex(node_id)
         self.modified = True
 
     def take_lost_readers(self) -> set[str]:
@@ -627,14 +636,14 @@ class Graph:
             return
         if kind == OUTER:
             del self._producer[tensor]
-            self.nx.remove_node(node_id)
+            self._remove_vertex(node_id)
             if self.outer is not None and self.owner is not None:
                 self.outer.release_capture(self.owner, tensor)
         elif kind == INITIALIZER:
             self._initializers.pop(tensor, None)
             self._inputs.pop(tensor, None)
             del self._producer[tensor]
-            self.nx.remove_node(node_id)
+            self._remove_vertex(node_id)
             self._constants.forget(tensor)
             self.modified = True
         elif kind == OP:
