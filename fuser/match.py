@@ -374,10 +374,13 @@ class Match:
     def is_graph_output(self, name_or_tensor: str) -> bool:
         return self.graph.is_graph_output(self._tensor(name_or_tensor))
 
-    def require(self, condition: bool, reason: str) -> None:
-        """Decline the match with `reason` unless `condition` holds."""
+    def require(self, condition: bool, reason: str, *args) -> None:
+        """Decline the match with `reason` unless `condition` holds. With `args`, the reason is a
+        %-format filled in only on a decline: `m.require(ok, "x is %s", dtype)` costs nothing
+        when the check passes, where an f-string formats a numpy dtype (10 microseconds) at
+        every match of a large model."""
         if not condition:
-            raise Decline(reason)
+            raise Decline(reason % args if args else reason)
 
     def only_if(self, condition: bool) -> None:
         """Leave the match alone, without a decline in the trace or report, unless `condition` holds.

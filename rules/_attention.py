@@ -203,14 +203,14 @@ def trace_attention(m: Match, merge: NodeInfo | None = None) -> Attention:
 
     dtype = m.dtype_of(q)
     for name, tensor in (("K", k), ("V", v)):
-        m.require(m.dtype_of(tensor) == dtype, f"{name} is {m.dtype_of(tensor)} but Q is {dtype}")
+        m.require(m.dtype_of(tensor) == dtype, "%s is %s but Q is %s", name, m.dtype_of(tensor), dtype)
     k_source, v_source = _unrepeated(walk, k, num_heads), _unrepeated(walk, v, num_heads)
     kv_unrepeated = None
     if k_source is not None and v_source is not None and k_source[1] == v_source[1]:
         kv_unrepeated = (k_source[0], v_source[0])
     mask_is_full = False
     if mask is not None:
-        m.require(m.dtype_of(mask) == dtype, f"the mask is {m.dtype_of(mask)}, not {dtype} like Q")
+        m.require(m.dtype_of(mask) == dtype, "the mask is %s, not %s like Q", m.dtype_of(mask), dtype)
         mask_shape, scores_shape = walk.shape(mask), walk.shape(scores)
         m.require(mask_shape is None or len(mask_shape) <= 4, f"the mask has shape {mask_shape}, more than 4-D")
         mask_is_full = (
@@ -602,7 +602,7 @@ def multihead_pays(attention: Attention) -> bool:
 
 
 def require_fusable_dtype(m: Match, attention: Attention) -> None:
-    m.require(attention.dtype in FUSABLE_DTYPES, f"Q is {attention.dtype}; the fused kernels take float32/float16")
+    m.require(attention.dtype in FUSABLE_DTYPES, "Q is %s; the fused kernels take float32/float16", attention.dtype)
 
 
 def default_scale(attention: Attention) -> float:

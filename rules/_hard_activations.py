@@ -33,7 +33,7 @@ def scalar(m: Match, name: str) -> float:
     value = m.value(name)
     m.require(value.size == 1, f"'{name}' has {value.size} values, not one")
     require_no_broadcast(m, name, "x", f"'{name}'")
-    m.require(np.issubdtype(value.dtype, np.floating), f"'{name}' is {value.dtype}, not a float type")
+    m.require(np.issubdtype(value.dtype, np.floating), "'%s' is %s, not a float type", name, value.dtype)
     return float(value.reshape(-1)[0])
 
 

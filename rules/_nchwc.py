@@ -157,7 +157,7 @@ def reorder_output(b: Builder, blocked: str, channels: int) -> str:
 
 def is_float32(m: Match, tensor: str) -> None:
     dtype = m.dtype_of(tensor)
-    m.require(dtype == np.dtype(np.float32), f"NCHWc kernels take float32, this tensor is {dtype}")
+    m.require(dtype == np.dtype(np.float32), "NCHWc kernels take float32, this tensor is %s", dtype)
 
 
 def channels_of(m: Match, reorder_output_node: str) -> int:

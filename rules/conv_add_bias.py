@@ -26,7 +26,7 @@ def conv_add_bias(m: Match, b: Builder):
     """Conv -> Add(per-channel constant)  =>  Conv whose bias absorbs the constant."""
     weight, addend = m.value("w"), m.value("c")
     require_float_weights(m, weight)
-    m.require(addend.dtype == weight.dtype, f"the added constant is {addend.dtype}, the weights {weight.dtype}")
+    m.require(addend.dtype == weight.dtype, "the added constant is %s, the weights %s", addend.dtype, weight.dtype)
     conv = m.node("conv")
     group = int(m.attr("conv", "group", 1))
     channels = weight.shape[1] * group if conv.op_type == "ConvTranspose" else weight.shape[0]

@@ -58,7 +58,7 @@ def conv_bn_fold(m: Match, b: Builder):
     channels = weight.shape[1] * group if transpose else weight.shape[0]
     params = {name: m.value(name) for name in ("scale", "beta", "mean", "var")}
     for name, value in params.items():
-        m.require(value.shape == (channels,), f"BatchNormalization {name} has shape {value.shape}, not ({channels},)")
+        m.require(value.shape == (channels,), "BatchNormalization %s has shape %s, not (%d,)", name, value.shape, channels)
     epsilon = float(m.attr("bn", "epsilon", 1e-5))
     m.require(bool(np.all(params["var"].astype(np.float64) + epsilon > 0)), "variance + epsilon is not positive")
     bias = m.value("b")

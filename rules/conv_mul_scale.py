@@ -21,7 +21,7 @@ def conv_mul_scale(m: Match, b: Builder):
     """Conv -> Mul(per-channel constant)  =>  Conv with rescaled weights and bias."""
     weight, scale = m.value("w"), m.value("s")
     require_float_weights(m, weight)
-    m.require(scale.dtype == weight.dtype, f"the scale is {scale.dtype}, the weights {weight.dtype}")
+    m.require(scale.dtype == weight.dtype, "the scale is %s, the weights %s", scale.dtype, weight.dtype)
     channels = weight.shape[0]
     values = per_channel(scale, weight.ndim, channels)
     m.require(values is not None, f"the scale of shape {scale.shape} is not one value per channel")

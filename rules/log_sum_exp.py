@@ -21,7 +21,7 @@ from fuser import Builder, Match, const, op, rule, var
 def log_sum_exp(m: Match, b: Builder):
     """Log(ReduceSum(Exp(x)))  =>  ReduceLogSumExp(x)."""
     dtype = m.dtype("x")
-    m.require(is_float(dtype), f"x is {dtype}, not a float type")
+    m.require(is_float(dtype), "x is %s, not a float type", dtype)
     keepdims = int(m.attr("sum", "keepdims", 1))
     axes = reduced_axes(m, "sum", "axes")
     noop_when_empty = int(m.attr("sum", "noop_with_empty_axes", 0))

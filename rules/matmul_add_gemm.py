@@ -35,14 +35,17 @@ def broadcasts_into(c_shape: tuple, m: int | str, n: int | str) -> bool:
 def matmul_add_gemm(m: Match, b: Builder):
     """MatMul -> Add(bias)  =>  Gemm, for 2-D operands and a bias Gemm can broadcast."""
     a_shape, w_shape, c_shape = m.shape("a"), m.shape("w"), m.shape("c")
-    m.require(a_shape is not None and len(a_shape) == 2, f"A has shape {a_shape}, Gemm needs 2-D")
-    m.require(w_shape is not None and len(w_shape) == 2, f"B has shape {w_shape}, Gemm needs 2-D")
+    m.require(a_shape is not None and len(a_shape) == 2, "A has shape %s, Gemm needs 2-D", a_shape)
+    m.require(w_shape is not None and len(w_shape) == 2, "B has shape %s, Gemm needs 2-D", w_shape)
     m.require(c_shape is not None, "the bias's shape is unknown")
     m.require(
         broadcasts_into(c_shape, a_shape[0], w_shape[1]),
-        f"a bias of shape {c_shape} does not broadcast into [{a_shape[0]}, {w_shape[1]}]",
+        "a bias of shape %s does not broadcast into [%s, %s]",
+        c_shape,
+        a_shape[0],
+        w_shape[1],
     )
     dtype = m.dtype("a")
-    m.require(dtype in GEMM_DTYPES, f"Gemm on onnxruntime's CPU takes float32/float64, not {dtype}")
+    m.require(dtype in GEMM_DTYPES, "Gemm on onnxruntime's CPU takes float32/float64, not %s", dtype)
     m.require(m.dtype("w") == dtype and m.dtype("c") == dtype, "the operands' dtypes differ")
     return b.Gemm(m["a"], m["w"], m["c"])

@@ -48,6 +48,6 @@ def _neutral(m: Match) -> str:
     neutral = NEUTRAL[kind]
     m.only_if(value.size > 0 and value.item(0) == neutral and bool(np.all(value == neutral)))
     dtype = m.dtype("x")
-    m.require(dtype is not None and dtype == value.dtype, f"x is {dtype}, the constant {value.dtype}")
+    m.require(dtype is not None and dtype == value.dtype, "x is %s, the constant %s", dtype, value.dtype)
     m.require(broadcast_keeps_shape(m, "x", value), f"the constant of shape {value.shape} may broadcast x's shape")
     return m["x"]

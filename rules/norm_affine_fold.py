@@ -68,7 +68,7 @@ def norm_scale_fold(m: Match, b: Builder):
     """Normalization -> Mul(constant)  =>  Normalization with the constant in its scale (and bias)."""
     dims, rank = _normalized(m)
     scale, weight = m.value("s"), m.value("g")
-    m.require(weight.dtype == scale.dtype, f"the multiplier is {weight.dtype}, the scale {scale.dtype}")
+    m.require(weight.dtype == scale.dtype, "the multiplier is %s, the scale %s", weight.dtype, scale.dtype)
     g = broadcast_over(m, weight, dims, rank, "the multiplier").astype(np.float64)
     s = broadcast_over(m, scale, dims, rank, "the scale").astype(np.float64)
     new_scale = cast_finite(m, "scale values", s * g, scale.dtype)
@@ -85,7 +85,7 @@ def norm_bias_fold(m: Match, b: Builder):
     """LayerNormalization -> Add(constant)  =>  LayerNormalization with the constant in its bias."""
     dims, rank = _normalized(m)
     scale, shift = m.value("s"), m.value("c")
-    m.require(shift.dtype == scale.dtype, f"the addend is {shift.dtype}, the scale {scale.dtype}")
+    m.require(shift.dtype == scale.dtype, "the addend is %s, the scale %s", shift.dtype, scale.dtype)
     c = broadcast_over(m, shift, dims, rank, "the addend").astype(np.float64)
     bias = m.value("b") if m.has("b") else None
     base = np.zeros(dims) if bias is None else broadcast_over(m, bias, dims, rank, "the bias").astype(np.float64)

@@ -37,14 +37,14 @@ CAST_UP = op.Cast(var("x"), name="up")
 
 def _require_float16_up(m: Match) -> None:
     dtype = m.dtype("x")
-    m.require(dtype == np.float16, f"the norm's input is cast from {dtype}, not from float16")
+    m.require(dtype == np.float16, "the norm's input is cast from %s, not from float16", dtype)
     m.require(m.attr("up", "to") == TensorProto.FLOAT, "the input is not cast to float32")
     m.require(m.attr("norm", "stash_type", 1) == TensorProto.FLOAT, "the norm does not compute in float32")
 
 
 def _in_float16(m: Match, name: str, what: str) -> np.ndarray:
     value = m.value(name)
-    m.require(value.dtype == np.float32, f"the {what} is {value.dtype}, not float32 like the norm's input")
+    m.require(value.dtype == np.float32, "the %s is %s, not float32 like the norm's input", what, value.dtype)
     with np.errstate(over="ignore"):
         converted = value.astype(np.float16)
     m.require(

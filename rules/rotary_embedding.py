@@ -143,13 +143,13 @@ def _checked_caches(m: Match) -> tuple[list[str], int]:
         isinstance(head_size, int) and head_size % 2 == 0, f"the head size {head_size} is not a known even number"
     )
     dtype = m.dtype("x")
-    m.require(dtype in (np.float32, np.float16), f"x is {dtype}; onnxruntime's RotaryEmbedding takes float32/float16")
+    m.require(dtype in (np.float32, np.float16), "x is %s; onnxruntime's RotaryEmbedding takes float32/float16", dtype)
     m.require(m.attr("rotate_half", "axis") in (-1, 3), "rotate_half's Concat is not along the last axis")
     _require_half(m, "first_half", head_size, first=True)
     _require_half(m, "second_half", head_size, first=False)
     caches = []
     for name, function in (("cos", "Cos"), ("sin", "Sin")):
-        m.require(m.dtype(name) == dtype, f"{name} is {m.dtype(name)}, x is {dtype}")
+        m.require(m.dtype(name) == dtype, "%s is %s, x is %s", name, m.dtype(name), dtype)
         caches.append(_duplicated_halves(m, m[name], function))
     return caches, head_size
 

@@ -29,7 +29,7 @@ def softmax_decomposed(m: Match, b: Builder):
     m.require(axes is not None and len(axes) == 1, f"ReduceSum reduces axes {axes}, not exactly one axis")
     axis = axes[0]
     dtype = m.dtype("x")
-    m.require(is_float(dtype), f"x is {dtype}, not a float type")
+    m.require(is_float(dtype), "x is %s, not a float type", dtype)
     if m.opset < 13 and axis != -1:
         rank = m.rank("x")
         m.require(rank is not None, "the input's rank is unknown (needed before opset 13)")

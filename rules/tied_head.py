@@ -44,7 +44,7 @@ def _table_transposed_to(m: Match, weight: str) -> str | None:
 def tied_head(m: Match, b: Builder):
     """MatMul(a, Transpose(E)), or MatMul(a, Eᵀ) beside E  =>  FusedMatMul(a, E, transB=1)."""
     dtype = m.dtype_of(m["a"])
-    m.require(dtype == np.dtype(np.float32), f"onnxruntime's FusedMatMul on CPU takes float32, not {dtype}")
+    m.require(dtype == np.dtype(np.float32), "onnxruntime's FusedMatMul on CPU takes float32, not %s", dtype)
     if m.has("transpose"):
         table = m["table"]
         m.require(m.rank("table") == 2, "the transposed constant is not a matrix")
