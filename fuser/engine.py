@@ -184,6 +184,9 @@ class Engine:
                     self._needing_newer_opset.append(candidate)
         self._phases = sorted({r.phase for r in self.rules})
         self._by_root: dict[str, list[Rule]] = {}
+        # (id(scope graph), op type) -> (the graph, its op_types_version, the running phase's
+        # rules rooted at that op type with a pattern whose needed op types the scope has).
+        self._rooted: dict[tuple[int, str], tuple[Graph, int, list[Rule]]] = {}
         # The running phase's patterns as (depth, root op types and domain, op types needed below
         # the root), and per scope the depth of the deepest that can match there (_reach).
         self._phase_patterns: list[tuple[int, tuple, tuple]] = []
@@ -294,6 +297,7 @@ class Engine:
         """Make `phase` the running one: its pattern rules by root op type, and its patterns
         as _reach weighs them."""
         self._by_root = {}
+        self._rooted = {}
         for candidate in self.rules:
             if candidate.phase == phase:
                 for op_type, _ in candidate.roots:
@@ -455,7 +459,7 @@ class Engine:
 
     def _visit(self, graph: Graph, scope: str, node_id: int, apply: bool) -> set[int]:
         op_type = graph.node(node_id).op_type
-        for candidate in self._by_root.get(op_type, ()):
+        for candidate in self._rules_at(graph, op_type):
             nominated = self._nominated.get(id(candidate))
             if nominated is not None and node_id not in nominated and node_id not in self._released:
                 continue
@@ -506,6 +510,26 @@ class Engine:
                     self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                 return touched
         return set()
+
+    def _rules_at(self, graph: Graph, op_type: str) -> list[Rule]:
+        """The running phase's rules rooted at `op_type` that can match in `graph`: a pattern of
+        theirs rooted there needs no op type the scope lacks. Most rules need one (a Conv, a
+        Softmax) that most models lack; asked per node, leaving them out is most of a visit."""
+        key = (id(graph), op_type)
+        version = graph.op_types_version
+        cached = self._rooted.get(key)
+        if cached is None or cached[0] is not graph or cached[1] != version:
+            known = _present_in(graph, self._present)
+            rules = [
+                candidate
+                for candidate in self._by_root.get(op_type, ())
+                if any(
+                    op_type in pattern.op_types and all(_present(graph, need, known) for need in needs)
+                    for pattern, needs in zip(candidate.alternatives, candidate.needs)
+                )
+            ]
+            cached = self._rooted[key] = (graph, version, rules)
+        return cached[2]
 
     def _decline(self, candidate: Rule, scope: str, match: Match, reason: str) -> None:
         """Record a decline once: later sweeps and re-queued nodes revisit the same matches."""
