@@ -676,23 +676,25 @@ class Engine:
             graph.redirect(old, new)
         # Consumers now reading another tensor (a folded constant, say) may match rules anew.
         redirected_readers = {c for _, new in redirects for c in graph.op_consumers(new)}
-        for domain in {node.domain for node in builder.nodes} & set(candidate.emits):
-            self.model.require_opset(domain, candidate.emits[domain])
+        if candidate.emits:
+            for domain in {node.domain for node in builder.nodes} & set(candidate.emits):
+                self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
-        neighbours = {c for node in builder.nodes for i in node.input if i for c in graph.op_consumers(i)}
-        graph.take_lost_readers()  # whatever earlier changes left there has been looked at
         # A tensor the replacement reads is still read: its sole reader, if any, is new and visited anyway.
-        read_by_new = {i for node in builder.nodes for i in node.input}
+        read_by_new = {i for node in builder.nodes for i in node.input if i}
+        neighbours = {c for i in read_by_new for c in graph.op_consumers(i)}
+        graph.take_lost_readers()  # whatever earlier changes left there has been looked at
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
-        self._quantized = self._quantized or any(is_qdq_op(node.op_type, node.domain) for node in builder.nodes)
+        created_nodes = [graph.node(i) for i in created]
+        self._quantized = self._quantized or any(is_qdq_op(n.op_type, n.domain) for n in created_nodes)
         graph.shared.update({key: rename.get(name, name) for key, name in builder.shared_created.items()})
-        self._types.invalidate(produced=[o for node in builder.nodes for o in node.output])
+        self._types.invalidate(produced=[o for n in created_nodes for o in n.output_names])
         rewrite = Rewrite(
             index=len(self.result.rewrites),
             rule=candidate.name,
             scope=scope,
             matched=matched_names,
-            created=[graph.node(i).label for i in created],
+            created=[n.label for n in created_nodes],
         )
         self._log(rewrite)
         freed = _sole_reader_gained(graph, graph.take_lost_readers() - read_by_new)

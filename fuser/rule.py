@@ -140,6 +140,12 @@ class Rule:
         return max((p.depth for p in self.alternatives), default=0)
 
     @functools.cached_property
+    def buildable(self) -> set[tuple]:
+        """(op type, domain, the model's opset of it, the rule's emits of it) that Builder found the
+        rule may build."""
+        return set()
+
+    @functools.cached_property
     def needs(self) -> tuple[tuple[tuple[tuple[str, ...], str], ...], ...]:
         """Per pattern, the op types it needs below its root (OpPattern.needs)."""
         return tuple(p.needs() for p in self.alternatives)
@@ -364,6 +370,12 @@ class Builder:
         rule working on models that happen to import the domain does not break on others."""
         rule = self._rule
         default = domain in DEFAULT_DOMAINS
+        key = "" if default else domain
+        # The answer depends on the op, the rule and the versions of the domain in play: found
+        # once, not at every rewrite of a large model.
+        settled = (op_type, key, self._graph.opset(key), rule.emits.get(key))
+        if settled in rule.buildable:
+            return
         if not default and domain not in rule.declared_domains:
             why = f"it builds '{op_type}' in domain '{domain}', which the rule does not declare in emits="
         elif not default and domain not in rule.emits and self._graph.opset(domain) is None:
@@ -372,12 +384,12 @@ class Builder:
                 "declare the domain's version in emits="
             )
         else:
-            key = "" if default else domain
             versions = [v for v in (self._graph.opset(key), rule.emits.get(key)) if v is not None]
             why = unknown_op(op_type, domain, max(versions) if versions else None)
             why = why and f"it builds an operator the model cannot run: {why}"
         if why:
             raise RuleError(rule, why, at=_caller_outside(__file__))
+        rule.buildable.add(settled)
 
     def once(self, key: str, make: Callable[[Builder], str]) -> str:
         """A tensor every rewrite in this graph shares: `make(builder)` builds it the first
