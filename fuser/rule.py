@@ -27,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import NodeProto, TensorProto, numpy_helper
+from onnx import NodeProto, TensorProto
 
 from fuser.errors import RuleError
 from fuser.graph import Graph
 from fuser.operators import DEFAULT_DOMAINS, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
+from fuser.tensors import from_array
 
 TARGETS = ("onnx", "onnxruntime")
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
@@ -404,8 +405,7 @@ class Builder:
     def constant(self, value: np.ndarray, hint: str = "const") -> str:
         """A new initializer holding `value`; returns its (fresh) name."""
         name = self._graph.names.fresh(f"{self._anchor}/{hint}")
-        array = np.asarray(value)
-        self.initializers.append(numpy_helper.from_array(np.asarray(array, order="C"), name))
+        self.initializers.append(from_array(np.asarray(value, order="C"), name))
         return name
 
     def _input(self, value, op_type: str) -> str:

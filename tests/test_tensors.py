@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser.errors import InputError
-from fuser.tensors import TensorStore
+from fuser.tensors import TensorStore, from_array
 
 # Every element type onnx stores numbers in: the decode must agree with onnx's for each.
 NUMERIC = [name for name in TensorProto.DataType.keys() if name not in ("UNDEFINED", "STRING")]
@@ -84,3 +84,20 @@ def test_a_model_with_two_bit_weights_loads_and_is_checked(tmp_path):
     optimized, report = fuser.optimize(str(path))
     assert report.rewrites and report.verdict.passed
     assert [n.op_type for n in optimized.graph.node] == ["Add"]
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+@pytest.mark.parametrize("shape", [(2, 3), (), (0, 4), (5,)])
+def test_a_weight_a_rule_builds_is_what_onnx_makes_of_the_array(name, shape):
+    """Builder.constant's tensor, made directly for the plain dtypes, is byte for byte
+    numpy_helper.from_array's; a strided array comes out in C order."""
+    data_type = getattr(TensorProto, name)
+    array = _values(data_type, shape)
+    try:
+        expected = numpy_helper.from_array(array, "w")
+    except (TypeError, ValueError, NotImplementedError):  # a type onnx writes only from typed values
+        pytest.skip(f"numpy_helper.from_array does not take {name}")
+    assert from_array(array, "w").SerializeToString() == expected.SerializeToString()
+    if array.ndim == 2:
+        strided = from_array(array.T, "w")
+        assert strided.SerializeToString() == numpy_helper.from_array(array.T, "w").SerializeToString()
