@@ -401,15 +401,16 @@ class Engine:
             for node_id in below:
                 push(node_id, release=False)
         else:
+            starts: set[int] = set()  # each node once, however many rules are rooted at its type
             for rule in phase_rules:
                 if rule.candidates is not None:
                     self._nominated[id(rule)] = nominated = self._candidates(graph, rule)
-                    for node_id in nominated:
-                        push(node_id, release=False)
+                    starts |= nominated
                     continue
                 for root_type, domain in rule.roots:
-                    for node_id in graph.nodes_of_type(root_type, domain):
-                        push(node_id, release=False)
+                    starts.update(graph.nodes_of_type(root_type, domain))
+            for node_id in starts:
+                push(node_id, release=False)
         queue.settle()
         # A rewrite re-queues the readers of every tensor its replacement reads; in a deep model
         # a tensor every layer reads (a mask, a rotary cache) puts all earlier layers back at
