@@ -2,9 +2,11 @@
 
 Every ONNX node is a networkx node of kind "op". Graph inputs, initializers and
 tensors captured from an enclosing scope are source nodes; every graph output is a
-sink node. An edge runs from the node that produces a tensor to each consumer and
-carries the tensor's name and the consumer's input slot (slot -1 marks a tensor a
-subgraph reads from this scope). A multigraph, because Mul(x, x) consumes one tensor twice.
+sink node. An edge runs from the node that produces a tensor to each consumer; its key is
+the consumer's input slot (a graph output's position, or for a tensor a subgraph reads from
+this scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph,
+because Mul(x, x) consumes one tensor twice. The value is the bare name, not networkx's usual
+dict of edge data: a million-node graph has millions of edges, and a dict each cost 0.6 GB.
 
 This module is the only one that knows networkx. Nodes nobody rewrote keep their
 original NodeProto objects, so converting back is lossless for them; output order is
@@ -313,15 +315,20 @@ class Graph:
             self._add_source(OUTER, tensor, (-3, 0))
         producer, _ = self._producer[tensor]
         # networkx's MultiDiGraph.add_edge, written into its dicts: the same structure (one key
-        # dict shared by both directions, keys counting up from 0) without its per-call checks,
-        # which cost more than the insert on a graph of a million edges.
+        # dict shared by both directions) without its per-call checks, which cost more than the
+        # insert on a graph of a million edges. The key is the slot (see the module's docstring).
         keys = self._succ[producer].get(consumer)
         if keys is None:
             keys = self._succ[producer][consumer] = self._pred[consumer][producer] = {}
-        key = len(keys)
-        while key in keys:
-            key += 1
-        keys[key] = {"tensor": tensor, "slot": slot}
+        keys[tensor if slot == SUBGRAPH_SLOT else slot] = tensor
+
+    def _disconnect(self, producer: int, consumer: int, key: int | str) -> None:
+        """networkx's remove_edge, written into its dicts as _connect writes its edges."""
+        keys = self._succ[producer][consumer]  # the same dict as self._pred[consumer][producer]
+        del keys[key]
+        if not keys:
+            del self._succ[producer][consumer]
+            del self._pred[consumer][producer]
 
     def _add_vertex(self, node_id: int, **attrs) -> None:
         """networkx's add_node for an id not yet in the graph, written into its dicts."""
@@ -424,10 +431,10 @@ class Graph:
         if entry is None:
             return []
         return [
-            (consumer, data["slot"])
+            (consumer, key if key.__class__ is int else SUBGRAPH_SLOT)
             for consumer, edges in self._succ[entry[0]].items()
-            for data in edges.values()
-            if data["tensor"] == tensor
+            for key, read in edges.items()
+            if read == tensor
         ]
 
     def readers_at_most(self, tensor: str) -> int:
@@ -567,10 +574,7 @@ class Graph:
                 self._attrs[consumer]["owned"] = True
             info.proto.input[slot] = new
             info.input_names = tuple(map(sys.intern, info.proto.input))
-            producer = self._producer[old][0]
-            for key, data in list(self.nx.get_edge_data(producer, consumer).items()):
-                if data["tensor"] == old and data["slot"] == slot:
-                    self.nx.remove_edge(producer, consumer, key)
+            self._disconnect(self._producer[old][0], consumer, slot)
             self._connect(new, consumer, slot)
             self._constants.reconsider(info.output_names)
         self.modified = True
@@ -665,10 +669,8 @@ class Graph:
         entry = self._producer.get(tensor)
         if entry is None:
             return
-        edges = self.nx.get_edge_data(entry[0], node_id) or {}
-        for key, data in list(edges.items()):
-            if data["tensor"] == tensor and data["slot"] == SUBGRAPH_SLOT:
-                self.nx.remove_edge(entry[0], node_id, key)
+        if tensor in self._succ[entry[0]].get(node_id, ()):
+            self._disconnect(entry[0], node_id, tensor)
         self.modified = True
         self.remove_if_unused(tensor)
 
