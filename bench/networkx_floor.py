@@ -3,9 +3,11 @@ builds for bench/scale.py's MLP stack, and no ONNX data at all.
 
     python bench/networkx_floor.py [NODES ...]     # default: 100000 1000000
 
-One vertex per op node, initializer and graph input, one edge per tensor an op reads (carrying
-the tensor and the input slot, as fuser's edges do), added through networkx's own API. Prints
-the build time and the memory it added (resident set, measured around the build).
+One vertex per op node, initializer and graph input, one edge per tensor an op reads, built two
+ways: through networkx's own API, each edge carrying a dict of the tensor and the input slot
+(`api`), and as fuser's Graph lays it out, the slot the edge's key and the tensor's name its
+value, written into networkx's dicts (`fuser`). Prints the build time and the memory it added
+(resident set, measured around the build).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ def resident_gb() -> float:
         return int(handle.read().split()[1]) * 4096 / 1e9
 
 
-def mlp_graph(nodes: int) -> nx.MultiDiGraph:
+def mlp_graph(nodes: int, layout: str) -> nx.MultiDiGraph:
     """Blocks MatMul-Add-Relu-MatMul-Add-Add(residual) with 4 weights each, as scale.mlp_stack."""
     graph = nx.MultiDiGraph()
+    succ, pred = graph._succ, graph._pred
     graph.add_node(0, kind="input")
     previous, vertex = 0, 1
     for _ in range(max(1, nodes // 6)):
@@ -44,7 +47,14 @@ def mlp_graph(nodes: int) -> nx.MultiDiGraph:
             node = vertex + index
             graph.add_node(node, kind="op")
             for source, slot in inputs:
-                graph.add_edge(source, node, tensor=f"t{source}", slot=slot)
+                tensor = f"t{source}"
+                if layout == "api":
+                    graph.add_edge(source, node, tensor=tensor, slot=slot)
+                else:
+                    keys = succ[source].get(node)
+                    if keys is None:
+                        keys = succ[source][node] = pred[node][source] = {}
+                    keys[slot] = tensor
         previous = vertex + 5
         vertex += 6
     return graph
@@ -52,18 +62,19 @@ def mlp_graph(nodes: int) -> nx.MultiDiGraph:
 
 def main(argv: list[str]) -> int:
     for nodes in [int(a) for a in argv] or [100_000, 1_000_000]:
-        gc.collect()
-        gc.disable()  # as fuser builds its graph: the collector's scans would dominate
-        before, started = resident_gb(), time.perf_counter()
-        graph = mlp_graph(nodes)
-        seconds, added = time.perf_counter() - started, resident_gb() - before
-        print(
-            f"{nodes:>9} nodes: {graph.number_of_nodes()} vertices, {graph.number_of_edges()} edges, "
-            f"built in {seconds:.2f} s, {added:.2f} GB",
-            flush=True,
-        )
-        del graph
-        gc.enable()
+        for layout in ("api", "fuser"):
+            gc.collect()
+            gc.disable()  # as fuser builds its graph: the collector's scans would dominate
+            before, started = resident_gb(), time.perf_counter()
+            graph = mlp_graph(nodes, layout)
+            seconds, added = time.perf_counter() - started, resident_gb() - before
+            print(
+                f"{nodes:>9} nodes, {layout:<5}: {graph.number_of_nodes()} vertices, "
+                f"{graph.number_of_edges()} edges, built in {seconds:.2f} s, {added:.2f} GB",
+                flush=True,
+            )
+            del graph
+            gc.enable()
     return 0
 
 
