@@ -7,6 +7,7 @@ fusions neither hide nor cause differences. This is the only module importing on
 from __future__ import annotations
 
 import ast
+import ctypes
 import dataclasses
 import os
 import re
@@ -1016,6 +1017,7 @@ class Checker:
         # lives (the optimized 100k-node MLP of bench/scale.py: 6.1 s beside it, 4.8 s alone).
         self.input_names = [spec.name for spec in self.session.get_inputs()]
         self.session = None
+        return_freed_memory()
 
     def _add_padded_masks(self, ranges) -> None:
         """One more input set for a model with attention-mask inputs of ones: the first set with
@@ -1292,6 +1294,21 @@ def _twin_session(skeleton: onnx.ModelProto, feeds: dict[str, np.ndarray], *, ba
             widened[id(array)] = widen_array(array)
     inner = session(float32_twin(skeleton, base_dir), base_dir)
     return FedSession(inner, {name: widened[id(a)] for name, a in feeds.items()}) if feeds else inner
+
+
+def return_freed_memory() -> None:
+    """Hand the memory a closed session freed back to the system, where the C library allows.
+
+    glibc keeps memory freed by another thread in that thread's arena, for that thread to reuse:
+    the original's session, built in PreparedChecker's thread, left its gigabyte there, and the
+    optimized model's session took as much again beside it (the 100k-node ResNet stack of
+    bench/scale.py peaked at 2.60 GB rather than 1.87). A C library without malloc_trim (macOS,
+    musl) returns it by its own rules."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows opens no library by None
+        return
+    trim(0)
 
 
 class PreparedChecker:
