@@ -489,13 +489,20 @@ class Graph:
     def unread_initializers(self) -> list[str]:
         """This scope's dense initializers that nothing reads, not even a graph output, in file
         order; one that a graph input overrides is that input, and not listed."""
+        return [name for name, _, read in self._constant_initializers() if not read]
+
+    def read_initializers(self) -> list[TensorProto]:
+        """This scope's dense initializers that something reads, in file order; one that a graph
+        input overrides is that input, and not listed."""
+        return [tensor for _, tensor, read in self._constant_initializers() if read]
+
+    def _constant_initializers(self) -> Iterator[tuple[str, TensorProto, bool]]:
+        """(name, tensor, whether anything reads it) of each initializer no graph input overrides."""
         attrs, producer, succ = self._attrs, self._producer, self._succ
-        unread = []
-        for name in self._initializers:
+        for name, tensor in self._initializers.items():
             entry = producer.get(name)
-            if entry is not None and attrs[entry[0]]["kind"] == INITIALIZER and not succ[entry[0]]:
-                unread.append(name)
-        return unread
+            if entry is not None and attrs[entry[0]]["kind"] == INITIALIZER:
+                yield name, tensor, bool(succ[entry[0]])
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""

@@ -34,12 +34,10 @@ def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorPr
 def shared_initializer(graph):
     """Initializers of equal dtype, shape and bytes  =>  one, read by all their readers."""
     by_type: dict[tuple, list[TensorProto]] = {}
-    unread = set(graph.unread_initializers())
-    for tensor in graph.initializers():
-        name = tensor.name
-        if tensor.data_type == TensorProto.STRING or name in unread or graph.initializer(name) is not tensor:
-            continue
-        by_type.setdefault((tensor.data_type, tuple(tensor.dims)), []).append(tensor)
+    for tensor in graph.read_initializers():
+        data_type = tensor.data_type
+        if data_type != TensorProto.STRING:
+            by_type.setdefault((data_type, tuple(tensor.dims)), []).append(tensor)
     for candidates in by_type.values():
         if len(candidates) < 2:
             continue
