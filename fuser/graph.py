@@ -6,7 +6,8 @@ sink node. An edge runs from the node that produces a tensor to each consumer; i
 the consumer's input slot (a graph output's position, or for a tensor a subgraph reads from
 this scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph,
 because Mul(x, x) consumes one tensor twice. The value is the bare name, not networkx's usual
-dict of edge data: a million-node graph has millions of edges, and a dict each cost 0.6 GB.
+dict of edge data: a million-node graph has millions of edges, and a dict each cost 0.36 GB
+(bench/networkx_floor.py).
 
 This module is the only one that knows networkx. Nodes nobody rewrote keep their
 original NodeProto objects, so converting back is lossless for them; output order is
