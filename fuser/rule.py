@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -309,6 +310,40 @@ def sweep(
     return decorate
 
 
+# The rewrites of a large model build the same attributes over and over (each folded Conv's
+# kernel_shape, pads, strides): each is encoded once, and copied into the nodes after.
+ATTRIBUTE_CACHE_LIMIT = 4096
+_encoded_attributes: dict[tuple, onnx.AttributeProto] = {}
+
+
+def _attribute(name: str, value) -> onnx.AttributeProto:
+    """onnx.helper.make_attribute(name, value), encoded once per distinct value."""
+    key = _attribute_key(value)
+    if key is None:
+        return onnx.helper.make_attribute(name, value)
+    key = (name, key)
+    encoded = _encoded_attributes.get(key)
+    if encoded is None:
+        if len(_encoded_attributes) >= ATTRIBUTE_CACHE_LIMIT:
+            _encoded_attributes.clear()
+        encoded = _encoded_attributes[key] = onnx.helper.make_attribute(name, value)
+    return encoded
+
+
+def _attribute_key(value):
+    """A key that two values share only when make_attribute encodes them alike (None: not
+    cached). Types are part of it (True == 1 == 1.0), and floats are keyed by their bits:
+    -0.0 == 0.0, and a NaN equals nothing."""
+    if isinstance(value, float):
+        return type(value), struct.pack("<d", value)
+    if isinstance(value, (int, str, bytes)):
+        return type(value), value
+    if isinstance(value, (list, tuple)):
+        items = tuple(map(_attribute_key, value))
+        return None if None in items else (type(value), items)
+    return None
+
+
 class Builder:
     """Creates the replacement's nodes and initializers with names that never collide.
 
@@ -351,10 +386,9 @@ class Builder:
             input_names.pop()
         node_name = names.fresh(f"{self._anchor}/{op_type}")
         output_names = [names.fresh(f"{node_name}:{i}") for i in range(outputs)]
-        attributes = {k: v for k, v in attrs.items() if v is not None}
-        self.nodes.append(
-            onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain, **attributes)
-        )
+        node = onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain)
+        node.attribute.extend(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
+        self.nodes.append(node)
         return output_names[0] if outputs == 1 else output_names
 
     def replaces(self, interior: str, tensor: str) -> None:

@@ -1523,3 +1523,25 @@ def test_the_visit_queue_pops_in_the_order_of_one_heap(operations, initial):
             queue.push((position,), node_id)
             heapq.heappush(heap, ((position,), node_id))
     assert [queue.pop() for _ in range(len(queue))] == [heapq.heappop(heap) for _ in range(len(heap))]
+
+
+_scalars = st.one_of(
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(width=32),  # with -0.0, infinities and NaN
+    st.sampled_from([0, 0.0, -0.0, 1, 1.0, True, False]),
+    st.text(max_size=4),
+)
+_attribute_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 5), st.floats(width=32)), min_size=1, max_size=4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_attribute_values, min_size=2, max_size=6))
+def test_builder_attributes_encode_as_make_attribute_does_whatever_was_built_before(values):
+    # Values that compare equal (1, 1.0, True; 0.0, -0.0) but encode differently must not share
+    # a cached encoding.
+    from fuser.rule import _attribute
+
+    for value in values:
+        built = _attribute("a", value).SerializeToString()
+        assert built == helper.make_attribute("a", value).SerializeToString(), value
