@@ -399,7 +399,8 @@ class Engine:
                 for rule in naming:
                     self._nominated[id(rule)] = self._candidates(graph, rule)
             for node_id in below:
-                push(node_id, release=False)
+                if not self._nominated or self._tried_at(graph, node_id):
+                    push(node_id, release=False)
         else:
             starts: set[int] = set()  # each node once, however many rules are rooted at its type
             for rule in phase_rules:
@@ -448,6 +449,15 @@ class Engine:
                 self._released |= earlier
         self._nominated, self._released = {}, set()
         return touched_all
+
+    def _tried_at(self, graph: Graph, node_id: int) -> bool:
+        """Whether a visit to `node_id` would try a rule: one rooted at its op type that can
+        match in `graph` and names no candidates, or names it."""
+        for rule in self._rules_at(graph, graph.node(node_id).op_type):
+            nominated = self._nominated.get(id(rule))
+            if nominated is None or node_id in nominated:
+                return True
+        return False
 
     def _candidates(self, graph: Graph, rule: Rule) -> set[int]:
         """The nodes of `graph` a pass over all of it tries `rule` at (Rule.candidates)."""

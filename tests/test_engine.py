@@ -1413,6 +1413,33 @@ def test_a_pass_below_an_earlier_phases_changes_tries_the_rule_at_the_nodes_it_n
     assert tried_at == ["of_w"]
 
 
+def visits_of(model: onnx.ModelProto, rules: list) -> int:
+    """How many node visits a run of `rules` over `model` makes, as its progress reports them."""
+    reported = []
+    Engine(Model(model), rules, progress=lambda stage, done, total: reported.append((stage, done))).run()
+    return [done for stage, done in reported if stage == "rewrite"][-1]
+
+
+def test_a_pass_below_an_earlier_phases_changes_skips_the_nodes_no_rule_names():
+    # Many Negs below the later phase's Identities: the rule that names candidates is the only
+    # one rooted at Neg, so the pass over them visits the one it names, not every Neg.
+    def fanned(count: int) -> onnx.ModelProto:
+        nodes = [helper.make_node("Identity", ["w"], ["a"], name="id_w")]
+        nodes += [helper.make_node("Neg", ["a"], ["b"], name="of_w")]
+        for i in range(count):
+            nodes += [helper.make_node("Identity", ["x"], [f"x{i}"], name=f"id{i}")]
+            nodes += [helper.make_node("Neg", [f"x{i}"], [f"y{i}"], name=f"neg{i}")]
+        return negs_model(nodes, ["b"] + [f"y{i}" for i in range(count)])
+
+    rules = [neg_of_initializer, identity_away]
+    tried_at.clear()
+    visits = [visits_of(fanned(count), rules) for count in (8, 40)]
+    assert tried_at == ["of_w", "of_w"]
+    assert visits[1] - visits[0] == 40 - 8  # the later phase visits each Identity; then only the named Neg
+    with_a_rule_naming_none = visits_of(fanned(40), [*rules, double_neg])
+    assert with_a_rule_naming_none >= visits[1] + 40  # another rule rooted at Neg: each Neg is visited
+
+
 def test_candidates_must_be_a_function_of_a_pattern_rule():
     with pytest.raises(PatternError, match="candidates must be a function"):
         rule("bad-candidates", pattern=op.Neg(var("x")), description="a test rule", candidates=[1, 2])(
