@@ -18,6 +18,7 @@ in its original order and the same input always gives the same bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import heapq
 import itertools
@@ -255,7 +256,8 @@ class Graph:
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
         subgraphs: dict[str, list[Graph]] = {}
-        for attribute in proto.attribute:
+        graphless = proto.op_type in graphless_op_types() and proto.domain in _DEFAULT_DOMAINS
+        for attribute in () if graphless else proto.attribute:
             if attribute.type == AttributeProto.GRAPH:
                 subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
             elif attribute.type == AttributeProto.GRAPHS:
@@ -802,10 +804,24 @@ def split_parts(model: ModelProto | ModelParts) -> tuple[ModelProto, list[Tensor
     return model, model.graph.initializer
 
 
+@functools.cache
+def graphless_op_types() -> frozenset[str]:
+    """The default domain's op types that no version gives a graph attribute: a node of one of
+    these holds no If/Loop/Scan-like body, and the walks over every node skip listing its
+    attributes (which costs more than this test); an op of another domain may hold one."""
+    holding = (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+    schemas = [s for s in onnx.defs.get_all_schemas_with_history() if s.domain in _DEFAULT_DOMAINS]
+    holders = {s.name for s in schemas if any(a.type in holding for a in s.attributes.values())}
+    return frozenset(s.name for s in schemas) - holders
+
+
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
     """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
     yield graph
+    graphless = graphless_op_types()
     for node in graph.node:
+        if node.op_type in graphless and node.domain in _DEFAULT_DOMAINS:
+            continue
         for attribute in node.attribute:
             if attribute.type == AttributeProto.GRAPH:
                 yield from all_graph_protos(attribute.g)

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 import fuser.tensors
 from fuser.errors import InputError, UnsafePathError, UsageError
-from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT
+from fuser.graph import GRAPH_OUTPUT, SUBGRAPH_SLOT, all_graph_protos, graphless_op_types
 from fuser.model import Model
 from tests.helpers import make_model, model_from_text
 
@@ -676,3 +676,33 @@ def test_a_model_copied_or_pickled_optimizes_as_the_original():
     for model in copies:
         optimized, report = fuser.optimize(model)
         assert report.verdict.passed and optimized.SerializeToString() == expected.SerializeToString()
+
+
+# ------------------------------------------------------- the nodes that can hold a graph
+
+
+def test_the_ops_known_to_hold_no_graph_are_the_default_domains_others():
+    graphless = graphless_op_types()
+    assert {"Conv", "Add", "MatMul"} <= graphless
+    assert not {"If", "Loop", "Scan", "SequenceMap"} & graphless
+
+
+@pytest.mark.parametrize(
+    "op_type, domain",
+    [("If", ""), ("If", "ai.onnx"), ("Branch", "custom.domain"), ("Branch", "")],
+    ids=["if", "if-ai-onnx", "another-domain", "unknown-to-onnx"],
+)
+def test_a_body_is_found_under_any_op_that_may_hold_one(op_type, domain):
+    result = helper.make_tensor_value_info("n", onnx.TensorProto.FLOAT, [2])
+    body = helper.make_graph([helper.make_node("Neg", ["x"], ["n"])], "body", [], [result])
+    holder = helper.make_node(op_type, ["c"], ["y"], domain=domain, then_branch=body, else_branch=body)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), holder],
+        "main",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in "xc"],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    assert [g.name for g in all_graph_protos(graph)] == ["main", "body", "body"]
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain not in ("", "ai.onnx") else [])
+    built = Model(helper.make_model(graph, opset_imports=opsets)).graph
+    assert [sorted(info.subgraphs) for info in built.nodes_with_subgraphs()] == [["else_branch", "then_branch"]]
