@@ -313,6 +313,8 @@ def sweep(
 # The rewrites of a large model build the same attributes over and over (each folded Conv's
 # kernel_shape, pads, strides): each is encoded once, and copied into the nodes after.
 ATTRIBUTE_CACHE_LIMIT = 4096
+# Keywords of Builder.op that set the NodeProto's own fields, as onnx.helper.make_node takes them.
+NODE_FIELDS = ("doc_string", "overload")
 _encoded_attributes: dict[tuple, onnx.AttributeProto] = {}
 
 
@@ -332,8 +334,8 @@ def _attribute(name: str, value) -> onnx.AttributeProto:
 
 def _attribute_key(value):
     """A key that two values share only when make_attribute encodes them alike (None: not
-    cached). Types are part of it (True == 1 == 1.0), and floats are keyed by their bits:
-    -0.0 == 0.0, and a NaN equals nothing."""
+    cached). Types are part of it (a float's bits may equal a bytes value, True encodes as 1),
+    and floats are keyed by their bits: -0.0 == 0.0, and a NaN equals nothing."""
     if isinstance(value, float):
         return type(value), struct.pack("<d", value)
     if isinstance(value, (int, str, bytes)):
@@ -386,7 +388,8 @@ class Builder:
             input_names.pop()
         node_name = names.fresh(f"{self._anchor}/{op_type}")
         output_names = [names.fresh(f"{node_name}:{i}") for i in range(outputs)]
-        node = onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain)
+        fields = {field: attrs.pop(field) for field in NODE_FIELDS if field in attrs}  # make_node's, not attributes
+        node = onnx.helper.make_node(op_type, input_names, output_names, name=node_name, domain=domain, **fields)
         node.attribute.extend(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
         self.nodes.append(node)
         return output_names[0] if outputs == 1 else output_names
