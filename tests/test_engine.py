@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
+import struct
 import subprocess
 import sys
 
@@ -1440,6 +1441,25 @@ def test_a_pass_below_an_earlier_phases_changes_skips_the_nodes_no_rule_names():
     assert with_a_rule_naming_none >= visits[1] + 40  # another rule rooted at Neg: each Neg is visited
 
 
+def test_a_pass_below_an_earlier_phases_changes_still_tries_the_rules_naming_none():
+    # Neg(Identity(Neg(x))) is a double negation only once the later phase drops the Identity:
+    # the pass below that change names of_w for one rule, and must try the other at every Neg.
+    nodes = [
+        helper.make_node("Identity", ["w"], ["a"], name="id_w"),
+        helper.make_node("Neg", ["a"], ["b"], name="of_w"),
+        helper.make_node("Neg", ["x"], ["n1"], name="inner"),
+        helper.make_node("Identity", ["n1"], ["n2"], name="id_n"),
+        helper.make_node("Neg", ["n2"], ["y"], name="outer"),
+    ]
+    result = Engine(Model(negs_model(nodes, ["b", "y"])), [neg_of_initializer, identity_away, double_neg]).run()
+    assert [(r.rule, r.matched) for r in result.rewrites] == [
+        ("identity-away", ["id_w"]),
+        ("identity-away", ["id_n"]),
+        ("neg-of-initializer", ["of_w"]),
+        ("double-neg", ["outer", "inner"]),
+    ]
+
+
 def test_candidates_must_be_a_function_of_a_pattern_rule():
     with pytest.raises(PatternError, match="candidates must be a function"):
         rule("bad-candidates", pattern=op.Neg(var("x")), description="a test rule", candidates=[1, 2])(
@@ -1556,8 +1576,9 @@ _scalars = st.one_of(
     st.booleans(),
     st.integers(-(2**63), 2**63 - 1),
     st.floats(width=32),  # with -0.0, infinities and NaN
-    st.sampled_from([0, 0.0, -0.0, 1, 1.0, True, False]),
+    st.sampled_from([0, 0.0, -0.0, 1, 1.0, True, False, struct.pack("<d", 0.0), struct.pack("<d", 1.0)]),
     st.text(max_size=4),
+    st.binary(max_size=8),  # a float's bits may be these bytes
 )
 _attribute_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 5), st.floats(width=32)), min_size=1, max_size=4))
 
@@ -1565,10 +1586,20 @@ _attribute_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 5), s
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_attribute_values, min_size=2, max_size=6))
 def test_builder_attributes_encode_as_make_attribute_does_whatever_was_built_before(values):
-    # Values that compare equal (1, 1.0, True; 0.0, -0.0) but encode differently must not share
-    # a cached encoding.
+    # Values that compare equal (1, 1.0, True; 0.0, -0.0), or a float and the bytes of its bits,
+    # encode differently and must not share a cached encoding.
     from fuser.rule import _attribute
 
     for value in values:
         built = _attribute("a", value).SerializeToString()
         assert built == helper.make_attribute("a", value).SerializeToString(), value
+
+
+def test_builder_doc_string_and_overload_are_the_nodes_fields_not_attributes():
+    graph = Model(chain_model([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"])).graph
+    builder = Builder(graph, "anchor")
+    builder.op("Relu", "x", doc_string="why", overload="", alpha=None)
+    builder.op("Custom", "x", domain="custom.domain", overload="variant", mode=2)
+    relu, custom = builder.nodes
+    assert (relu.doc_string, list(relu.attribute)) == ("why", [])
+    assert custom.overload == "variant" and [a.name for a in custom.attribute] == ["mode"]
