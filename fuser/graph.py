@@ -807,8 +807,9 @@ def split_parts(model: ModelProto | ModelParts) -> tuple[ModelProto, list[Tensor
 @functools.cache
 def graphless_op_types() -> frozenset[str]:
     """The default domain's op types that no version gives a graph attribute: a node of one of
-    these holds no If/Loop/Scan-like body, and the walks over every node skip listing its
-    attributes (which costs more than this test); an op of another domain may hold one."""
+    these holds no If/Loop/Scan-like body (onnx.checker refuses a model that gives it one, and
+    so does loading), and the walks over every node skip listing its attributes, which costs
+    more than this test; an op of another domain, or one onnx does not know, may hold one."""
     holding = (AttributeProto.GRAPH, AttributeProto.GRAPHS)
     schemas = [s for s in onnx.defs.get_all_schemas_with_history() if s.domain in _DEFAULT_DOMAINS]
     holders = {s.name for s in schemas if any(a.type in holding for a in s.attributes.values())}

@@ -689,8 +689,8 @@ def test_the_ops_known_to_hold_no_graph_are_the_default_domains_others():
 
 @pytest.mark.parametrize(
     "op_type, domain",
-    [("If", ""), ("If", "ai.onnx"), ("Branch", "custom.domain"), ("Branch", "")],
-    ids=["if", "if-ai-onnx", "another-domain", "unknown-to-onnx"],
+    [("If", ""), ("If", "ai.onnx"), ("Relu", "custom.domain"), ("Branch", "")],
+    ids=["if", "if-ai-onnx", "a-graphless-name-in-another-domain", "unknown-to-onnx"],
 )
 def test_a_body_is_found_under_any_op_that_may_hold_one(op_type, domain):
     result = helper.make_tensor_value_info("n", onnx.TensorProto.FLOAT, [2])
