@@ -313,6 +313,7 @@ def sweep(
 # The rewrites of a large model build the same attributes over and over (each folded Conv's
 # kernel_shape, pads, strides): each is encoded once, and copied into the nodes after.
 ATTRIBUTE_CACHE_LIMIT = 4096
+ATTRIBUTE_CACHE_LENGTH = 64  # items of a list, characters of a text
 # Keywords of Builder.op that set the NodeProto's own fields, as onnx.helper.make_node takes them.
 NODE_FIELDS = ("doc_string", "overload")
 _encoded_attributes: dict[tuple, onnx.AttributeProto] = {}
@@ -334,11 +335,16 @@ def _attribute(name: str, value) -> onnx.AttributeProto:
 
 def _attribute_key(value):
     """A key that two values share only when make_attribute encodes them alike (None: not
-    cached). Types are part of it (a float's bits may equal a bytes value, True encodes as 1),
-    and floats are keyed by their bits: -0.0 == 0.0, and a NaN equals nothing."""
+    cached, as a long list or text is not: the cache holds small values). Types are part of it
+    (a float's bits may equal a bytes value, True encodes as 1), and floats are keyed by their
+    bits: -0.0 == 0.0, and a NaN equals nothing."""
     if isinstance(value, float):
         return type(value), struct.pack("<d", value)
-    if isinstance(value, (int, str, bytes)):
+    if isinstance(value, int):
+        return type(value), value
+    if isinstance(value, (str, bytes, list, tuple)) and len(value) > ATTRIBUTE_CACHE_LENGTH:
+        return None
+    if isinstance(value, (str, bytes)):
         return type(value), value
     if isinstance(value, (list, tuple)):
         items = tuple(map(_attribute_key, value))

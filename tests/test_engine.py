@@ -1595,6 +1595,16 @@ def test_builder_attributes_encode_as_make_attribute_does_whatever_was_built_bef
         assert built == helper.make_attribute("a", value).SerializeToString(), value
 
 
+def test_builder_attribute_cache_holds_only_small_values():
+    from fuser.rule import ATTRIBUTE_CACHE_LENGTH, _attribute, _encoded_attributes
+
+    long_list, long_text = list(range(ATTRIBUTE_CACHE_LENGTH + 1)), "x" * (ATTRIBUTE_CACHE_LENGTH + 1)
+    for value in (long_list, long_text, long_list[:-1]):
+        assert _attribute("cached_or_not", value) == helper.make_attribute("cached_or_not", value)
+    held = [key[1] for key in _encoded_attributes if key[0] == "cached_or_not"]
+    assert held == [(list, tuple((int, i) for i in long_list[:-1]))]
+
+
 def test_builder_doc_string_and_overload_are_the_nodes_fields_not_attributes():
     graph = Model(chain_model([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"])).graph
     builder = Builder(graph, "anchor")
