@@ -256,8 +256,7 @@ class Graph:
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
         subgraphs: dict[str, list[Graph]] = {}
-        graphless = proto.op_type in graphless_op_types() and proto.domain in _DEFAULT_DOMAINS
-        for attribute in () if graphless else proto.attribute:
+        for attribute in proto.attribute if may_hold_graphs(proto) else ():
             if attribute.type == AttributeProto.GRAPH:
                 subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
             elif attribute.type == AttributeProto.GRAPHS:
@@ -816,12 +815,16 @@ def graphless_op_types() -> frozenset[str]:
     return frozenset(s.name for s in schemas) - holders
 
 
+def may_hold_graphs(node: NodeProto) -> bool:
+    """Whether `node` may have If/Loop/Scan-like bodies: it is not of graphless_op_types()."""
+    return node.op_type not in graphless_op_types() or node.domain not in _DEFAULT_DOMAINS
+
+
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
     """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
     yield graph
-    graphless = graphless_op_types()
     for node in graph.node:
-        if node.op_type in graphless and node.domain in _DEFAULT_DOMAINS:
+        if not may_hold_graphs(node):
             continue
         for attribute in node.attribute:
             if attribute.type == AttributeProto.GRAPH:
