@@ -30,6 +30,7 @@ from fuser.float32_twin import (
     widen_array,
 )
 from fuser.graph import ModelParts, all_graph_protos, as_proto, copy_fields_except, split_parts
+from fuser.pieces import started_in_pieces
 from fuser.progress import silent
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -203,6 +204,7 @@ def session(
     base_dir: str | os.PathLike | None = None,
     weights: WeightFeeds | None = None,
     on_serialized: Callable[[bytes], None] | None = None,
+    in_pieces: bool = False,
 ):
     """A CPU session with onnxruntime's graph optimizations off.
 
@@ -211,11 +213,20 @@ def session(
     for a model given as bytes. With `weights`, large weights are fed as inputs (WeightFeeds).
     `on_serialized` is given the session's copy of the model (the serialized model, weights fed
     as inputs left out) once it is made: from then on, changes to `model` do not reach the session.
+    in_pieces: a large model's session may be made of sessions of pieces of it, started side by
+    side (fuser/pieces.py); it gives the whole model's outputs.
     """
     if weights is not None:
         skeleton, feeds = weights.split(model, base_dir)
         if feeds:
-            return FedSession(session(skeleton, base_dir, on_serialized=on_serialized), feeds)
+            return FedSession(session(skeleton, base_dir, on_serialized=on_serialized, in_pieces=in_pieces), feeds)
+    if in_pieces and on_serialized is None:
+        proto, initializers = split_parts(model)
+        cut = started_in_pieces(
+            proto, initializers, lambda piece: session(piece, base_dir), lambda: session(model, base_dir)
+        )
+        if cut is not None:
+            return cut
     model = as_proto(model)
     if keeps_initializers(model):
         try:
@@ -1145,7 +1156,7 @@ class Checker:
         self, candidate: onnx.ModelProto | ModelParts, exact: bool, stabilizing: bool, base_dir, progress
     ) -> Verdict:
         try:
-            after = session(candidate, base_dir, self.weights)
+            after = session(candidate, base_dir, self.weights, in_pieces=True)
         except InputError as error:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
         verdict = Verdict()

@@ -1,0 +1,358 @@
+"""A large model's session started in pieces, side by side.
+
+onnxruntime starts a session on one core, in a time that grows faster than the model
+(bench/ort_sessions.py: 4.8 s for an 80k-node chain, 2.5 s for its two halves started at once).
+The check's session of a large model is therefore made of consecutive pieces of it, each a
+session of its own, started in threads (onnxruntime starts them without holding Python's lock);
+a run feeds each piece what the pieces before it computed. A piece holds the same nodes reading
+the same weights as the whole model, run by the same kernels: the outputs are the whole model's,
+bit for bit.
+
+A cut runs between two nodes of the main graph, in its order, through the tensors computed
+before it and read after it. Their element types must be known without an inference
+(element_types: from the operators' schemas), and numpy must hold them as they are. A model with
+If/Loop/Scan bodies or sparse initializers is not cut, nor where a cut would copy more than
+SHARED_BYTES of weights into two pieces. Where a piece cannot be started, or a run of the pieces
+fails, the whole model's session takes over, so every error is the one the whole model gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import onnx
+from onnx import GraphProto, ModelProto, TensorProto, helper
+
+from fuser.graph import may_hold_graphs
+from fuser.tensors import nbytes
+
+PIECE_NODES = 10_000  # the fewest nodes of a piece: below, a session starts in well under a second
+MAX_PIECES = 4  # on two cores, four pieces started in 2.3 s what two started in 2.5 s (66k nodes)
+MAX_CUT = 64  # tensors crossing one cut
+SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
+
+# Element types a numpy array holds exactly, as onnxruntime hands them over and takes them back.
+_NUMPY_TYPES = frozenset(
+    {
+        TensorProto.FLOAT,
+        TensorProto.DOUBLE,
+        TensorProto.FLOAT16,
+        TensorProto.INT8,
+        TensorProto.INT16,
+        TensorProto.INT32,
+        TensorProto.INT64,
+        TensorProto.UINT8,
+        TensorProto.UINT16,
+        TensorProto.UINT32,
+        TensorProto.UINT64,
+        TensorProto.BOOL,
+    }
+)
+_TYPE_STRINGS = {f"tensor({onnx.helper.tensor_dtype_to_np_dtype(t).name})": t for t in _NUMPY_TYPES}
+_TYPE_STRINGS["tensor(float)"] = TensorProto.FLOAT
+_TYPE_STRINGS["tensor(double)"] = TensorProto.DOUBLE
+
+
+class PiecewiseSession:
+    """Sessions of consecutive pieces of one model, run as the model's one session."""
+
+    def __init__(self, pieces: list, inputs: list[str], outputs: list[str], whole: Callable[[], object]):
+        self._pieces = pieces  # (session, the names it reads, the names it hands on)
+        self._inputs, self._outputs = inputs, outputs
+        self._whole_session = whole
+        self._whole = None
+
+    @property
+    def pieces(self) -> int:
+        return len(self._pieces)
+
+    @property
+    def handed_over(self) -> bool:
+        """Whether a run of the pieces failed, and the whole model's session runs instead."""
+        return self._whole is not None
+
+    def get_inputs(self):
+        specs = {spec.name: spec for session, _, _ in self._pieces for spec in session.get_inputs()}
+        return [specs[name] for name in self._inputs]
+
+    def get_outputs(self):
+        specs = {spec.name: spec for session, _, _ in self._pieces for spec in session.get_outputs()}
+        return [specs[name] for name in self._outputs]
+
+    def run(self, names, feeds, *args, **kwargs):
+        if self._whole is None:
+            values = dict(feeds)
+            try:
+                for session, reads, hands_on in self._pieces:
+                    values.update(zip(hands_on, session.run(hands_on, {n: values[n] for n in reads}, *args, **kwargs)))
+                return [values[name] for name in names]
+            except Exception:  # noqa: BLE001 - the whole model's session says what is wrong, if anything
+                self._whole = self._whole_session()
+        return self._whole.run(names, feeds, *args, **kwargs)
+
+
+def started_in_pieces(
+    model: ModelProto,
+    initializers: Iterable[TensorProto],
+    start: Callable[[ModelProto], object],
+    whole: Callable[[], object],
+):
+    """A PiecewiseSession of `model` with its main graph's `initializers` (those of the model, or
+    held apart: fuser.graph.split_parts), its pieces started by `start` side by side; None where
+    the model is not cut, or a piece cannot be started. `whole` starts the whole model's session."""
+    graph = model.graph
+    count = min(MAX_PIECES, len(graph.node) // PIECE_NODES)
+    if count < 2 or graph.sparse_initializer:
+        return None
+    wiring = Wiring(graph, initializers)
+    if any(v.name in wiring.weights for v in graph.input):
+        return None  # an initializer a graph input can override is left to the whole model
+    bodies = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if any(may_hold_graphs(n) and any(a.type in bodies for a in n.attribute) for n in graph.node):
+        return None
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+    types = element_types(graph, opsets, wiring)
+    cuts = cut_positions(graph, count, types, wiring)
+    if cuts is None:
+        return None
+    sessions: list = []
+    threads, pieces = [], []
+
+    def started(proto: ModelProto, index: int) -> None:
+        try:
+            sessions[index] = start(proto)
+        except Exception:  # noqa: BLE001 - the whole model is started instead, and says why if it cannot be
+            pass
+
+    # Each piece starts as soon as it is cut out: the next is cut while onnxruntime starts it.
+    for proto, reads, hands_on in _pieces(model, cuts, types, wiring):
+        sessions.append(None)
+        pieces.append((reads, hands_on))
+        threads.append(threading.Thread(target=started, args=(proto, len(threads)), daemon=True))
+        threads[-1].start()
+        del proto
+    for thread in threads:
+        thread.join()
+    if any(session is None for session in sessions):
+        return None
+    return PiecewiseSession(
+        [(session, reads, hands_on) for session, (reads, hands_on) in zip(sessions, pieces)],
+        [v.name for v in graph.input],
+        [v.name for v in graph.output],
+        whole,
+    )
+
+
+class Wiring:
+    """The tensor names each node of a graph reads and writes, read from protobuf once (each
+    read of a field makes new strings), and the graph's weights by name."""
+
+    def __init__(self, graph: GraphProto, initializers: Iterable[TensorProto] | None = None):
+        self.inputs = [tuple(node.input) for node in graph.node]
+        self.outputs = [tuple(node.output) for node in graph.node]
+        self.weights = {t.name: t for t in (graph.initializer if initializers is None else initializers)}
+
+
+def element_types(graph: GraphProto, opsets: dict[str, int], wiring: Wiring | None = None) -> dict[str, int]:
+    """The element type of each tensor of `graph` that its inputs, initializers and annotations
+    give, and the schemas of the operators computing it: an output typed by a type parameter that
+    an input of known type binds, or one that allows a single type (Shape's int64), or Cast's `to`."""
+    wiring = wiring or Wiring(graph)
+    known: dict[str, int] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            known[value.name] = value.type.tensor_type.elem_type
+    known.update((name, t.data_type) for name, t in wiring.weights.items())
+    typings: dict[tuple, _Typing | None] = {}
+    for node, inputs, outputs in zip(graph.node, wiring.inputs, wiring.outputs):
+        key = (node.domain, node.op_type)
+        typing = typings.get(key, _UNSEEN)
+        if typing is _UNSEEN:
+            typing = typings[key] = _typing(key, opsets)
+        if typing is None:
+            continue
+        if typing.from_attributes:
+            elem = _attribute_type(node)
+            if elem and outputs and outputs[0]:
+                known[outputs[0]] = elem
+            continue
+        bound: dict[str, int] = {}
+        for slot, name in enumerate(inputs):
+            param = typing.input_param(slot)
+            if param is not None and name in known:
+                bound.setdefault(param, known[name])
+        for name, (param, fixed) in zip(outputs, typing.output_types(len(outputs))):
+            elem = bound.get(param) or fixed
+            if name and elem:
+                known[name] = elem
+    return known
+
+
+@dataclass(frozen=True)
+class _Typing:
+    """What an operator's schema says of its element types, as element_types reads it."""
+
+    inputs: tuple[str | None, ...]  # per input slot, the type parameter typing it
+    variadic: str | None  # the parameter of inputs past the listed ones
+    outputs: tuple[tuple[str | None, int], ...]  # per output, (its type parameter, or its one type)
+    variadic_outputs: bool = False  # outputs past the listed ones are typed as the last (Split's)
+    from_attributes: bool = False  # the output's type is an attribute's (_attribute_type)
+
+    def input_param(self, slot: int) -> str | None:
+        return self.inputs[slot] if slot < len(self.inputs) else self.variadic
+
+    def output_types(self, count: int) -> tuple[tuple[str | None, int], ...]:
+        if self.variadic_outputs and count > len(self.outputs):
+            return self.outputs + (self.outputs[-1],) * (count - len(self.outputs))
+        return self.outputs
+
+
+_UNSEEN = object()
+_ATTRIBUTE_TYPED = ("Cast", "Constant", "ConstantOfShape")
+_CONSTANT_TYPES = {
+    "value_float": TensorProto.FLOAT,
+    "value_floats": TensorProto.FLOAT,
+    "value_int": TensorProto.INT64,
+    "value_ints": TensorProto.INT64,
+}
+
+
+def _attribute_type(node) -> int:
+    """The element type of a Cast's `to`, a Constant's value or a ConstantOfShape's (float by
+    default); 0 when the attributes do not say."""
+    if node.op_type == "Cast":
+        return next((a.i for a in node.attribute if a.name == "to"), 0)
+    for attribute in node.attribute:
+        if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
+            return attribute.t.data_type
+        if node.op_type == "Constant" and attribute.name in _CONSTANT_TYPES:
+            return _CONSTANT_TYPES[attribute.name]
+    return TensorProto.FLOAT if node.op_type == "ConstantOfShape" else 0
+
+
+def _typing(key: tuple[str, str], opsets: dict[str, int]) -> _Typing | None:
+    domain, op_type = key
+    domain = "" if domain == "ai.onnx" else domain
+    version = opsets.get(domain)
+    if version is None:
+        return None
+    try:
+        schema = onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+    if domain == "" and op_type in _ATTRIBUTE_TYPED:
+        return _Typing((), None, (), from_attributes=True)
+    params = {c.type_param_str for c in schema.type_constraints}
+    single = {
+        c.type_param_str: c.allowed_type_strs[0] for c in schema.type_constraints if len(c.allowed_type_strs) == 1
+    }
+    variadic_option = onnx.defs.OpSchema.FormalParameterOption.Variadic
+    inputs = tuple(f.type_str if f.type_str in params else None for f in schema.inputs)
+    last = schema.inputs[-1] if schema.inputs else None
+    variadic = last.type_str if last is not None and last.option == variadic_option and last.is_homogeneous else None
+    outputs = tuple(
+        (f.type_str if f.type_str in params else None, _TYPE_STRINGS.get(single.get(f.type_str, f.type_str), 0))
+        for f in schema.outputs
+    )
+    if variadic not in params:
+        variadic = None
+    tail = schema.outputs[-1] if schema.outputs else None
+    variadic_outputs = tail is not None and tail.option == variadic_option and tail.is_homogeneous
+    return _Typing(inputs, variadic, outputs, variadic_outputs)
+
+
+def cut_positions(
+    graph: GraphProto, count: int, types: dict[str, int], wiring: Wiring | None = None
+) -> list[int] | None:
+    """Node positions to cut `graph` at into `count` pieces of about equal size, each where the
+    tensors crossing the cut are few, of known element types numpy holds; None if there are none
+    near enough, or the nodes are not in topological order."""
+    wiring = wiring or Wiring(graph)
+    total = len(wiring.inputs)
+    sources = {v.name for v in graph.input} | wiring.weights.keys()
+    produced: set[str] = set()
+    last_read: dict[str, int] = {}
+    for position, (inputs, outputs) in enumerate(zip(wiring.inputs, wiring.outputs)):
+        for name in inputs:
+            if name:
+                if name not in produced and name not in sources:
+                    return None  # read before it is computed (or never): not an order to cut
+                last_read[name] = position
+        produced.update(outputs)
+    if any(value.name not in produced for value in graph.output):
+        return None  # an output no node computes (a graph input handed through)
+    span = total // (4 * count)
+    targets = [round(total * i / count) for i in range(1, count)]
+    best: dict[int, tuple] = {}
+    live: set[str] = set()
+    for position in range(1, total):
+        previous = position - 1
+        live.update(o for o in wiring.outputs[previous] if o and last_read.get(o, -1) >= position)
+        live.difference_update([i for i in wiring.inputs[previous] if last_read.get(i) == previous])
+        for target in targets:
+            if abs(position - target) > span:
+                continue
+            if len(live) > MAX_CUT or any(types.get(t) not in _NUMPY_TYPES for t in live):
+                continue
+            score = (len(live), abs(position - target))
+            if target not in best or score < best[target][0]:
+                best[target] = (score, position)
+    if len(best) != len(targets):
+        return None
+    cuts = sorted({best[target][1] for target in targets})
+    if len(cuts) != len(targets):
+        return None
+    bounds = [0, *cuts, total]
+    weights = wiring.weights
+    readers: dict[str, int] = {}
+    shared = 0
+    for piece, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        for name in {i for inputs in wiring.inputs[start:end] for i in inputs if i in weights}:
+            if readers.setdefault(name, piece) != piece:
+                shared += nbytes(weights[name])
+    return None if shared > SHARED_BYTES else cuts
+
+
+def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: Wiring):
+    """The pieces between `cuts`, one at a time: each piece's model, the names it reads (the
+    model's inputs and what earlier pieces computed) and the names it hands on (to later pieces,
+    and the model's outputs)."""
+    graph = model.graph
+    bounds = [0, *cuts, len(wiring.inputs)]
+    spans = list(zip(bounds, bounds[1:]))
+    declared = {v.name: v for v in graph.input}
+    outputs = {v.name: v for v in graph.output}
+    weights = wiring.weights
+    reads_of = [{i for inputs in wiring.inputs[start:end] for i in inputs if i} for start, end in spans]
+    read_later = [set() for _ in spans]  # per piece: what the pieces after it read
+    for index in range(len(spans) - 2, -1, -1):
+        read_later[index] = read_later[index + 1] | reads_of[index + 1]
+    every_read = set().union(*reads_of)
+    for index, (start, end) in enumerate(spans):
+        made = {o for names in wiring.outputs[start:end] for o in names if o}
+        reads = list(dict.fromkeys(i for names in wiring.inputs[start:end] for i in names if i and i not in made))
+        if index == 0:  # the whole model's session takes them too, though nothing reads them
+            reads += [name for name in declared if name not in every_read]
+        hands_on = [
+            o for names in wiring.outputs[start:end] for o in names if o and (o in read_later[index] or o in outputs)
+        ]
+        proto = ModelProto()
+        proto.ir_version = model.ir_version
+        proto.opset_import.extend(model.opset_import)
+        proto.functions.extend(model.functions)
+        piece = proto.graph
+        piece.name = f"{graph.name}_piece{index}"
+        piece.node.extend(graph.node[start:end])
+        piece.initializer.extend(weights[name] for name in reads if name in weights)
+        piece.input.extend(
+            declared[name] if name in declared else helper.make_tensor_value_info(name, types[name], None)
+            for name in reads
+            if name not in weights
+        )
+        piece.output.extend(
+            outputs[name] if name in outputs else helper.make_tensor_value_info(name, types[name], None)
+            for name in hands_on
+        )
+        yield proto, [name for name in reads if name not in weights], hands_on

@@ -1,0 +1,192 @@
+"""The check's session of a large model, started in pieces side by side (fuser/pieces.py).
+
+The limit on a piece's size is lowered here so that small models are cut. Every property the
+check relies on is run in onnxruntime: the pieces give the whole model's outputs bit for bit,
+the element types read from the schemas are the ones shape inference finds, a wrong rewrite is
+still caught and blamed, and what is not cut, or fails in pieces, is the whole model's to tell.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import fuser
+from fuser import pieces
+from fuser.errors import NumericsMismatch
+from fuser.graph import split_parts
+from fuser.pieces import PiecewiseSession, Wiring, element_types, started_in_pieces
+from fuser.rules.conv_bn_fold import conv_bn_fold
+from fuser.verify import CheckOptions, Checker, run, session
+from tests.helpers import make_model
+from tests.test_blame import BAD_BLOCKS, chain_model, wrong_rule  # noqa: F401 - wrong_rule is a fixture
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMERS = ROOT / "tests" / "data" / "transformers"
+MODELS = [
+    ROOT / "models" / "resnet_small.onnx",
+    TRANSFORMERS / "bert_legacy.onnx",
+    TRANSFORMERS / "bert_legacy_fp16.onnx",
+    TRANSFORMERS / "gpt2_dynamo.onnx",
+    TRANSFORMERS / "gpt2_legacy_past.onnx",
+    TRANSFORMERS / "llama_legacy.onnx",
+    TRANSFORMERS / "vit_dynamo.onnx",
+]
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE_NODES", 10)
+
+
+def opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
+def test_element_types_are_the_ones_shape_inference_finds(path):
+    original = onnx.load(path)
+    optimized, _ = fuser.optimize(path, check=False)
+    for model in (original, optimized):
+        types = element_types(model.graph, opsets(model))
+        inferred = onnx.shape_inference.infer_shapes(model)
+        found = {
+            v.name: v.type.tensor_type.elem_type
+            for v in [*inferred.graph.value_info, *inferred.graph.output]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type
+        }
+        outputs = [o for node in model.graph.node for o in node.output if o]
+        assert sum(o in types for o in outputs) >= 0.9 * len(outputs)  # they type nearly every tensor
+        assert {name: types[name] for name in found if name in types} == {
+            name: found[name] for name in found if name in types
+        }
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
+def test_the_pieces_give_the_whole_models_outputs_bit_for_bit(small_pieces, path):
+    candidate, _ = fuser.optimize(path, check=False, weights_apart=True)
+    checker = Checker(onnx.load(path), CheckOptions(runs=2), base_dir=path.parent)
+    in_pieces = session(candidate, path.parent, in_pieces=True)
+    whole = session(candidate, path.parent)
+    assert isinstance(in_pieces, PiecewiseSession) and in_pieces.pieces >= 2
+    assert [s.name for s in in_pieces.get_inputs()] == [s.name for s in whole.get_inputs()]
+    assert [s.name for s in in_pieces.get_outputs()] == [s.name for s in whole.get_outputs()]
+    for feeds in checker.feeds:
+        cut, expected = run(in_pieces, feeds), run(whole, feeds)
+        assert list(cut) == list(expected)
+        for name, value in expected.items():
+            assert cut[name].dtype == value.dtype and cut[name].tobytes() == value.tobytes(), name
+    assert not in_pieces.handed_over
+
+
+def test_the_check_in_pieces_passes_a_correct_rewrite_and_blames_a_wrong_one(small_pieces, wrong_rule):  # noqa: F811
+    model = chain_model()
+    optimized, report = fuser.optimize(model, rules=[conv_bn_fold])
+    assert report.verdict.passed and report.rewrites
+    with pytest.raises(NumericsMismatch) as raised:
+        fuser.optimize(model, rules=[wrong_rule[1], conv_bn_fold])
+    assert {r.rule for r in raised.value.evidence["report"].blamed} == {"bn-fold-wrong-epsilon"}
+    assert len(raised.value.evidence["report"].blamed) == BAD_BLOCKS
+
+
+def chain(length: int, shared: bool = False, dtype=np.float32) -> onnx.ModelProto:
+    """Add nodes in a chain, each adding its own constant, or all the same one."""
+    nodes = [
+        helper.make_node("Add", ["x" if i == 0 else f"r{i - 1}", "c" if shared else f"c{i}"], [f"r{i}"])
+        for i in range(length)
+    ]
+    weights = {"c": np.ones(4, dtype)} if shared else {f"c{i}": np.full(4, i, dtype) for i in range(length)}
+    return make_model(nodes, [("x", dtype, [2, 4])], [(f"r{length - 1}", dtype, [2, 4])], weights)
+
+
+def cut(model: onnx.ModelProto):
+    proto, initializers = split_parts(model)
+    return started_in_pieces(proto, initializers, lambda piece: session(piece), lambda: session(model))
+
+
+def test_a_chain_is_cut_into_as_many_pieces_as_its_size_allows(small_pieces):
+    assert cut(chain(15)) is None  # one piece's worth
+    assert cut(chain(30)).pieces == 3
+    assert cut(chain(400)).pieces == pieces.MAX_PIECES
+
+
+def test_a_weight_read_on_both_sides_of_a_cut_is_copied_only_while_small(small_pieces, monkeypatch):
+    assert cut(chain(40, shared=True)).pieces == 4
+    monkeypatch.setattr(pieces, "SHARED_BYTES", 0)
+    assert cut(chain(40, shared=True)) is None
+    assert cut(chain(40)).pieces == 4
+
+
+def test_a_cut_through_a_tensor_numpy_cannot_hold_is_not_made(small_pieces):
+    assert cut(chain(40, dtype=np.float16)).pieces == 4
+    # A bfloat16 copy of the input, made first and read last, crosses every cut there could be.
+    model = chain(40)
+    last = model.graph.output[0].name
+    model.graph.node[-1].output[0] = "pre"
+    model.graph.node.insert(0, helper.make_node("Cast", ["x"], ["kept"], to=TensorProto.BFLOAT16))
+    model.graph.node.append(helper.make_node("Cast", ["kept"], ["back"], to=TensorProto.FLOAT))
+    model.graph.node.append(helper.make_node("Add", ["pre", "back"], [last]))
+    onnx.checker.check_model(model, full_check=True)
+    types = element_types(model.graph, opsets(model))
+    assert types["kept"] == TensorProto.BFLOAT16 and types["back"] == TensorProto.FLOAT
+    assert pieces.cut_positions(model.graph, 4, types) is None
+    assert cut(model) is None
+
+
+def test_models_with_bodies_or_overridable_weights_are_not_cut(small_pieces):
+    model = chain(40)
+    model.graph.input.append(helper.make_tensor_value_info("c3", TensorProto.FLOAT, [4]))
+    assert cut(model) is None
+    model = chain(40)
+    output = helper.make_tensor_value_info("t", TensorProto.FLOAT, None)
+    branch = helper.make_graph([helper.make_node("Identity", ["r0"], ["t"])], "b", [], [output])
+    model.graph.node.append(helper.make_node("If", ["flag"], ["z"], then_branch=branch, else_branch=branch))
+    assert cut(model) is None
+
+
+def test_an_input_nothing_reads_is_still_an_input_of_the_pieces(small_pieces):
+    model = chain(40)
+    model.graph.input.append(helper.make_tensor_value_info("unused", TensorProto.FLOAT, [3]))
+    in_pieces, whole = cut(model), session(model)
+    assert [s.name for s in in_pieces.get_inputs()] == [s.name for s in whole.get_inputs()] == ["x", "unused"]
+    feeds = {"x": np.ones((2, 4), np.float32), "unused": np.zeros(3, np.float32)}
+    assert run(in_pieces, feeds)["r39"].tobytes() == run(whole, feeds)["r39"].tobytes()
+
+
+def test_nodes_out_of_order_are_not_cut(small_pieces):
+    model = chain(40)
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    assert pieces.cut_positions(model.graph, 4, element_types(model.graph, opsets(model))) is None
+
+
+def test_a_run_that_fails_in_pieces_is_the_whole_models_to_report(small_pieces):
+    # Reshape to a shape the model's input decides: a wrong size fails at run time, in a piece.
+    model = chain(40)
+    model.graph.input.append(helper.make_tensor_value_info("shape", TensorProto.INT64, [2]))
+    last = model.graph.node[-1].output[0]
+    model.graph.node[-1].output[0] = "pre"
+    model.graph.node.append(helper.make_node("Reshape", ["pre", "shape"], [last]))
+    in_pieces, whole = cut(model), session(model)
+    x = np.ones((2, 4), np.float32)
+    good = {"x": x, "shape": np.array([4, 2], np.int64)}
+    assert run(in_pieces, good)[last].tobytes() == run(whole, good)[last].tobytes()
+    assert not in_pieces.handed_over
+    bad = {"x": x, "shape": np.array([3, 3], np.int64)}
+    with pytest.raises(Exception) as expected:
+        run(whole, bad)
+    with pytest.raises(Exception) as raised:
+        run(in_pieces, bad)
+    assert in_pieces.handed_over
+    assert str(raised.value) == str(expected.value)
+
+
+def test_wiring_reads_the_initializers_given_apart(small_pieces):
+    model = chain(40)
+    proto, initializers = split_parts(model)
+    assert Wiring(proto.graph, list(initializers)).weights.keys() == {t.name for t in model.graph.initializer}
