@@ -9,11 +9,16 @@ the same weights as the whole model, run by the same kernels: the outputs are th
 bit for bit.
 
 A cut runs between two nodes of the main graph, in its order, through the tensors computed
-before it and read after it. Their element types must be known without an inference
-(element_types: from the operators' schemas), and numpy must hold them as they are. A model with
-If/Loop/Scan bodies or sparse initializers is not cut, nor where a cut would copy more than
-SHARED_BYTES of weights into two pieces. Where a piece cannot be started, or a run of the pieces
-fails, the whole model's session takes over, so every error is the one the whole model gives.
+before it and read after it. Their element types must be known without an inference (the
+model's annotations, else element_types: from the operators' schemas), and numpy must hold them
+as they are. What onnxruntime holds constant stays constant in every piece: a weight goes into
+each piece that reads it, and so does a copy of a Constant node (onnxruntime makes its value a
+weight at load, and kernels such as MatMul's pack a constant operand, which changes the sums).
+Each piece keeps the annotations of its tensors, so a wrong one fails as in the whole model. A
+model with If/Loop/Scan bodies, sparse initializers or a name defined twice is not cut, nor where
+a cut would copy more than SHARED_BYTES of weights into two pieces. Where a piece cannot be
+started, or a run of the pieces fails, the whole model's session takes over, so every error is
+the one the whole model gives.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class PiecewiseSession:
 
     @property
     def pieces(self) -> int:
+        """How many pieces run (none once the whole model's session took over)."""
         return len(self._pieces)
 
     @property
@@ -74,14 +80,20 @@ class PiecewiseSession:
         return self._whole is not None
 
     def get_inputs(self):
+        if self._whole is not None:
+            return self._whole.get_inputs()
         specs = {spec.name: spec for session, _, _ in self._pieces for spec in session.get_inputs()}
         return [specs[name] for name in self._inputs]
 
     def get_outputs(self):
+        if self._whole is not None:
+            return self._whole.get_outputs()
         specs = {spec.name: spec for session, _, _ in self._pieces for spec in session.get_outputs()}
         return [specs[name] for name in self._outputs]
 
     def run(self, names, feeds, *args, **kwargs):
+        """The outputs `names` for `feeds`. If the pieces fail, the whole model's session is started
+        and runs from then on (its load error, an InputError, is raised as it is)."""
         if self._whole is None:
             values = dict(feeds)
             try:
@@ -90,6 +102,7 @@ class PiecewiseSession:
                 return [values[name] for name in names]
             except Exception:  # noqa: BLE001 - the whole model's session says what is wrong, if anything
                 self._whole = self._whole_session()
+                self._pieces = []
         return self._whole.run(names, feeds, *args, **kwargs)
 
 
@@ -147,12 +160,33 @@ def started_in_pieces(
 
 class Wiring:
     """The tensor names each node of a graph reads and writes, read from protobuf once (each
-    read of a field makes new strings), and the graph's weights by name."""
+    read of a field makes new strings); the graph's weights and annotations by name, and the
+    positions of its Constant nodes."""
 
     def __init__(self, graph: GraphProto, initializers: Iterable[TensorProto] | None = None):
         self.inputs = [tuple(node.input) for node in graph.node]
         self.outputs = [tuple(node.output) for node in graph.node]
         self.weights = {t.name: t for t in (graph.initializer if initializers is None else initializers)}
+        self.annotations = {value.name: value for value in graph.value_info}
+        self.constants = {
+            position
+            for position, node in enumerate(graph.node)
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+        }
+
+    def type_of(self, tensor: str, types: dict[str, int]) -> int | None:
+        """The element type a piece declares `tensor` with: its annotation's, else the derived one."""
+        annotation = self.annotations.get(tensor)
+        if annotation is not None and annotation.type.HasField("tensor_type"):
+            return annotation.type.tensor_type.elem_type
+        return types.get(tensor)
+
+    def declared(self, tensor: str, types: dict[str, int]) -> onnx.ValueInfoProto:
+        """`tensor` as a piece's input or output: its annotation, else its derived element type."""
+        annotation = self.annotations.get(tensor)
+        if annotation is not None and annotation.type.HasField("tensor_type"):
+            return annotation
+        return helper.make_tensor_value_info(tensor, types[tensor], None)
 
 
 def element_types(graph: GraphProto, opsets: dict[str, int], wiring: Wiring | None = None) -> dict[str, int]:
@@ -280,7 +314,11 @@ def cut_positions(
                 if name not in produced and name not in sources:
                     return None  # read before it is computed (or never): not an order to cut
                 last_read[name] = position
-        produced.update(outputs)
+        for name in outputs:
+            if name in produced or name in sources:
+                return None  # defined twice: the whole model's session refuses it, and says so
+            if name:
+                produced.add(name)
     if any(value.name not in produced for value in graph.output):
         return None  # an output no node computes (a graph input handed through)
     span = total // (4 * count)
@@ -289,12 +327,13 @@ def cut_positions(
     live: set[str] = set()
     for position in range(1, total):
         previous = position - 1
-        live.update(o for o in wiring.outputs[previous] if o and last_read.get(o, -1) >= position)
+        if previous not in wiring.constants:  # a Constant is copied into the pieces that read it
+            live.update(o for o in wiring.outputs[previous] if o and last_read.get(o, -1) >= position)
         live.difference_update([i for i in wiring.inputs[previous] if last_read.get(i) == previous])
         for target in targets:
             if abs(position - target) > span:
                 continue
-            if len(live) > MAX_CUT or any(types.get(t) not in _NUMPY_TYPES for t in live):
+            if len(live) > MAX_CUT or any(wiring.type_of(t, types) not in _NUMPY_TYPES for t in live):
                 continue
             score = (len(live), abs(position - target))
             if target not in best or score < best[target][0]:
@@ -325,6 +364,7 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
     declared = {v.name: v for v in graph.input}
     outputs = {v.name: v for v in graph.output}
     weights = wiring.weights
+    constant_of = {o: position for position in wiring.constants for o in wiring.outputs[position] if o}
     reads_of = [{i for inputs in wiring.inputs[start:end] for i in inputs if i} for start, end in spans]
     read_later = [set() for _ in spans]  # per piece: what the pieces after it read
     for index in range(len(spans) - 2, -1, -1):
@@ -333,10 +373,16 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
     for index, (start, end) in enumerate(spans):
         made = {o for names in wiring.outputs[start:end] for o in names if o}
         reads = list(dict.fromkeys(i for names in wiring.inputs[start:end] for i in names if i and i not in made))
+        # Constants computed in an earlier piece are computed again here, as constants.
+        copied = sorted({constant_of[name] for name in reads if name in constant_of})
+        reads = [name for name in reads if name not in constant_of]
         if index == 0:  # the whole model's session takes them too, though nothing reads them
             reads += [name for name in declared if name not in every_read]
         hands_on = [
-            o for names in wiring.outputs[start:end] for o in names if o and (o in read_later[index] or o in outputs)
+            o
+            for position in range(start, end)
+            for o in wiring.outputs[position]
+            if o and (o in outputs or (o in read_later[index] and position not in wiring.constants))
         ]
         proto = ModelProto()
         proto.ir_version = model.ir_version
@@ -344,15 +390,16 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
         proto.functions.extend(model.functions)
         piece = proto.graph
         piece.name = f"{graph.name}_piece{index}"
+        piece.node.extend(graph.node[position] for position in copied)
         piece.node.extend(graph.node[start:end])
         piece.initializer.extend(weights[name] for name in reads if name in weights)
-        piece.input.extend(
-            declared[name] if name in declared else helper.make_tensor_value_info(name, types[name], None)
-            for name in reads
-            if name not in weights
+        fed = [name for name in reads if name not in weights]
+        piece.input.extend(declared[name] if name in declared else wiring.declared(name, types) for name in fed)
+        piece.output.extend(outputs[name] if name in outputs else wiring.declared(name, types) for name in hands_on)
+        boundary = set(reads) | set(hands_on)
+        piece.value_info.extend(
+            wiring.annotations[name]
+            for name in dict.fromkeys([*made, *(o for position in copied for o in wiring.outputs[position])])
+            if name in wiring.annotations and name not in boundary
         )
-        piece.output.extend(
-            outputs[name] if name in outputs else helper.make_tensor_value_info(name, types[name], None)
-            for name in hands_on
-        )
-        yield proto, [name for name in reads if name not in weights], hands_on
+        yield proto, fed, hands_on

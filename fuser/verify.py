@@ -1175,6 +1175,8 @@ class Checker:
         for done, (feeds, expected) in enumerate(zip(self.feeds, self.expected), 1):
             try:
                 actual = run(after, feeds)
+            except InputError as error:  # a session started in pieces handed over to the whole model's
+                return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
             except Exception as error:  # noqa: BLE001
                 return Verdict(load_error=f"onnxruntime fails running it: {_first_line(error)}")
             actuals.append(actual)

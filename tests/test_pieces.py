@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import fuser
-from fuser import pieces
-from fuser.errors import NumericsMismatch
+from fuser import pieces, verify
+from fuser.errors import InputError, NumericsMismatch
 from fuser.graph import split_parts
 from fuser.pieces import PiecewiseSession, Wiring, element_types, started_in_pieces
 from fuser.rules.conv_bn_fold import conv_bn_fold
-from fuser.verify import CheckOptions, Checker, run, session
+from fuser.verify import CheckOptions, Checker, FedSession, WeightFeeds, run, session
 from tests.helpers import make_model
 from tests.test_blame import BAD_BLOCKS, chain_model, wrong_rule  # noqa: F401 - wrong_rule is a fixture
 
@@ -190,3 +190,91 @@ def test_wiring_reads_the_initializers_given_apart(small_pieces):
     model = chain(40)
     proto, initializers = split_parts(model)
     assert Wiring(proto.graph, list(initializers)).weights.keys() == {t.name for t in model.graph.initializer}
+
+
+def test_weights_fed_as_inputs_reach_every_piece_that_reads_them(small_pieces, monkeypatch):
+    # One large weight, fed from one array (WeightFeeds), read by the first node and the last.
+    rng = np.random.default_rng(0)
+    model = chain(40)
+    nodes = list(model.graph.node)
+    nodes[0].input[0] = "h"
+    last = nodes[-1].output[0]
+    nodes[-1].output[0] = "pre"
+    del model.graph.node[:]
+    model.graph.node.extend(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), *nodes, helper.make_node("MatMul", ["pre", "w"], [last])]
+    )
+    model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "w"))
+    monkeypatch.setattr(verify, "FEED_BYTES", 64)  # the 64-byte weight counts as large here
+    weights = WeightFeeds()
+    in_pieces = session(model, None, weights, in_pieces=True)
+    whole = session(model, None, weights)
+    assert isinstance(in_pieces, FedSession) and isinstance(in_pieces._inner, PiecewiseSession)
+    assert list(in_pieces.weights) == ["w"]
+    feeds = {"x": rng.standard_normal((2, 4)).astype(np.float32)}
+    assert run(in_pieces, feeds)[last].tobytes() == run(whole, feeds)[last].tobytes()
+    assert Checker(model, CheckOptions()).check(model, exact=True).passed
+
+
+def test_a_constant_read_across_a_cut_stays_a_constant_in_the_piece_reading_it(small_pieces):
+    # onnxruntime makes a Constant's value a weight, and packs a constant MatMul operand: fed as an
+    # input instead, the product's sums come out differently (up to 0.02 here).
+    rng = np.random.default_rng(0)
+    value = numpy_helper.from_array(rng.standard_normal((512, 256)).astype(np.float32), "b")
+    model = chain(40)
+    nodes = [helper.make_node("Constant", [], ["b"], value=value), *model.graph.node]
+    last = nodes[-1].output[0]
+    nodes[-1].output[0] = "pre"
+    nodes.append(helper.make_node("Tile", ["pre", "repeats"], ["wide"]))
+    nodes.append(helper.make_node("MatMul", ["wide", "b"], [last]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1, 128], np.int64), "repeats"))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info(last, TensorProto.FLOAT, [2, 256]))
+    in_pieces, whole = cut(model), session(model)
+    assert in_pieces.pieces == 4
+    feeds = {"x": rng.standard_normal((2, 4)).astype(np.float32)}
+    assert run(in_pieces, feeds)[last].tobytes() == run(whole, feeds)[last].tobytes()
+    assert Checker(model, CheckOptions()).check(model, exact=True).passed
+
+
+@pytest.mark.parametrize("tensor", ["r15", "r19"], ids=["inside-a-piece", "across-a-cut"])
+def test_an_annotation_the_whole_model_refuses_is_refused_in_pieces_too(small_pieces, monkeypatch, tensor):
+    original = chain(40)
+    candidate = chain(40)
+    assert pieces.cut_positions(candidate.graph, 4, element_types(candidate.graph, opsets(candidate))) == [10, 20, 30]
+    candidate.graph.value_info.append(helper.make_tensor_value_info(tensor, TensorProto.DOUBLE, None))
+    in_pieces = Checker(original, CheckOptions()).check(candidate, exact=True)
+    monkeypatch.setattr(pieces, "PIECE_NODES", 10**9)
+    whole = Checker(original, CheckOptions()).check(candidate, exact=True)
+    assert not whole.passed and not in_pieces.passed
+    assert in_pieces.load_error == whole.load_error and "double" in whole.load_error
+
+
+def test_a_name_defined_twice_is_left_to_the_whole_model_to_refuse(small_pieces):
+    twice = chain(40)
+    twice.graph.node[35].output[0] = "r5"  # node 5 writes it too
+    twice.graph.node[36].input[0] = "r5"
+    assert cut(twice) is None
+    shadowing = chain(40)
+    shadowing.graph.input.append(helper.make_tensor_value_info("r20", TensorProto.FLOAT, [2, 4]))
+    assert cut(shadowing) is None
+    for model in (twice, shadowing):
+        verdict = Checker(chain(40), CheckOptions()).check(model, exact=True)
+        assert not verdict.passed and "Duplicate definition" in verdict.load_error
+
+
+def test_a_whole_model_that_cannot_load_after_the_pieces_ran_is_reported_as_a_load_error(small_pieces):
+    # Pieces that start and then fail hand over to the whole model; its load error is a load error.
+    model = chain(40)
+    proto, initializers = split_parts(model)
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    broken.graph.node[0].op_type = "NoSuchOp"
+
+    def whole():
+        return session(broken)
+
+    in_pieces = started_in_pieces(proto, initializers, lambda piece: session(piece), whole)
+    with pytest.raises(InputError, match="cannot load the model"):
+        run(in_pieces, {"x": np.ones((3, 3), np.float32)})  # a wrong shape fails the first piece
