@@ -820,6 +820,11 @@ def may_hold_graphs(node: NodeProto) -> bool:
     return node.op_type not in graphless_op_types() or node.domain not in _DEFAULT_DOMAINS
 
 
+def opset_versions(model: ModelProto) -> dict[str, int]:
+    """The model's opset imports as {domain: version}, the default domain as "" (not "ai.onnx")."""
+    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+
+
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
     """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
     yield graph

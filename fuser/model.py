@@ -27,6 +27,7 @@ from fuser.graph import (
     all_graph_protos,
     as_proto,
     copy_fields_except,
+    opset_versions,
     split_parts,
     weightless_model,
 )
@@ -70,7 +71,7 @@ class Model:
         self._shell = ModelProto()
         copy_fields_except(proto, self._shell, {"graph"})
         self._added_domains: set[str] = set()  # imported by require_opset
-        self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+        self.opsets = opset_versions(proto)
         self.names = Names()
         self.tensors = tensors if tensors is not None else TensorStore(base_dir)
         # Weights read in place from the model's own file were inline in it, and stay so when written.

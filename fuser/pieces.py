@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import GraphProto, ModelProto, TensorProto, helper
 
-from fuser.graph import may_hold_graphs
+from fuser.graph import may_hold_graphs, opset_versions
 from fuser.tensors import nbytes
 
 PIECE_NODES = 10_000  # the fewest nodes of a piece: below, a session starts in well under a second
@@ -55,9 +55,8 @@ _NUMPY_TYPES = frozenset(
         TensorProto.BOOL,
     }
 )
-_TYPE_STRINGS = {f"tensor({onnx.helper.tensor_dtype_to_np_dtype(t).name})": t for t in _NUMPY_TYPES}
-_TYPE_STRINGS["tensor(float)"] = TensorProto.FLOAT
-_TYPE_STRINGS["tensor(double)"] = TensorProto.DOUBLE
+# As schemas spell them: "tensor(float)", "tensor(int64)", "tensor(bool)".
+_TYPE_STRINGS = {f"tensor({TensorProto.DataType.Name(t).lower()})": t for t in _NUMPY_TYPES}
 
 
 class PiecewiseSession:
@@ -125,8 +124,7 @@ def started_in_pieces(
     bodies = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
     if any(may_hold_graphs(n) and any(a.type in bodies for a in n.attribute) for n in graph.node):
         return None
-    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
-    types = element_types(graph, opsets, wiring)
+    types = element_types(graph, opset_versions(model), wiring)
     cuts = cut_positions(graph, count, types, wiring)
     if cuts is None:
         return None
@@ -145,7 +143,6 @@ def started_in_pieces(
         pieces.append((reads, hands_on))
         threads.append(threading.Thread(target=started, args=(proto, len(threads)), daemon=True))
         threads[-1].start()
-        del proto
     for thread in threads:
         thread.join()
     if any(session is None for session in sessions):

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fuser
 from fuser import pieces, verify
 from fuser.errors import InputError, NumericsMismatch
-from fuser.graph import split_parts
+from fuser.graph import opset_versions, split_parts
 from fuser.pieces import PiecewiseSession, Wiring, element_types, started_in_pieces
 from fuser.rules.conv_bn_fold import conv_bn_fold
 from fuser.verify import CheckOptions, Checker, FedSession, WeightFeeds, run, session
@@ -43,16 +43,12 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(pieces, "PIECE_NODES", 10)
 
 
-def opsets(model: onnx.ModelProto) -> dict[str, int]:
-    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
-
-
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
 def test_element_types_are_the_ones_shape_inference_finds(path):
     original = onnx.load(path)
     optimized, _ = fuser.optimize(path, check=False)
     for model in (original, optimized):
-        types = element_types(model.graph, opsets(model))
+        types = element_types(model.graph, opset_versions(model))
         inferred = onnx.shape_inference.infer_shapes(model)
         found = {
             v.name: v.type.tensor_type.elem_type
@@ -131,7 +127,7 @@ def test_a_cut_through_a_tensor_numpy_cannot_hold_is_not_made(small_pieces):
     model.graph.node.append(helper.make_node("Cast", ["kept"], ["back"], to=TensorProto.FLOAT))
     model.graph.node.append(helper.make_node("Add", ["pre", "back"], [last]))
     onnx.checker.check_model(model, full_check=True)
-    types = element_types(model.graph, opsets(model))
+    types = element_types(model.graph, opset_versions(model))
     assert types["kept"] == TensorProto.BFLOAT16 and types["back"] == TensorProto.FLOAT
     assert pieces.cut_positions(model.graph, 4, types) is None
     assert cut(model) is None
@@ -162,7 +158,7 @@ def test_nodes_out_of_order_are_not_cut(small_pieces):
     nodes = list(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(reversed(nodes))
-    assert pieces.cut_positions(model.graph, 4, element_types(model.graph, opsets(model))) is None
+    assert pieces.cut_positions(model.graph, 4, element_types(model.graph, opset_versions(model))) is None
 
 
 def test_a_run_that_fails_in_pieces_is_the_whole_models_to_report(small_pieces):
@@ -242,7 +238,7 @@ def test_a_constant_read_across_a_cut_stays_a_constant_in_the_piece_reading_it(s
 def test_an_annotation_the_whole_model_refuses_is_refused_in_pieces_too(small_pieces, monkeypatch, tensor):
     original = chain(40)
     candidate = chain(40)
-    assert pieces.cut_positions(candidate.graph, 4, element_types(candidate.graph, opsets(candidate))) == [10, 20, 30]
+    assert pieces.cut_positions(candidate.graph, 4, element_types(candidate.graph, opset_versions(candidate))) == [10, 20, 30]
     candidate.graph.value_info.append(helper.make_tensor_value_info(tensor, TensorProto.DOUBLE, None))
     in_pieces = Checker(original, CheckOptions()).check(candidate, exact=True)
     monkeypatch.setattr(pieces, "PIECE_NODES", 10**9)
