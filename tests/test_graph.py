@@ -294,6 +294,25 @@ def test_the_nodes_holding_bodies_are_known_as_they_come_and_go():
     assert [info.id for info in g.nodes_with_subgraphs()] == [loop] and len(list(g.all_graphs())) == 2
 
 
+
+def test_nodes_without_bodies_share_one_empty_map_and_holders_have_their_own():
+    g = _graph(_if_model())
+    ids = _ids_by_name(g)
+    plain = [info for info in g.nodes() if info.id != ids["if"]]
+    added = g.node(g.add_node(helper.make_node("Relu", ["t"], ["fresh"], name="added"), (98,)))
+    assert plain and all(info.subgraphs is added.subgraphs for info in plain)  # no dict of their own each
+    assert added.subgraphs == {}
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
+        "body",
+        [helper.make_tensor_value_info(n, t, []) for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))],
+        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
+    )
+    loop = g.node(g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=body), (99,)))
+    assert list(loop.subgraphs) == ["body"] and sorted(g.node(ids["if"]).subgraphs) == ["else_branch", "then_branch"]
+    assert added.subgraphs == {} and all(info.subgraphs is added.subgraphs for info in plain)
+
+
 # ---------------------------------------------------------------- rewiring
 
 
