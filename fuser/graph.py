@@ -1,13 +1,18 @@
 """An ONNX graph held in a networkx multigraph, convertible back to ONNX without loss.
 
-Every ONNX node is a networkx node of kind "op". Graph inputs, initializers and
-tensors captured from an enclosing scope are source nodes; every graph output is a
-sink node. An edge runs from the node that produces a tensor to each consumer; its key is
-the consumer's input slot (a graph output's position, or for a tensor a subgraph reads from
-this scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph,
-because Mul(x, x) consumes one tensor twice. The value is the bare name, not networkx's usual
-dict of edge data: a million-node graph has millions of edges, and a dict each cost 0.36 GB
-(bench/networkx_floor.py).
+Every ONNX node is a networkx node of kind "op". Graph inputs and tensors captured from an
+enclosing scope are source nodes; every graph output is a sink node. An edge runs from the
+node that produces a tensor to each consumer; its key is the consumer's input slot (a graph
+output's position, or for a tensor a subgraph reads from this scope, the tensor's name: slot
+-1) and its value the tensor's name. A multigraph, because Mul(x, x) consumes one tensor twice.
+The value is the bare name, not networkx's usual dict of edge data: a million-node graph has
+millions of edges, and a dict each cost 0.36 GB (bench/networkx_floor.py).
+
+A scope's initializers are not vertices each: one vertex of kind "initializer" produces them
+all, and the reads of each are kept by its name, in the layout of an edge's. A vertex cannot
+say which of its tensors an edge carries without looking at every edge, and most weights have
+one reader and nothing else: as vertices of their own, the 666k weights of the million-node
+MLP stack took 0.4 GB.
 
 This module is the only one that knows networkx. Nodes nobody rewrote keep their
 original NodeProto objects, so converting back is lossless for them; output order is
@@ -96,6 +101,7 @@ class Names:
 # The bodies of a node that holds none: one empty dict for them all, as most nodes hold none
 # (64 bytes each of a million nodes). Never written to.
 _NO_BODIES: dict = {}
+_NO_READS: dict = {}  # of a weight nothing reads; never written to
 
 
 @dataclass(slots=True)  # no per-instance dict: a graph holds one per node
@@ -191,6 +197,11 @@ class Graph:
         self.modified = False
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
+        # The vertex producing every initializer, and each initializer's reads: {consumer: {key: name}}.
+        self._weights = next(self._ids)
+        self._weight_entry = (self._weights, 0)  # every weight's entry in _producer: one tuple for all
+        self._add_vertex(self._weights, kind=INITIALIZER)
+        self._weight_reads: dict[str, dict[int, dict]] = {}
         self._by_op: dict[tuple[str, str], dict[int, None]] = {}
         # The nodes holding If/Loop/Scan bodies, so that finding the bodies need not look at every node.
         self._holders: dict[int, None] = {}
@@ -221,17 +232,17 @@ class Graph:
         for position, value in enumerate(proto.input):
             if value.name not in constant_inputs:
                 self._add_source(GRAPH_INPUT, value.name, (-2, position))
-        for position, tensor in enumerate(proto.initializer):
+        for tensor in proto.initializer:
             self.names.add(tensor.name)
             self._initializers[tensor.name] = tensor
             # Since IR 4 an initializer that is also a graph input is only a default
             # the caller may override, so the input is what produces the tensor.
             if tensor.name not in self._producer:
-                self._add_source(INITIALIZER, tensor.name, (-1, position))
+                self._add_weight(tensor.name)
         for tensor in proto.sparse_initializer:
             self.names.add(tensor.values.name)
             if tensor.values.name not in self._producer:
-                self._add_source(INITIALIZER, tensor.values.name, (-1, -1))
+                self._add_weight(tensor.values.name)
 
         # A node is connected as soon as everything it reads has a producer: in one pass for the
         # topologically sorted graphs exporters write, and after the others for any that are not.
@@ -251,12 +262,14 @@ class Graph:
             self._add_vertex(sink, kind=GRAPH_OUTPUT, tensor=value.name, key=(float("inf"), position))
             self._connect(value.name, sink, position)
 
-    def _add_source(self, kind: str, tensor: str, key: tuple) -> int:
+    def _add_weight(self, tensor: str) -> None:
+        self._producer[sys.intern(tensor)] = self._weight_entry
+
+    def _add_source(self, kind: str, tensor: str, key: tuple) -> None:
         tensor = sys.intern(tensor)
         node_id = next(self._ids)
         self._add_vertex(node_id, kind=kind, tensor=tensor, key=key)
         self._producer[tensor] = (node_id, 0)
-        return node_id
 
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
@@ -321,21 +334,42 @@ class Graph:
             # Not defined in this scope: read from an enclosing graph.
             self._add_source(OUTER, tensor, (-3, 0))
         producer, _ = self._producer[tensor]
+        key = tensor if slot == SUBGRAPH_SLOT else slot
+        if producer == self._weights:
+            reads = self._weight_reads.get(tensor)
+            if reads is None:
+                reads = self._weight_reads[tensor] = {}
+            keys = reads.get(consumer)
+            if keys is None:
+                keys = reads[consumer] = {}
+            keys[key] = tensor
+            return
         # networkx's MultiDiGraph.add_edge, written into its dicts: the same structure (one key
         # dict shared by both directions) without its per-call checks, which cost more than the
         # insert on a graph of a million edges. The key is the slot (see the module's docstring).
         keys = self._succ[producer].get(consumer)
         if keys is None:
             keys = self._succ[producer][consumer] = self._pred[consumer][producer] = {}
-        keys[tensor if slot == SUBGRAPH_SLOT else slot] = tensor
+        keys[key] = tensor
 
-    def _disconnect(self, producer: int, consumer: int, key: int | str) -> None:
+    def _disconnect(self, tensor: str, consumer: int, key: int | str) -> None:
         """networkx's remove_edge, written into its dicts as _connect writes its edges."""
+        producer = self._producer[tensor][0]
+        if producer == self._weights:
+            reads = self._weight_reads[tensor]
+            del reads[consumer][key]
+            if not reads[consumer]:
+                del reads[consumer]
+            return
         keys = self._succ[producer][consumer]  # the same dict as self._pred[consumer][producer]
         del keys[key]
         if not keys:
             del self._succ[producer][consumer]
             del self._pred[consumer][producer]
+
+    def _reads(self, tensor: str, producer: int) -> dict[int, dict]:
+        """{consumer: {key: tensor read}} of `producer`'s outputs; of `tensor` alone for a weight."""
+        return self._weight_reads.get(tensor, _NO_READS) if producer == self._weights else self._succ[producer]
 
     def _add_vertex(self, node_id: int, **attrs) -> None:
         """networkx's add_node for an id not yet in the graph, written into its dicts."""
@@ -439,16 +473,16 @@ class Graph:
             return []
         return [
             (consumer, key if key.__class__ is int else SUBGRAPH_SLOT)
-            for consumer, edges in self._succ[entry[0]].items()
+            for consumer, edges in self._reads(tensor, entry[0]).items()
             for key, read in edges.items()
             if read == tensor
         ]
 
     def readers_at_most(self, tensor: str) -> int:
-        """How many readers (op nodes, and graph outputs) any output of `tensor`'s producer has:
-        a bound on the readers of `tensor` itself, found without listing them."""
+        """How many readers (op nodes, and graph outputs) any output of `tensor`'s producer has (a
+        weight's own, for a weight): a bound on the readers of `tensor`, found without listing them."""
         entry = self._producer.get(tensor)
-        return 0 if entry is None else len(self._succ[entry[0]])
+        return 0 if entry is None else len(self._reads(tensor, entry[0]))
 
     def op_consumers(self, tensor: str) -> list[int]:
         return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
@@ -505,11 +539,11 @@ class Graph:
 
     def _constant_initializers(self) -> Iterator[tuple[str, TensorProto, bool]]:
         """(name, tensor, whether anything reads it) of each initializer no graph input overrides."""
-        attrs, producer, succ = self._attrs, self._producer, self._succ
+        producer, weights, reads = self._producer, self._weights, self._weight_reads
         for name, tensor in self._initializers.items():
             entry = producer.get(name)
-            if entry is not None and attrs[entry[0]]["kind"] == INITIALIZER:
-                yield name, tensor, bool(succ[entry[0]])
+            if entry is not None and entry[0] == weights:
+                yield name, tensor, bool(reads.get(name))
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
@@ -554,8 +588,13 @@ class Graph:
 
     def remove_node(self, node_id: int) -> None:
         info = self.node(node_id)
-        self._lost_readers.update(i for i in info.input_names if i)
-        self._lost_readers.update(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+        read = [i for i in info.input_names if i]
+        read.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+        self._lost_readers.update(read)
+        weights = self._weights
+        for name in read:
+            if self._producer.get(name, (None,))[0] == weights:  # what a node removed with it made is gone
+                self._weight_reads[name].pop(node_id, None)
         for output in info.output_names:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
@@ -588,7 +627,7 @@ class Graph:
                 self._attrs[consumer]["owned"] = True
             info.proto.input[slot] = new
             info.input_names = tuple(map(sys.intern, info.proto.input))
-            self._disconnect(self._producer[old][0], consumer, slot)
+            self._disconnect(old, consumer, slot)
             self._connect(new, consumer, slot)
             self._constants.reconsider(info.output_names)
         self.modified = True
@@ -633,7 +672,7 @@ class Graph:
             raise FuserError(f"initializer '{tensor.name}' already exists")
         self.names.add(tensor.name)
         self._initializers[tensor.name] = tensor
-        self._add_source(INITIALIZER, tensor.name, (-1, len(self._initializers)))
+        self._add_weight(tensor.name)
         if self.constant_initializer_inputs:
             # IR < 4 requires every initializer to be listed as a graph input as well.
             self._inputs[tensor.name] = onnx.helper.make_tensor_value_info(
@@ -648,9 +687,9 @@ class Graph:
             return
         node_id = entry[0]
         kind = self._attrs[node_id]["kind"]
-        # A source node produces one tensor: whether anything reads it is known at once (a
-        # weight shared by thousands of nodes is asked once per removed reader).
-        if self._succ[node_id] if kind != OP else self.consumers(tensor):
+        # A source produces one tensor: whether anything reads it is known at once (a weight
+        # shared by thousands of nodes is asked once per removed reader).
+        if self._reads(tensor, node_id) if kind != OP else self.consumers(tensor):
             return
         if kind == OUTER:
             del self._producer[tensor]
@@ -661,7 +700,7 @@ class Graph:
             self._initializers.pop(tensor, None)
             self._inputs.pop(tensor, None)
             del self._producer[tensor]
-            self._remove_vertex(node_id)
+            self._weight_reads.pop(tensor, None)
             self._constants.forget(tensor)
             self.modified = True
         elif kind == OP:
@@ -683,8 +722,8 @@ class Graph:
         entry = self._producer.get(tensor)
         if entry is None:
             return
-        if tensor in self._succ[entry[0]].get(node_id, ()):
-            self._disconnect(entry[0], node_id, tensor)
+        if tensor in self._reads(tensor, entry[0]).get(node_id, ()):
+            self._disconnect(tensor, node_id, tensor)
         self.modified = True
         self.remove_if_unused(tensor)
 

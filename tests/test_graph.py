@@ -341,6 +341,39 @@ def test_replace_nodes_reconnects_consumers_and_drops_unused_constants():
     assert [t.name for t in out.graph.initializer] == []
 
 
+def test_a_weights_reads_are_its_own_and_it_goes_with_its_last_reader():
+    # w is read twice by Mul, once by Add, by a subgraph of If, and is a graph output; v by Add only.
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["b"], name="inner")],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])],
+    )
+    nodes = [
+        helper.make_node("Mul", ["w", "w"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "v"], ["s"], name="add"),
+        helper.make_node("Add", ["s", "w"], ["y"], name="add_w"),
+        helper.make_node("If", ["c"], ["o"], name="if", then_branch=branch, else_branch=branch),
+    ]
+    weights = {"w": np.ones(2, F32), "v": np.full(2, 2, F32)}
+    inputs = [("c", np.bool_, []), ("x", F32, [2])]
+    proto = make_model(nodes, inputs, [("y", F32, [2]), ("o", F32, [2]), ("w", F32, [2])], weights)
+    g = _graph(proto)
+    ids = _ids_by_name(g)
+    w_reads = {(ids["mul"], 0), (ids["mul"], 1), (ids["add_w"], 1), (ids["if"], SUBGRAPH_SLOT)}
+    assert w_reads < set(g.consumers("w")) and g.is_graph_output("w")
+    assert g.consumers("v") == [(ids["add"], 1)] and g.readers_at_most("v") == 1
+    assert len(g.nx) == len(nodes) + 2 + 3 + 1  # ops, inputs, outputs, and one vertex for all weights
+    g.redirect("v", "w")  # add reads w instead: v is read by nothing, w once more
+    assert g.consumers("v") == [] and (ids["add"], 1) in g.consumers("w")
+    assert g.unread_initializers() == ["v"]
+    g.remove_if_unused("v")
+    assert g.initializer("v") is None and g.source_kind("v") is None
+    g.replace_nodes([ids["mul"]], [helper.make_node("Neg", ["x"], ["m"], name="neg")], [], g.sort_key(ids["mul"]), "t")
+    assert {(ids["mul"], 0), (ids["mul"], 1)}.isdisjoint(g.consumers("w")) and g.initializer("w") is not None
+    assert g.read_initializers()[0].name == "w" and g.unread_initializers() == []
+
+
 def test_added_nodes_are_the_graphs_own_copies_and_stay_valid_as_more_follow():
     """The graph keeps each node a rewrite adds as a copy in one message of its own: later
     changes to the rule's proto do not reach it, and the copies stay intact as the message grows."""
