@@ -2,14 +2,15 @@
 
 Every ONNX node is a networkx node of kind "op". Graph inputs and tensors captured from an
 enclosing scope are source nodes; every graph output is a sink node. An edge runs from the
-node that produces a tensor to each consumer; its key is the consumer's input slot (a graph
-output's position, or for a tensor a subgraph reads from this scope, the tensor's name: slot
--1) and its value the tensor's name. A multigraph, because Mul(x, x) consumes one tensor twice.
+node that produces a tensor to each consumer (but for weights: below); its key is the
+consumer's input slot (a graph output's position, or for a tensor a subgraph reads from this
+scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph, because Mul(x, x) consumes one tensor twice.
 The value is the bare name, not networkx's usual dict of edge data: a million-node graph has
 millions of edges, and a dict each cost 0.36 GB (bench/networkx_floor.py).
 
-A scope's initializers are not vertices each: one vertex of kind "initializer" produces them
-all, and the reads of each are kept by its name, in the layout of an edge's. A vertex cannot
+A scope's initializers (those no graph input overrides, sparse ones too) are not vertices
+each: one vertex of kind "initializer", without edges, produces them all, and the reads of each
+are kept by its name, keyed as an edge's are. A vertex cannot
 say which of its tensors an edge carries without looking at every edge, and most weights have
 one reader and nothing else: as vertices of their own, the 666k weights of the million-node
 MLP stack took 0.4 GB.
@@ -197,7 +198,8 @@ class Graph:
         self.modified = False
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
-        # The vertex producing every initializer, and each initializer's reads: {consumer: {key: name}}.
+        # The vertex producing the initializers (see the module's docstring), and each one's reads:
+        # {consumer: {key: name}}.
         self._weights = next(self._ids)
         self._weight_entry = (self._weights, 0)  # every weight's entry in _producer: one tuple for all
         self._add_vertex(self._weights, kind=INITIALIZER)
@@ -287,6 +289,11 @@ class Graph:
         for index, output in enumerate(info.output_names):
             if output:
                 self.names.add(output)
+                if self._producer.get(output) == self._weight_entry:
+                    # A node computing a weight's name (an invalid model loaded as it is): the
+                    # reads listed before it are lost with the weight, as they must not return
+                    # should the name become a weight again.
+                    self._weight_reads.pop(output, None)
                 self._producer[output] = (node_id, index)
         of_type = self._by_op.setdefault((info.domain, info.op_type), {})
         if not of_type:
@@ -353,7 +360,8 @@ class Graph:
         keys[key] = tensor
 
     def _disconnect(self, tensor: str, consumer: int, key: int | str) -> None:
-        """networkx's remove_edge, written into its dicts as _connect writes its edges."""
+        """networkx's remove_edge, written into its dicts as _connect writes its edges; for a
+        weight, the read kept by its name."""
         producer = self._producer[tensor][0]
         if producer == self._weights:
             reads = self._weight_reads[tensor]
@@ -591,10 +599,11 @@ class Graph:
         read = [i for i in info.input_names if i]
         read.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
         self._lost_readers.update(read)
-        weights = self._weights
+        weights = self._weight_reads
         for name in read:
-            if self._producer.get(name, (None,))[0] == weights:  # what a node removed with it made is gone
-                self._weight_reads[name].pop(node_id, None)
+            # A body may read a weight its scope never read; what a node removed with it made is gone.
+            if name in weights and self._producer.get(name) == self._weight_entry:
+                weights[name].pop(node_id, None)
         for output in info.output_names:
             if output and self._producer.get(output, (None,))[0] == node_id:
                 del self._producer[output]
@@ -687,8 +696,8 @@ class Graph:
             return
         node_id = entry[0]
         kind = self._attrs[node_id]["kind"]
-        # A source produces one tensor: whether anything reads it is known at once (a weight
-        # shared by thousands of nodes is asked once per removed reader).
+        # A source's reads, and a weight's own, are known at once (a weight shared by thousands
+        # of nodes is asked once per removed reader).
         if self._reads(tensor, node_id) if kind != OP else self.consumers(tensor):
             return
         if kind == OUTER:

@@ -374,6 +374,36 @@ def test_a_weights_reads_are_its_own_and_it_goes_with_its_last_reader():
     assert g.read_initializers()[0].name == "w" and g.unread_initializers() == []
 
 
+def test_removing_a_node_whose_body_reads_a_weight_its_scope_never_read():
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["b"], name="inner")], "branch", [], [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])]
+    )
+    nodes = [helper.make_node("If", ["c"], ["o"], name="if", then_branch=branch, else_branch=branch)]
+    proto = make_model(nodes, [("c", np.bool_, []), ("x", F32, [2])], [("o", F32, [2])], {"u": np.ones(2, F32)})
+    g = _graph(proto)
+    holder = _ids_by_name(g)["if"]
+    body = g.node(holder).subgraphs["then_branch"][0]
+    inner = _ids_by_name(body)["inner"]
+    body.replace_nodes([inner], [helper.make_node("Identity", ["u"], ["b"], name="reads_u")], [], body.sort_key(inner), "t")
+    g.remove_node(holder)
+    assert g.node_count() == 0 and g.consumers("u") == []
+
+
+def test_a_node_computing_a_weights_name_leaves_no_reads_behind_to_come_back():
+    # Invalid (onnx.checker refuses it), but loaded as it is: "w" is a weight and Relu's output.
+    nodes = [
+        helper.make_node("Neg", ["w"], ["a"], name="n"),
+        helper.make_node("Relu", ["x"], ["w"], name="d"),
+        helper.make_node("Add", ["a", "w"], ["y"], name="add"),
+    ]
+    proto = make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.ones(2, F32)}, check=False)
+    g = _graph(proto)
+    ids = _ids_by_name(g)
+    g.replace_nodes([ids["n"]], [helper.make_node("Neg", ["x"], ["a"], name="n2")], [], g.sort_key(ids["n"]), "t")
+    g.replace_nodes([ids["d"]], [], [numpy_helper.from_array(np.ones(2, F32), "w")], g.sort_key(ids["d"]), "fold")
+    assert g.consumers("w") == [(ids["add"], 1)]
+
+
 def test_added_nodes_are_the_graphs_own_copies_and_stay_valid_as_more_follow():
     """The graph keeps each node a rewrite adds as a copy in one message of its own: later
     changes to the rule's proto do not reach it, and the copies stay intact as the message grows."""
