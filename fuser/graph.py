@@ -4,16 +4,15 @@ Every ONNX node is a networkx node of kind "op". Graph inputs and tensors captur
 enclosing scope are source nodes; every graph output is a sink node. An edge runs from the
 node that produces a tensor to each consumer (but for weights: below); its key is the
 consumer's input slot (a graph output's position, or for a tensor a subgraph reads from this
-scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph, because Mul(x, x) consumes one tensor twice.
-The value is the bare name, not networkx's usual dict of edge data: a million-node graph has
-millions of edges, and a dict each cost 0.36 GB (bench/networkx_floor.py).
+scope, the tensor's name: slot -1) and its value the tensor's name. A multigraph, because
+Mul(x, x) consumes one tensor twice. The value is the bare name, not networkx's usual dict of
+edge data: a million-node graph has millions of edges, and a dict each cost 0.36 GB
+(bench/networkx_floor.py).
 
 A scope's initializers (those no graph input overrides, sparse ones too) are not vertices
 each: one vertex of kind "initializer", without edges, produces them all, and the reads of each
-are kept by its name, keyed as an edge's are. A vertex cannot
-say which of its tensors an edge carries without looking at every edge, and most weights have
-one reader and nothing else: as vertices of their own, the 666k weights of the million-node
-MLP stack took 0.4 GB.
+are kept by its name, keyed as an edge's are. Most weights have one reader and nothing else: as
+vertices of their own, the 666k weights of the million-node MLP stack cost 0.35 GB more.
 
 This module is the only one that knows networkx. Nodes nobody rewrote keep their
 original NodeProto objects, so converting back is lossless for them; output order is

@@ -282,17 +282,21 @@ def test_the_nodes_holding_bodies_are_known_as_they_come_and_go():
     assert not g.is_modified()
     else_graph.modified = True  # a change inside a body is a change of the model
     assert g.is_modified()
-    g.replace_nodes([ids["if"]], [helper.make_node("Identity", ["t"], ["y"], name="plain")], [], g.sort_key(ids["if"]), "test")
+    g.replace_nodes(
+        [ids["if"]], [helper.make_node("Identity", ["t"], ["y"], name="plain")], [], g.sort_key(ids["if"]), "test"
+    )
     assert g.nodes_with_subgraphs() == [] and list(g.all_graphs()) == [g]
     loop_body = helper.make_graph(
         [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
         "body",
-        [helper.make_tensor_value_info(n, t, []) for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))],
+        [
+            helper.make_tensor_value_info(n, t, [])
+            for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))
+        ],
         [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
     )
     loop = g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=loop_body), (99,))
     assert [info.id for info in g.nodes_with_subgraphs()] == [loop] and len(list(g.all_graphs())) == 2
-
 
 
 def test_nodes_without_bodies_share_one_empty_map_and_holders_have_their_own():
@@ -305,7 +309,10 @@ def test_nodes_without_bodies_share_one_empty_map_and_holders_have_their_own():
     body = helper.make_graph(
         [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
         "body",
-        [helper.make_tensor_value_info(n, t, []) for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))],
+        [
+            helper.make_tensor_value_info(n, t, [])
+            for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))
+        ],
         [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
     )
     loop = g.node(g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=body), (99,)))
@@ -376,7 +383,10 @@ def test_a_weights_reads_are_its_own_and_it_goes_with_its_last_reader():
 
 def test_removing_a_node_whose_body_reads_a_weight_its_scope_never_read():
     branch = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["b"], name="inner")], "branch", [], [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])]
+        [helper.make_node("Identity", ["x"], ["b"], name="inner")],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])],
     )
     nodes = [helper.make_node("If", ["c"], ["o"], name="if", then_branch=branch, else_branch=branch)]
     proto = make_model(nodes, [("c", np.bool_, []), ("x", F32, [2])], [("o", F32, [2])], {"u": np.ones(2, F32)})
@@ -384,7 +394,9 @@ def test_removing_a_node_whose_body_reads_a_weight_its_scope_never_read():
     holder = _ids_by_name(g)["if"]
     body = g.node(holder).subgraphs["then_branch"][0]
     inner = _ids_by_name(body)["inner"]
-    body.replace_nodes([inner], [helper.make_node("Identity", ["u"], ["b"], name="reads_u")], [], body.sort_key(inner), "t")
+    body.replace_nodes(
+        [inner], [helper.make_node("Identity", ["u"], ["b"], name="reads_u")], [], body.sort_key(inner), "t"
+    )
     g.remove_node(holder)
     assert g.node_count() == 0 and g.consumers("u") == []
 
