@@ -272,6 +272,19 @@ def test_subgraph_reads_from_the_outer_scope_are_edges_of_slot_minus_one():
     assert Model(proto).to_proto().SerializeToString(deterministic=True) == proto.SerializeToString(deterministic=True)
 
 
+def _loop_body() -> onnx.GraphProto:
+    """A Loop body that passes its condition through."""
+    return helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
+        "body",
+        [
+            helper.make_tensor_value_info(n, t, [])
+            for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))
+        ],
+        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
+    )
+
+
 def test_the_nodes_holding_bodies_are_known_as_they_come_and_go():
     g = _graph(_if_model())
     ids = _ids_by_name(g)
@@ -286,16 +299,7 @@ def test_the_nodes_holding_bodies_are_known_as_they_come_and_go():
         [ids["if"]], [helper.make_node("Identity", ["t"], ["y"], name="plain")], [], g.sort_key(ids["if"]), "test"
     )
     assert g.nodes_with_subgraphs() == [] and list(g.all_graphs()) == [g]
-    loop_body = helper.make_graph(
-        [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
-        "body",
-        [
-            helper.make_tensor_value_info(n, t, [])
-            for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))
-        ],
-        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
-    )
-    loop = g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=loop_body), (99,))
+    loop = g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=_loop_body()), (99,))
     assert [info.id for info in g.nodes_with_subgraphs()] == [loop] and len(list(g.all_graphs())) == 2
 
 
@@ -306,16 +310,7 @@ def test_nodes_without_bodies_share_one_empty_map_and_holders_have_their_own():
     added = g.node(g.add_node(helper.make_node("Relu", ["t"], ["fresh"], name="added"), (98,)))
     assert plain and all(info.subgraphs is added.subgraphs for info in plain)  # no dict of their own each
     assert added.subgraphs == {}
-    body = helper.make_graph(
-        [helper.make_node("Identity", ["c"], ["c_out"], name="pass")],
-        "body",
-        [
-            helper.make_tensor_value_info(n, t, [])
-            for n, t in (("i", onnx.TensorProto.INT64), ("c", onnx.TensorProto.BOOL))
-        ],
-        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, [])],
-    )
-    loop = g.node(g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=body), (99,)))
+    loop = g.node(g.add_node(helper.make_node("Loop", ["", "cond"], [], name="loop", body=_loop_body()), (99,)))
     assert list(loop.subgraphs) == ["body"] and sorted(g.node(ids["if"]).subgraphs) == ["else_branch", "then_branch"]
     assert added.subgraphs == {} and all(info.subgraphs is added.subgraphs for info in plain)
 
