@@ -143,6 +143,7 @@ def optimize(
     try:
         with stage("rewrite"):
             result = Engine(model, chosen, trace=trace, progress=stage.progress, context=context).run(apply=True)
+            model.validate()  # nothing comes of a model onnx's check refuses (Model.load's validated=False)
         with stage("write", announce=False):
             optimized = model.parts()
         report = Report(

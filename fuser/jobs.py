@@ -30,7 +30,7 @@ import onnx
 
 from fuser import api, verify
 from fuser import report as report_module
-from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, NumericsMismatch, UsageError
+from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, UsageError
 from fuser.graph import paused_gc
 from fuser.model import (
     Model,
@@ -134,13 +134,16 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     source, destination = job.source, job.destination
     progress = progress or silent
     entries: dict = {"input": None, "output": None}
+    loaded = None
     try:
         if source.is_file():  # the report names the input even when it cannot be read as a model
             entries["input"] = report_module.file_entry(source)
         check_destination(source, destination, job.force)
         progress("load", 0, None)
         loading = time.perf_counter()
-        loaded = Model.load(source, progress=progress)
+        # Returned while onnx's check of a large model may still run beside the rewrite: whatever
+        # fails, a model the check refuses is said to be one (_refused).
+        loaded = Model.load(source, progress=progress, validated=False)
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
         options = options_for(loaded.interface(), job.options, job.from_config)
@@ -209,10 +212,23 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         told = f"{error}; evidence kept in {folder}"
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
+        error = _refused(loaded, error)
         code, messages = describe_error(error, job.debug)
         report = report_module.envelope("optimize", "error", code, error=str(error), **entries)
         told = _error_text(error)
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
+
+
+def _refused(model: Model | None, error: Exception) -> Exception:
+    """The InputError of onnx's check of `model` if it refused the model, else `error`: a rule
+    or a step tripping on an invalid model is not what the user needs to hear."""
+    if model is None:
+        return error
+    try:
+        model.validate()
+    except InputError as refusal:
+        return refusal
+    return error
 
 
 def _in_stage_order(timings: dict[str, float], **more: float) -> dict[str, float]:

@@ -82,7 +82,7 @@ class _Plan:
     # node), the slots of its const leaves: asked first, they turn most nodes away at once.
     const_slots: tuple[int, ...] | None = None
     # Per input order, (slot, op types) of each required op input: a node matches only where
-    # some order has a producer of those types at each of those slots (_may_match).
+    # some order has a producer of those types at each of those slots (may_match).
     producers: tuple[tuple[tuple[int, tuple[str, ...]], ...], ...] = ((),)
 
 
@@ -543,10 +543,12 @@ def inferred_types(model: onnx.ModelProto) -> InferredTypes:
 class TypeInfo:
     """Element types and shapes of tensors, from the model's annotations and shape inference."""
 
-    def __init__(self, model_proto_factory, seed: InferredTypes | None = None):
+    def __init__(self, model_proto_factory, seed: InferredTypes | Callable[[], InferredTypes | None] | None = None):
         """model_proto_factory: the model's skeleton, for inference. seed: the types an inference
         of the model as it is now found (Model.take_inferred_types), the first table: held from
-        the start, it also answers for the tensors a first rewrite leaves as they were."""
+        the start, it also answers for the tensors a first rewrite leaves as they were. A
+        function giving them is called when they are first needed (they may still be on their
+        way from the load's check), and the table is what it would have been from the start."""
         self._factory = model_proto_factory
         self._table: dict[str, Entry] | None = None
         self._previous: dict[str, Entry] = {}
@@ -559,19 +561,38 @@ class TypeInfo:
         self._input_symbols: set[str] = set()
         # Tensors the last inference saw produced and could not type.
         self._untyped: set[str] = set()
-        if seed is not None:
+        # The function giving the first table until it is called, and what invalidate was told meanwhile.
+        self._seed: Callable[[], InferredTypes | None] | None = None
+        self._produced_before_seed: set[str] = set()
+        if callable(seed):
+            self._seed = seed
+        elif seed is not None:
             self._install(seed)
+
+    def _settle(self) -> None:
+        """Install the first table if it is still to come, as it would have been from the start."""
+        if self._seed is None:
+            return
+        seed, self._seed = self._seed, None
+        found = seed()
+        if found is not None:
+            self._install(found)
+            self._untyped.difference_update(self._produced_before_seed)
+        self._produced_before_seed = set()
 
     def invalidate(self, produced=()) -> None:
         """The graph changed: tensors created since the last inference are looked up anew, and so
         are those of `produced`, the outputs of the nodes the change added (a replacement keeps
         the names of what it replaces, which inference may now be able to type)."""
         self._stale = True
+        if self._seed is not None:
+            self._produced_before_seed.update(produced)
         self._untyped.difference_update(produced)
 
     def refresh(self) -> None:
         """Infer every shape again at the next query: rewrites (folded Reshape targets, say)
         may have made shapes known that the previous inference could not know."""
+        self._settle()
         if self._table is not None:
             self._previous, self._table, self._stale = self._table, None, False
 
@@ -583,6 +604,7 @@ class TypeInfo:
         the answers it got, and those cannot change. Another dim name can: inference puts a size
         in its place once a rewrite makes it computable."""
         asked_unknown, self._asked_unknown = self._asked_unknown, False
+        self._settle()
         if self._table is None:
             return False
         if not asked_unknown:
@@ -607,6 +629,8 @@ class TypeInfo:
         return entry
 
     def _load(self) -> dict[str, Entry]:
+        if self._seed is not None:
+            self._settle()
         if self._table is None:
             # Serialized at once, so that the skeleton is freed before inference makes its copy.
             skeleton = self._factory().SerializeToString()
@@ -624,7 +648,8 @@ class TypeInfo:
         """Make an inference's types the table, completed with what earlier runs knew."""
         self._input_symbols, self._untyped = found.input_symbols, found.untyped
         self._runs += 1
-        self._table = {**found.table, **_carried(self._previous, found.table, self._runs - 1)}
+        carried = _carried(self._previous, found.table, self._runs - 1)
+        self._table = {**found.table, **carried} if carried else found.table
         self._previous = {}
 
     def dtype(self, tensor: str | None) -> np.dtype | None:

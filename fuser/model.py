@@ -29,11 +29,11 @@ from fuser.graph import (
     copy_fields_except,
     opset_versions,
     split_parts,
-    weightless_model,
 )
-from fuser.match import InferredTypes, inferred_types
+from fuser.match import InferredTypes
 from fuser.progress import Progress, Ticker
 from fuser.tensors import TensorStore, external_data_fields, file_identity, nbytes, raw_size, uses_external_data
+from fuser.validation import Validation
 from fuser.wire import (
     GRAPH_INITIALIZER_FIELD,
     GRAPH_NODE_FIELD,
@@ -65,7 +65,10 @@ class Model:
         inferred: the types shape inference found in `proto` (Model.load's check infers them),
         the engine's first table of types (take_inferred_types)."""
         self.path = path
-        self._inferred = inferred
+        # What gives the types the engine starts from (take_inferred_types): those given here or
+        # (Model.load) the load's check, which may still be inferring them.
+        self._types_source: InferredTypes | Validation | None = inferred
+        self._validation: Validation | None = None  # the load's check of the file (Model.load)
         self.base_dir = base_dir
         self._source = proto
         self._shell = ModelProto()
@@ -89,34 +92,66 @@ class Model:
         self.check_external_data(initializers=not initializers_checked)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, progress: Progress | None = None) -> Model:
-        """`progress("load", nodes, total)` while the graph is built (parsing the file comes first)."""
+    def load(cls, path: str | os.PathLike, progress: Progress | None = None, *, validated: bool = True) -> Model:
+        """`progress("load", nodes, total)` while the graph is built (parsing the file comes first).
+
+        The file passes onnx's full check (fuser/validation.py), which for a large model runs in
+        a child process while the graph is built. validated=False returns the model while that
+        check may still run: `validate()` waits for its verdict, and the types it infers wait for
+        it only when a rule first asks for one (take_inferred_types). A caller that asks for
+        this makes sure that nothing comes of a model the check refuses but that refusal."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        proto, stated, identity, inferred = _read_model(path)
+        proto, stated, identity, validation = _read_model(path)
         # The folder resolved: weights are read from it later, whatever the working directory is by then.
         folder = path.parent.resolve()
-        return cls(
-            proto,
-            base_dir=folder,
-            path=path,
-            progress=progress,
-            initializers_checked=True,
-            tensors=TensorStore(folder, model_file=path, stated_default=stated, identity=identity),
-            inferred=inferred,
-        )
+        try:
+            try:
+                model = cls(
+                    proto,
+                    base_dir=folder,
+                    path=path,
+                    progress=progress,
+                    initializers_checked=True,
+                    tensors=TensorStore(folder, model_file=path, stated_default=stated, identity=identity),
+                )
+            except Exception:
+                validation.verdict()  # an invalid model is said to be one, not what building its graph tripped on
+                raise
+            model._validation = model._types_source = validation
+            if validated:
+                model.validate()
+        except BaseException:
+            validation.close()
+            raise
+        return model
 
-    def take_inferred_types(self) -> InferredTypes | None:
-        """The types inferred from the model as it was built, while nothing has changed it
-        since (None otherwise); given once, and dropped either way."""
-        inferred, self._inferred = self._inferred, None
-        if inferred is None or self.unchanged_proto() is None:
-            return None
-        if len(self.graph.live_value_info()) != len(self._source.graph.value_info):
+    def validate(self) -> None:
+        """Wait for the verdict of onnx's check of the file the model was read from, if it is
+        still to come (Model.load's validated=False): InputError if the check refused it."""
+        if self._validation is not None:
+            self._validation.verdict()
+            if self._types_source is None:  # handed out, and taken or not by now: not to be held
+                self._validation.forget_types()
+
+    def take_inferred_types(self) -> Callable[[], InferredTypes | None] | None:
+        """A function giving the types inferred from the model as it was built, while nothing
+        has changed it since (None otherwise): they may still be on their way from the load's
+        check, which the function waits for. Given once, and dropped either way."""
+        source, self._types_source = self._types_source, None
+        usable = (
+            source is not None
+            and self.unchanged_proto() is not None
             # The check inferred with annotations the rewrite's skeleton leaves out (a body's
             # tensors annotated in the main graph), which may type what it cannot.
+            and len(self.graph.live_value_info()) == len(self._source.graph.value_info)
+        )
+        if isinstance(source, Validation):
+            if usable and not source.gave_no_types():
+                return source.take_types
+            source.forget_types()
             return None
-        return inferred
+        return (lambda: source) if usable else None
 
     def initializers(self):
         for g in self.graph.all_graphs():
@@ -234,13 +269,16 @@ def count_op_types(nodes) -> dict[str, int]:
 def read_model(path: Path) -> ModelProto:
     """Parse and validate an ONNX file, turning every failure into a one-line InputError. Its
     large weights stay in the file, read in place (TensorStore.in_model_file)."""
-    return _read_model(path)[0]
+    model, _, _, validation = _read_model(path, apart=False)
+    validation.verdict()
+    return model
 
 
-def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None, InferredTypes | None]:
-    """read_model, the offsets of the weights read in place that stated their data_location
-    (TensorStore's stated_default), the identity of the file they were read in place from
-    (None when none were), and the types its check inferred (_checked_inference)."""
+def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[int], tuple | None, Validation]:
+    """The parsed model, the offsets of the weights read in place that stated their
+    data_location (TensorStore's stated_default), the identity of the file they were read in
+    place from (None when none were), and its check, under way (fuser/validation.py; in a child
+    process if `apart` and that pays)."""
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
@@ -275,43 +313,7 @@ def _read_model(path: Path) -> tuple[ModelProto, frozenset[int], tuple | None, I
     for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
-    inferred = None
-    try:
-        inferred = _checked_inference(model)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError) as error:
-        if not _valid_for_onnxruntime(model, error):
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InputError(f"{path}: invalid ONNX model: {first_line}") from error
-    return model, stated, identity, inferred
-
-
-def _checked_inference(model: ModelProto) -> InferredTypes | None:
-    """Check `model` as onnx.checker's full check does, and return the types shape inference
-    found in it: what the rewrite's first inference would find while nothing has changed the
-    model (None when it is not that).
-
-    The weights were checked already (TensorStore.check); the checker sees the model without
-    them, which keeps a multi-GB model from being copied again. The full check is the
-    structural one and a strict type and shape inference, which catches attributes of the
-    wrong type (float `axes`) before a rule reads them. That inference is made here with data
-    propagation, as the rewrite's is, so the rewrite need not infer the whole graph again: a
-    large graph's inference then runs before the graph is built rather than beside it. Where
-    it fails, the full check itself decides whether the model is valid.
-    """
-    skeleton = weightless_model(model).SerializeToString()
-    if model.ir_version >= 4:  # an older model's skeleton keeps initializers the rewrite's lists as inputs
-        onnx.checker.check_model(skeleton)
-        try:
-            inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True, data_prop=True)
-        except Exception:  # noqa: BLE001 - whatever it is, the full check below tells
-            inferred = None
-        if inferred is not None:
-            # Read now, while the inferred model exists anyway and the graph is not yet built:
-            # kept as a model until a rule asks, it was parsed again beside the graph, which
-            # for a million nodes took 8.6 s and set the run's peak memory, 1.2 GB above the graph's.
-            return inferred_types(inferred)
-    onnx.checker.check_model(skeleton, full_check=True)
-    return None
+    return model, stated, identity, Validation(model, path, apart=apart)
 
 
 def found_as_external_data(path: Path) -> bool:
@@ -337,50 +339,6 @@ def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int]
         return model, (frozenset() if referenced is None else referenced[1])
     finally:
         view.release()
-
-
-# A private domain for checking a copy of a model: onnx.checker skips domains it does not know.
-_RUNTIME_DOMAIN = "fuser.onnxruntime-default-domain"
-
-
-def _valid_for_onnxruntime(model: ModelProto, error: Exception) -> bool:
-    """Whether `error` is only onnx.checker not knowing operators that onnxruntime registers in
-    the default domain (SimplifiedLayerNormalization, or LayerNormalization below opset 17, as
-    onnxruntime's tools and fuser's onnxruntime target write them) and a copy with those nodes
-    moved to a private domain passes the full check: everything else is still checked."""
-    if "No Op registered for" not in str(error):
-        return False
-    from fuser.verify import onnxruntime_default_domain_ops
-
-    runtime_ops = onnxruntime_default_domain_ops()
-    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    copy = weightless_model(model)  # as read_model checks it: external data is not the checker's to read
-    moved = 0
-    for graph in all_graph_protos(copy.graph):
-        for node in graph.node:
-            if (
-                node.domain in ("", "ai.onnx")
-                and node.op_type in runtime_ops
-                and not _onnx_knows(node.op_type, version)
-            ):
-                node.domain = _RUNTIME_DOMAIN
-                moved += 1
-    if not moved:
-        return False
-    copy.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
-    try:
-        onnx.checker.check_model(copy, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError):
-        return False
-    return True
-
-
-def _onnx_knows(op_type: str, version: int) -> bool:
-    try:
-        onnx.defs.get_schema(op_type, version, "")
-    except onnx.defs.SchemaError:
-        return False
-    return True
 
 
 EXTERNAL_DATA_MODES = ("auto", "always", "never")

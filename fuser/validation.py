@@ -1,0 +1,247 @@
+"""onnx's full check of a model as it is read, and the types its shape inference finds.
+
+A model passes onnx's full check (structure, then a strict type and shape inference) before
+any rule runs, so that a broken file is an input error and not a rule's failure. That
+inference is made with data propagation, as the rewrite's own is, and its types are the
+rewrite's first table (InferredTypes), so the rewrite need not infer the whole graph again.
+
+onnx's checker and shape inference hold Python's lock while they run, which on a large graph
+is longer than building fuser's graph of it (1.3 and 0.9 s of the 100k-node stacks of
+`bench/scale.py`). So a large model is checked in a child process forked once the file is
+parsed, while this one builds the graph, and the child sends back the verdict and the types.
+A fork is made only where it is safe and pays: on Linux, from a process running no other
+thread, for a model of CHILD_NODES nodes or more; anywhere else the check runs here, first.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+
+import onnx
+from onnx import ModelProto
+
+from fuser.errors import InputError
+from fuser.graph import all_graph_protos, weightless_model
+from fuser.match import InferredTypes, inferred_types
+
+# A model with this many nodes (all scopes) or more is checked in a child process. Below it,
+# forking (a copy of this process's page tables, a new interpreter's exit) costs more than
+# the overlap gains: the 10k-node MLP stack's check takes 0.2 s.
+CHILD_NODES = 20_000
+
+_FAILURES = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError)
+
+
+class Validation:
+    """The check of one model read from `path`, started when made: `verdict()` raises
+    InputError for a model the check refuses, `take_types()` gives the types its inference
+    found (None when the inference could not serve the rewrite), once."""
+
+    def __init__(self, model: ModelProto, path, apart: bool = True) -> None:
+        """apart: check a large model in a child process where that is safe (see above)."""
+        self._path = path
+        self._outcome: tuple[str, object, Exception | None] | None = None
+        self._wants_types = True
+        self._child: tuple[int, int] | None = None  # (pid, read end of its pipe)
+        if apart and _nodes(model) >= CHILD_NODES and _may_fork():
+            self._child = _fork_check(model)
+        if self._child is None:
+            self._outcome = _check(model)
+        self._model = model if self._child is not None else None  # to check here should the child fail
+
+    def verdict(self) -> None:
+        """Return once the check passed (waiting for the child, if it still runs); InputError if it failed."""
+        if self._outcome is None:
+            self._outcome = self._collect()
+        kind, value, cause = self._outcome
+        if kind == "invalid":
+            raise InputError(f"{self._path}: invalid ONNX model: {value}") from cause
+
+    def take_types(self) -> InferredTypes | None:
+        """The types, once the check passed; later calls give None."""
+        self.verdict()
+        kind, types, cause = self._outcome
+        self._outcome = (kind, None, cause)
+        return types
+
+    def gave_no_types(self) -> bool:
+        """Whether the check is done and has no types to give (any more)."""
+        return self._outcome is not None and self._outcome[1] is None
+
+    def forget_types(self) -> None:
+        """Nobody will take the types: drop them, now or as they come."""
+        self._wants_types = False
+        if self._outcome is not None:
+            self._outcome = (self._outcome[0], None, self._outcome[2])
+
+    def close(self) -> None:
+        """Stop and reap the child, if it still runs (the load failed, or was interrupted)."""
+        if self._child is None:
+            return
+        pid, pipe = self._child
+        self._child = None
+        self._model = None
+        os.close(pipe)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _collect(self) -> tuple[str, object, Exception | None]:
+        pid, pipe = self._child
+        chunks = []
+        with os.fdopen(pipe, "rb", closefd=True) as reader:
+            while chunk := reader.read(1 << 20):
+                chunks.append(chunk)
+        self._child = None
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        model, self._model = self._model, None
+        if not chunks:  # the child died before it told (killed when memory ran out): check here
+            return _check(model)
+        kind, value = pickle.loads(b"".join(chunks))
+        if kind != "types":
+            return kind, value, None
+        return kind, (_interned(value) if self._wants_types else None), None
+
+
+def _check(model: ModelProto) -> tuple[str, object, Exception | None]:
+    """("types", InferredTypes or None, None) for a valid model; ("invalid", the error's first
+    line, the error) for an invalid one."""
+    try:
+        return "types", checked_inference(model), None
+    except _FAILURES as error:
+        if valid_for_onnxruntime(model, error):
+            return "types", None, None
+        text = str(error).strip()
+        return "invalid", text.splitlines()[0] if text else type(error).__name__, error
+
+
+def _nodes(model: ModelProto) -> int:
+    return sum(len(graph.node) for graph in all_graph_protos(model.graph))
+
+
+def _may_fork() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and threading.active_count() == 1
+
+
+def _fork_check(model: ModelProto) -> tuple[int, int] | None:
+    """Fork a child that checks `model` and writes its outcome, pickled, to a pipe; (its pid,
+    the pipe's read end), or None where the fork failed."""
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the child: never returns into the caller's code
+        status = 1
+        try:
+            os.close(read_end)
+            try:
+                outcome = _check(model)
+            except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
+                outcome = None
+            if outcome is not None:
+                payload = pickle.dumps(outcome[:2], protocol=pickle.HIGHEST_PROTOCOL)
+                with os.fdopen(write_end, "wb") as writer:
+                    writer.write(payload)
+                status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _interned(found: InferredTypes | None) -> InferredTypes | None:
+    """The types with their tensor names interned, as the graph holds them: a table sent from
+    the child holds copies of the names, one string more per tensor."""
+    if found is None:
+        return None
+    intern = sys.intern
+    return InferredTypes(
+        {intern(name): entry for name, entry in found.table.items()}, found.input_symbols, found.untyped
+    )
+
+
+def checked_inference(model: ModelProto) -> InferredTypes | None:
+    """Check `model` as onnx.checker's full check does, and return the types shape inference
+    found in it: what the rewrite's first inference would find while nothing has changed the
+    model (None when it is not that).
+
+    The weights were checked already (TensorStore.check); the checker sees the model without
+    them, which keeps a multi-GB model from being copied again. The full check is the
+    structural one and a strict type and shape inference, which catches attributes of the
+    wrong type (float `axes`) before a rule reads them. That inference is made here with data
+    propagation, as the rewrite's is. Where it fails, the full check itself decides whether the
+    model is valid.
+    """
+    skeleton = weightless_model(model).SerializeToString()
+    if model.ir_version >= 4:  # an older model's skeleton keeps initializers the rewrite's lists as inputs
+        onnx.checker.check_model(skeleton)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True, data_prop=True)
+        except Exception:  # noqa: BLE001 - whatever it is, the full check below tells
+            inferred = None
+        if inferred is not None:
+            # Read now, while the inferred model exists anyway: kept as a model until a rule
+            # asks, it was parsed again beside the graph, which for a million nodes took 8.6 s
+            # and set the run's peak memory, 1.2 GB above the graph's.
+            return inferred_types(inferred)
+    onnx.checker.check_model(skeleton, full_check=True)
+    return None
+
+
+# A private domain for checking a copy of a model: onnx.checker skips domains it does not know.
+_RUNTIME_DOMAIN = "fuser.onnxruntime-default-domain"
+
+
+def valid_for_onnxruntime(model: ModelProto, error: Exception) -> bool:
+    """Whether `error` is only onnx.checker not knowing operators that onnxruntime registers in
+    the default domain (SimplifiedLayerNormalization, or LayerNormalization below opset 17, as
+    onnxruntime's tools and fuser's onnxruntime target write them) and a copy with those nodes
+    moved to a private domain passes the full check: everything else is still checked."""
+    if "No Op registered for" not in str(error):
+        return False
+    from fuser.verify import onnxruntime_default_domain_ops
+
+    runtime_ops = onnxruntime_default_domain_ops()
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    copy = weightless_model(model)  # as read_model checks it: external data is not the checker's to read
+    moved = 0
+    for graph in all_graph_protos(copy.graph):
+        for node in graph.node:
+            if (
+                node.domain in ("", "ai.onnx")
+                and node.op_type in runtime_ops
+                and not _onnx_knows(node.op_type, version)
+            ):
+                node.domain = _RUNTIME_DOMAIN
+                moved += 1
+    if not moved:
+        return False
+    copy.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
+    try:
+        onnx.checker.check_model(copy, full_check=True)
+    except _FAILURES:
+        return False
+    return True
+
+
+def _onnx_knows(op_type: str, version: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, version, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True

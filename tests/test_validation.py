@@ -1,0 +1,158 @@
+"""onnx's full check of a model as it is read (fuser/validation.py): a large model is checked in
+a child process while the graph is built, with the outcome a check here gives, and a model
+the check refuses is refused even when the rewrite ran beside its check."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from fuser import validation
+from fuser.errors import InputError
+from fuser.match import TypeInfo
+from fuser.model import Model
+from fuser.validation import Validation
+from tests.helpers import in_process_cli
+
+TRANSFORMERS = Path(__file__).parent / "data" / "transformers"
+SAMPLES = Path(__file__).resolve().parents[1] / "models"
+
+
+@pytest.fixture
+def apart(monkeypatch):
+    """Every model is large enough to be checked in a child process."""
+    monkeypatch.setattr(validation, "CHILD_NODES", 0)
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd):
+    return in_process_cli(monkeypatch, capfd)
+
+
+def invalid_model() -> onnx.ModelProto:
+    """Structurally sound; the strict inference refuses an Add of float and int64."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "n"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("name", ["gpt2_dynamo", "llama_legacy"])
+def test_a_check_in_a_child_gives_the_types_a_check_here_gives(apart, name):
+    model = onnx.load(TRANSFORMERS / f"{name}.onnx")
+    beside = Validation(model, "m.onnx")
+    assert beside._child is not None  # the check runs in a child process
+    here = Validation(model, "m.onnx", apart=False)
+    assert here._child is None
+    found, expected = beside.take_types(), here.take_types()
+    assert found is not None and found.table == expected.table
+    assert found.input_symbols == expected.input_symbols and found.untyped == expected.untyped
+    assert beside.take_types() is None  # given once
+
+
+def test_the_names_sent_back_are_the_graphs_own_strings(apart):
+    """The table from the child holds the names the graph interned, not copies of them."""
+    loaded = Model.load(SAMPLES / "mlp.onnx", validated=False)
+    types = loaded.take_inferred_types()()
+    name = next(info.output_names[0] for info in loaded.graph.nodes())
+    assert next(key for key in types.table if key == name) is name
+
+
+def test_a_model_the_check_refuses_in_a_child_is_refused_with_the_message_of_a_check_here(apart, tmp_path):
+    onnx.save(invalid_model(), tmp_path / "m.onnx")
+    with pytest.raises(InputError) as beside:
+        Model.load(tmp_path / "m.onnx")
+    with pytest.raises(InputError) as here:
+        Validation(invalid_model(), tmp_path / "m.onnx", apart=False).verdict()
+    assert str(beside.value) == str(here.value)
+    assert str(beside.value).startswith(f"{tmp_path / 'm.onnx'}: invalid ONNX model: ")
+
+
+def test_a_child_that_dies_before_it_tells_is_replaced_by_a_check_here(apart):
+    model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
+    beside = Validation(model, "m.onnx")
+    os.kill(beside._child[0], signal.SIGKILL)  # as the system does when memory runs out
+    found = beside.take_types()
+    assert found is not None and found.table == Validation(model, "m.onnx", apart=False).take_types().table
+
+
+def test_closing_stops_and_reaps_the_child(apart):
+    beside = Validation(onnx.load(TRANSFORMERS / "llama_legacy.onnx"), "m.onnx")
+    pid = beside._child[0]
+    beside.close()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: no zombie left behind
+    beside.close()  # again: nothing to do
+
+
+def test_no_child_is_forked_beside_other_threads(apart):
+    """A fork copies other threads' locks half-way: a process running threads checks here."""
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert Validation(onnx.load(SAMPLES / "mlp.onnx"), "m.onnx")._child is None
+    finally:
+        release.set()
+        other.join()
+
+
+def test_the_types_wait_for_the_check_until_a_rule_asks(apart):
+    """TypeInfo's first table is a function called at the first question; what the graph
+    changed before that is applied to it as if it had been there from the start."""
+    loaded = Model.load(SAMPLES / "mlp.onnx", validated=False)
+    calls = []
+
+    def seed():
+        calls.append(1)
+        return loaded._validation.take_types()
+
+    types = TypeInfo(lambda: loaded.to_proto(weights=False), seed=seed)
+    types.invalidate(produced=["made-by-a-rewrite"])
+    assert calls == []
+    first_output = next(info.output_names[0] for info in loaded.graph.nodes())
+    assert types.shape(first_output) is not None
+    assert calls == [1]
+    assert "made-by-a-rewrite" not in types._untyped
+
+
+def test_optimize_refuses_a_model_the_check_refuses_though_a_rule_crashed_on_it(apart, cli, tmp_path):
+    """The rewrite runs while the check does; a rule that trips on the invalid model is not
+    what the command reports, the model's refusal is (exit 2), and nothing is written."""
+    (tmp_path / "crash.py").write_text(
+        "from fuser import op, rule, var\n"
+        "@rule('crash', pattern=op.Relu(var('x')))\n"
+        "def crash(m, b):\n"
+        '    """Relu(x)  =>  nothing: it trips."""\n'
+        "    raise ZeroDivisionError('a rule that trips')\n"
+    )
+    onnx.save(invalid_model(), tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", "m.onnx", "--rules", "crash.py", "--no-check")
+    assert result.returncode == 2, result.stderr
+    assert "invalid ONNX model" in result.stderr and "trips" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["crash.py", "m.onnx"]
+
+    valid = onnx.load(SAMPLES / "mlp.onnx")
+    onnx.save(valid, tmp_path / "valid.onnx")
+    crashed = cli(tmp_path, "optimize", "valid.onnx", "--rules", "crash.py", "--no-check")
+    assert "trips" in crashed.stderr and crashed.returncode not in (0, 2)  # on a valid model the crash is reported
+
+
+def test_optimize_of_a_model_checked_in_a_child_writes_what_a_check_here_lets_it_write(apart, cli, tmp_path, monkeypatch):
+    source = TRANSFORMERS / "gpt2_legacy.onnx"
+    assert cli(tmp_path, "optimize", source, "-o", "beside.onnx", "--no-check", "-q").returncode == 0
+    monkeypatch.setattr(validation, "CHILD_NODES", 10**9)
+    assert cli(tmp_path, "optimize", source, "-o", "here.onnx", "--no-check", "-q").returncode == 0
+    assert (tmp_path / "beside.onnx").read_bytes() == (tmp_path / "here.onnx").read_bytes()
