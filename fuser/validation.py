@@ -10,7 +10,8 @@ is longer than building fuser's graph of it (1.3 and 0.9 s of the 100k-node stac
 `bench/scale.py`). So a large model is checked in a child process forked once the file is
 parsed, while this one builds the graph, and the child sends back the verdict and the types.
 A fork is made only where it is safe and pays: on Linux, from a process running no other
-thread, for a model of CHILD_NODES nodes or more; anywhere else the check runs here, first.
+thread, for a model of CHILD_NODES nodes or more, when the memory the two processes then hold
+together is available; anywhere else the check runs here, first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from fuser.match import InferredTypes, inferred_types
 # forking (a copy of this process's page tables, a new interpreter's exit) costs more than
 # the overlap gains: the 10k-node MLP stack's check takes 0.2 s.
 CHILD_NODES = 20_000
+# The child holds the check's memory while this process builds the graph and rewrites: what
+# the check adds at its peak (a skeleton, onnx's two parses of it, the inferred model and its
+# types: 1.8 GB for the million-node MLP stack, 0.18 and 0.33 GB for the 100k-node stacks) and
+# what the graph then adds here (3.4 GB for the million nodes), per node. A machine without
+# that much memory available checks here, first, as the two then never hold memory together.
+CHILD_BYTES_PER_NODE = 2_000
+GRAPH_BYTES_PER_NODE = 4_000
 
 _FAILURES = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError)
 
@@ -47,7 +55,7 @@ class Validation:
         self._outcome: tuple[str, object, Exception | None] | None = None
         self._wants_types = True
         self._child: tuple[int, int] | None = None  # (pid, read end of its pipe)
-        if apart and _nodes(model) >= CHILD_NODES and _may_fork():
+        if apart and _worth_a_child(_nodes(model)):
             self._child = _fork_check(model)
         if self._child is None:
             self._outcome = _check(model)
@@ -131,8 +139,15 @@ def _nodes(model: ModelProto) -> int:
     return sum(len(graph.node) for graph in all_graph_protos(model.graph))
 
 
-def _may_fork() -> bool:
-    return sys.platform.startswith("linux") and hasattr(os, "fork") and threading.active_count() == 1
+def _worth_a_child(nodes: int) -> bool:
+    """Whether to check a model of `nodes` nodes in a child process: large enough to gain, on
+    Linux, from a process running no other thread, with the memory both processes need."""
+    if nodes < CHILD_NODES or not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return False
+    from fuser.jobs import available_memory
+
+    available = available_memory()
+    return available is not None and available >= nodes * (CHILD_BYTES_PER_NODE + GRAPH_BYTES_PER_NODE)
 
 
 def _fork_check(model: ModelProto) -> tuple[int, int] | None:

@@ -109,6 +109,22 @@ def test_no_child_is_forked_beside_other_threads(apart):
         other.join()
 
 
+def test_no_child_is_forked_without_the_memory_both_processes_hold(apart, monkeypatch):
+    """The child's check holds its memory while the graph is built: with too little available,
+    the check runs here, first, as it did before there was a child."""
+    import fuser.jobs
+
+    model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
+    nodes = len(model.graph.node)
+    needed = nodes * (validation.CHILD_BYTES_PER_NODE + validation.GRAPH_BYTES_PER_NODE)
+    monkeypatch.setattr(fuser.jobs, "available_memory", lambda: needed - 1)
+    assert Validation(model, "m.onnx")._child is None
+    monkeypatch.setattr(fuser.jobs, "available_memory", lambda: needed)
+    beside = Validation(model, "m.onnx")
+    assert beside._child is not None
+    beside.close()
+
+
 def test_the_types_wait_for_the_check_until_a_rule_asks(apart):
     """TypeInfo's first table is a function called at the first question; what the graph
     changed before that is applied to it as if it had been there from the start."""
@@ -150,7 +166,9 @@ def test_optimize_refuses_a_model_the_check_refuses_though_a_rule_crashed_on_it(
     assert "trips" in crashed.stderr and crashed.returncode not in (0, 2)  # on a valid model the crash is reported
 
 
-def test_optimize_of_a_model_checked_in_a_child_writes_what_a_check_here_lets_it_write(apart, cli, tmp_path, monkeypatch):
+def test_optimize_of_a_model_checked_in_a_child_writes_what_a_check_here_lets_it_write(
+    apart, cli, tmp_path, monkeypatch
+):
     source = TRANSFORMERS / "gpt2_legacy.onnx"
     assert cli(tmp_path, "optimize", source, "-o", "beside.onnx", "--no-check", "-q").returncode == 0
     monkeypatch.setattr(validation, "CHILD_NODES", 10**9)
