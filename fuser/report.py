@@ -397,7 +397,50 @@ def batch_envelope(command: str, reports: list[dict], **fields) -> dict:
 
 
 def dumps(report: dict) -> str:
-    return json.dumps(report, indent=2, sort_keys=False, allow_nan=False, default=_plain)
+    """The report as JSON, indented two spaces, with each entry of its logs on a line of its own:
+    a list of flat objects (a rewrite, a decline: no object or list of objects inside; the first
+    one decides) puts one per line, and a list of plain values stays on one line. Those are
+    written by json's C encoder: the pure-Python one that indenting takes spent 2.7 s on the 333k
+    rewrites of a million-node model's report (0.27 s for 100k nodes; 0.12 s written this way)."""
+    parts: list[str] = []
+    _dump(report, "", parts)
+    return "".join(parts)
+
+
+_ONE_LINE = json.JSONEncoder(separators=(", ", ": "), allow_nan=False, default=lambda value: _plain(value))
+
+
+def _dump(value, indent: str, parts: list[str]) -> None:
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        parts.append("{")
+        for index, (key, item) in enumerate(value.items()):
+            parts.append(("\n" if index == 0 else ",\n") + inner + json.dumps(str(key)) + ": ")
+            _dump(item, inner, parts)
+        parts.append("\n" + indent + "}")
+    elif isinstance(value, (list, tuple)) and any(isinstance(item, (dict, list, tuple)) for item in value):
+        parts.append("[\n" + inner)
+        if _flat(value[0]):
+            parts.append((",\n" + inner).join(map(_ONE_LINE.encode, value)))
+        else:
+            for index, item in enumerate(value):
+                if index:
+                    parts.append(",\n" + inner)
+                _dump(item, inner, parts)
+        parts.append("\n" + indent + "]")
+    else:
+        parts.append(_ONE_LINE.encode(value))
+
+
+def _flat(value) -> bool:
+    """An object whose values are plain values or lists of them, or such a list: one line."""
+    values = value.values() if isinstance(value, dict) else [value]
+    for item in values:
+        if isinstance(item, dict):
+            return False
+        if isinstance(item, (list, tuple)) and any(isinstance(i, (dict, list, tuple)) for i in item):
+            return False
+    return True
 
 
 def _plain(value):
@@ -462,7 +505,10 @@ def markdown(report: dict, title: str | None = None) -> str:
     for key, title in (("blamed", "Blamed rewrites"), ("dropped", "Dropped rewrites")):
         if report.get(key):
             lines += [f"{title}:", ""]
-            lines += [f"- `{r['rule']}` on {', '.join(r['matched'])}" + (f": {r['failure']}" if r.get("failure") else "") for r in report[key]]
+            lines += [
+                f"- `{r['rule']}` on {', '.join(r['matched'])}" + (f": {r['failure']}" if r.get("failure") else "")
+                for r in report[key]
+            ]
             lines += [""]
     declines = report.get("declines") or []
     if declines:

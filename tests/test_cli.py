@@ -147,6 +147,9 @@ def test_json_report_matches_its_schema(resnet, tmp_path):
     assert on_disk["rule_counts"] == {"conv-bn-fold": 8, "matmul-add-gemm": 1}
     assert on_disk["numerics"]["passed"] is True
     assert len(on_disk["rewrites"]) == 9 and on_disk["nodes_before"] == 30 and on_disk["nodes_after"] == 21
+    lines = report_path.read_text().splitlines()
+    assert sum(line.startswith('    {"index": ') for line in lines) == 9  # the log's entries, one a line
+    assert any(line.startswith('  "rules": ["') for line in lines)  # a list of plain values: one line
 
 
 def test_error_report_matches_its_schema(tmp_path):
