@@ -776,13 +776,16 @@ class Graph:
         self.fill_proto(graph, weights)
         return graph
 
-    def fill_proto(self, graph: GraphProto, weights: bool = True, apart: bool = False) -> None:
+    def fill_proto(self, graph: GraphProto, weights: bool = True, apart: bool = False) -> list[NodeProto] | None:
         """Write the graph into the empty `graph` (building in place saves a copy of the weights).
-        apart: leave this graph's initializers out, for a ModelParts to hold."""
+        apart: leave this graph's initializers and nodes out, for a ModelParts to hold; the nodes
+        (the graph's own NodeProtos, not copies) are returned, in order."""
         with paused_gc():
             graph.MergeFrom(self._shell)
             graph.input.extend(self._inputs.values())
-            graph.node.extend(self._node_proto(self.node(i), weights) for i in self.topological_order())
+            nodes = [self._node_proto(self.node(i), weights) for i in self.topological_order()]
+            if not apart:
+                graph.node.extend(nodes)
             # A skeleton's main graph lists its weights as typed inputs; an If/Loop/Scan body's
             # inputs are fixed by its node, so a body keeps its weights, as it must.
             if not weights and self.outer is None:
@@ -790,6 +793,7 @@ class Graph:
             elif not apart:
                 graph.initializer.extend(self._initializers.values())
             graph.value_info.extend(self.live_value_info())
+        return nodes if apart else None
 
     def live_value_info(self) -> list[onnx.ValueInfoProto]:
         """The scope's annotations of tensors it holds: one of a tensor a rewrite removed, or of
@@ -826,13 +830,30 @@ class Graph:
 class ModelParts:
     """A model as ONNX with its main graph's initializers held apart: the loaded model's own
     tensors, where a ModelProto holding them would hold a copy of every weight. Writing it
-    (fuser.model.write_model) streams them and checking it feeds them (fuser.verify)."""
+    (fuser.model.write_model) streams them and checking it feeds them (fuser.verify). Its main
+    graph's nodes are held apart too, as the graph's own NodeProtos, until `proto` is asked
+    for: writing streams them, where putting them in the ModelProto copies each (2.7 s and the
+    nodes' memory again for a million nodes)."""
 
-    proto: ModelProto  # the model without its main graph's initializers
+    shell: ModelProto  # the model without its main graph's initializers, and without the nodes `nodes` holds
     initializers: list[TensorProto]
     # Where the initializers' data is read from (Model.tensors): weights read in place from the
     # model's file are external data to onnxruntime, inline weights to write_model.
     tensors: TensorStore | None = None
+    nodes: list[NodeProto] | None = None  # the main graph's nodes, in order, while not in `shell`
+
+    @property
+    def proto(self) -> ModelProto:
+        """The model without its main graph's initializers (the nodes held apart put in it)."""
+        if self.nodes is not None:
+            self.shell.graph.node.extend(self.nodes)
+            self.nodes = None
+        return self.shell
+
+    def graph_protos(self) -> Iterator[GraphProto]:
+        """The main graph (without the nodes held apart) and every body nested in its nodes."""
+        yield self.shell.graph
+        yield from nested_graph_protos(self.shell.graph.node if self.nodes is None else self.nodes)
 
     def joined(self) -> ModelProto:
         """The whole model as one ModelProto (a copy of the weights; those read in place from the
@@ -880,7 +901,12 @@ def opset_versions(model: ModelProto) -> dict[str, int]:
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
     """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
     yield graph
-    for node in graph.node:
+    yield from nested_graph_protos(graph.node)
+
+
+def nested_graph_protos(nodes: Iterable[NodeProto]) -> Iterator[GraphProto]:
+    """Every If/Loop/Scan body nested in `nodes`, outermost first."""
+    for node in nodes:
         if not may_hold_graphs(node):
             continue
         for attribute in node.attribute:

@@ -28,7 +28,6 @@ from fuser.graph import (
     as_proto,
     copy_fields_except,
     opset_versions,
-    split_parts,
 )
 from fuser.match import InferredTypes
 from fuser.progress import Progress, Ticker
@@ -182,8 +181,8 @@ class Model:
         """The model as ONNX with its main graph's initializers held apart, not copied (ModelParts)."""
         proto = ModelProto()
         proto.CopyFrom(self._written_shell())
-        self.graph.fill_proto(proto.graph, apart=True)
-        return ModelParts(proto, self.graph.initializers(), self.tensors)
+        nodes = self.graph.fill_proto(proto.graph, apart=True)
+        return ModelParts(proto, self.graph.initializers(), self.tensors, nodes)
 
     def self_contained(self, proto: ModelProto) -> ModelProto:
         """`proto`, a model built from this one (changed in place), with the weights read in place
@@ -367,8 +366,8 @@ def writes_external_data(model: ModelProto | ModelParts | Model, mode: str, stor
         tensors = list(model.initializers())
     else:
         store = _store_of(model, store)
-        proto, main = split_parts(model)
-        tensors = [*main, *(t for g in list(all_graph_protos(proto.graph))[1:] for t in g.initializer)]
+        _, main, _ = _written_parts(model)
+        tensors = [*main, *(t for g in list(_graph_protos(model))[1:] for t in g.initializer)]
     if mode == "always":
         return True
     too_large = sum(nbytes(t) for t in tensors) > PROTOBUF_LIMIT
@@ -410,14 +409,16 @@ def write_model(
     store = _store_of(model, tensors, source_dir)
     external = writes_external_data(model, external_data, store)
     _make_parent(path)
-    proto, main = split_parts(model)
-    nested = [t for g in list(all_graph_protos(proto.graph))[1:] for t in g.initializer]
+    proto, main, nodes = _written_parts(model)
+    nested = [t for g in list(_graph_protos(model))[1:] for t in g.initializer]
     if any(uses_external_data(t) for t in nested) or (external and nested):
         # weights inside If/Loop/Scan bodies: rare and small
         return _write_copy(as_proto(model), path, store, external)
     if not external:
         ticker = Ticker(progress, "write", total=len(main))
-        _write_atomically(path, lambda stream: _write_streaming(proto, main, stream, ticker, inline_from=store))
+        _write_atomically(
+            path, lambda stream: _write_streaming(proto, main, stream, ticker, inline_from=store, nodes=nodes)
+        )
         return [path]
     data_path = external_data_path(path)
     refuse_input_data_file(data_path, list(main), store)
@@ -441,8 +442,22 @@ def write_model(
     if outside:
         _write_atomically(data_path, write_data)
     emitted = _LazyList(main, pointers)
-    _write_atomically(path, lambda stream: _write_streaming(proto, emitted, stream, ticker))
+    _write_atomically(path, lambda stream: _write_streaming(proto, emitted, stream, ticker, nodes=nodes))
     return [path, data_path] if outside else [path]
+
+
+def _written_parts(model: ModelProto | ModelParts) -> tuple[ModelProto, list[TensorProto], list | None]:
+    """What write_model streams: the model without (or, for a ModelProto, beside) its main
+    graph's initializers, those initializers, and the main graph's nodes a ModelParts holds
+    apart (None when they are in the model)."""
+    if isinstance(model, ModelParts):
+        return model.shell, model.initializers, model.nodes
+    return model, model.graph.initializer, None
+
+
+def _graph_protos(model: ModelProto | ModelParts):
+    """The model's main graph and every body nested in it, without putting a ModelParts' nodes in it."""
+    return model.graph_protos() if isinstance(model, ModelParts) else all_graph_protos(model.graph)
 
 
 class _LazyList:
@@ -490,10 +505,16 @@ def _write_copy(model: ModelProto, path: Path, store: TensorStore, external: boo
 
 
 def _write_streaming(
-    model: ModelProto, initializers, stream, ticker: Ticker | None = None, inline_from: TensorStore | None = None
+    model: ModelProto,
+    initializers,
+    stream,
+    ticker: Ticker | None = None,
+    inline_from: TensorStore | None = None,
+    nodes=None,
 ) -> None:
     """Write `model` with `initializers` as its main graph's initializers, one tensor at a time;
-    with `inline_from`, those in external data are written inline, read one at a time.
+    with `inline_from`, those in external data are written inline, read one at a time; `nodes`,
+    if given, as its main graph's nodes (the model then has none).
 
     The bytes equal model.SerializeToString(deterministic=True) of that model: protobuf writes
     fields in field-number order, so the parts before and after the initializers are serialized
@@ -506,7 +527,8 @@ def _write_streaming(
     graph_head, graph_tail = _split_fields(
         graph, GRAPH_INITIALIZER_FIELD, skip={GRAPH_NODE_FIELD, GRAPH_INITIALIZER_FIELD}
     )
-    node_sizes = [node.ByteSize() for node in graph.node]
+    nodes = graph.node if nodes is None else nodes
+    node_sizes = [node.ByteSize() for node in nodes]
 
     # For each tensor whose data is read in: what comes before and after the data, and its size.
     inlined = [
@@ -518,7 +540,7 @@ def _write_streaming(
     graph_size += sum(1 + len(encode_varint(size)) + size for size in (*node_sizes, *sizes))
     stream.write(model_head.SerializeToString(deterministic=True))
     stream.write(field_key(MODEL_GRAPH_FIELD) + encode_varint(graph_size))
-    for node, size in zip(graph.node, node_sizes):
+    for node, size in zip(nodes, node_sizes):
         stream.write(field_key(GRAPH_NODE_FIELD) + encode_varint(size) + node.SerializeToString(deterministic=True))
     stream.write(graph_head.SerializeToString(deterministic=True))
     for tensor, size, parts in zip(initializers, sizes, inlined):

@@ -313,14 +313,30 @@ def _if_model() -> onnx.ModelProto:
 def test_parts_write_the_bytes_of_the_whole_model(tmp_path, build, external_data):
     model = Model(build())
     parts = model.parts()
-    assert list(parts.proto.graph.initializer) == []
-    assert parts.joined() == model.to_proto()
     apart = write_model(parts, tmp_path / "apart.onnx", source_dir=None, external_data=external_data)
+    if build is mlp:  # (weights inside a body are written from a whole copy of the model)
+        assert parts.nodes is not None  # streamed from the graph's own nodes, not put in the model
     whole = write_model(model.to_proto(), tmp_path / "whole.onnx", source_dir=None, external_data=external_data)
     assert [p.name.replace("apart", "") for p in apart] == [p.name.replace("whole", "") for p in whole]
     for a, w in zip(apart, whole):
         # the data file's name is inside the model file: compare after naming both alike
         assert a.read_bytes().replace(b"apart", b"whole") == w.read_bytes()
+    assert list(parts.proto.graph.initializer) == []
+    assert parts.joined() == model.to_proto()
+
+
+def test_parts_hold_the_graphs_own_nodes_until_the_model_is_asked_for():
+    model = Model(_if_model())
+    parts = model.parts()
+    graph = model.graph
+    order = graph.topological_order()
+    assert len(parts.nodes) == len(order) == 4 and all(n is graph.node(i).proto for n, i in zip(parts.nodes, order))
+    assert len(parts.shell.graph.node) == 0
+    names = [g.name for g in parts.graph_protos()]
+    assert names[0] == parts.shell.graph.name and sorted(names[1:]) == ["branch1.0", "branch2.0"]
+    assert len(parts.nodes) == 4  # finding the bodies left the nodes apart
+    assert [n.op_type for n in parts.proto.graph.node] == ["MatMul", "Reshape", "Relu", "If"]
+    assert parts.nodes is None and len(parts.shell.graph.node) == 4
 
 
 def test_parts_hold_the_models_own_weights_not_copies():
