@@ -859,7 +859,9 @@ class ModelParts:
         """The whole model as one ModelProto (a copy of the weights; those read in place from the
         model's file stay references to it)."""
         model = ModelProto()
-        model.CopyFrom(self.proto)
+        model.CopyFrom(self.shell)
+        if self.nodes is not None:
+            model.graph.node.extend(self.nodes)
         model.graph.initializer.extend(self.initializers)
         return model
 

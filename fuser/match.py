@@ -82,7 +82,7 @@ class _Plan:
     # node), the slots of its const leaves: asked first, they turn most nodes away at once.
     const_slots: tuple[int, ...] | None = None
     # Per input order, (slot, op types) of each required op input: a node matches only where
-    # some order has a producer of those types at each of those slots (may_match).
+    # some order has a producer of those types at each of those slots (_may_match).
     producers: tuple[tuple[tuple[int, tuple[str, ...]], ...], ...] = ((),)
 
 
