@@ -20,7 +20,9 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
+from typing import IO
 
 import onnx
 from onnx import ModelProto
@@ -33,11 +35,12 @@ from fuser.match import InferredTypes, inferred_types
 # forking (a copy of this process's page tables, a new interpreter's exit) costs more than
 # the overlap gains: the 10k-node MLP stack's check takes 0.2 s.
 CHILD_NODES = 20_000
-# The child holds the check's memory while this process builds the graph and rewrites: what
-# the check adds at its peak (a skeleton, onnx's two parses of it, the inferred model and its
-# types: 1.8 GB for the million-node MLP stack, 0.18 and 0.33 GB for the 100k-node stacks) and
-# what the graph then adds here (3.4 GB for the million nodes), per node. A machine without
-# that much memory available checks here, first, as the two then never hold memory together.
+# The child holds the check's memory while this process builds the graph (it exits when done,
+# its outcome left in a file): what the check adds at its peak (a skeleton, onnx's two parses
+# of it, the inferred model and its types: 1.8 GB for the million-node MLP stack, 0.18 and 0.33
+# GB for the 100k-node stacks) and what the graph then adds here (3.4 GB for the million
+# nodes), per node. A machine without that much memory available checks here, first, as the
+# two then never hold memory together.
 CHILD_BYTES_PER_NODE = 2_000
 GRAPH_BYTES_PER_NODE = 4_000
 
@@ -54,7 +57,7 @@ class Validation:
         self._path = path
         self._outcome: tuple[str, object, Exception | None] | None = None
         self._wants_types = True
-        self._child: tuple[int, int] | None = None  # (pid, read end of its pipe)
+        self._child: tuple[int, IO[bytes]] | None = None  # (pid, the file it writes its outcome to)
         if apart and _worth_a_child(_nodes(model)):
             self._child = _fork_check(model)
         if self._child is None:
@@ -90,34 +93,33 @@ class Validation:
         """Stop and reap the child, if it still runs (the load failed, or was interrupted)."""
         if self._child is None:
             return
-        pid, pipe = self._child
+        pid, outcome = self._child
         self._child = None
         self._model = None
-        os.close(pipe)
         try:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+        outcome.close()
 
     def __del__(self) -> None:
         self.close()
 
     def _collect(self) -> tuple[str, object, Exception | None]:
-        pid, pipe = self._child
-        chunks = []
-        with os.fdopen(pipe, "rb", closefd=True) as reader:
-            while chunk := reader.read(1 << 20):
-                chunks.append(chunk)
+        pid, outcome = self._child
         self._child = None
         try:
-            os.waitpid(pid, 0)
+            _, status = os.waitpid(pid, 0)
         except ChildProcessError:
-            pass
+            status = -1
+        with outcome:
+            outcome.seek(0)
+            payload = outcome.read() if status == 0 else b""
         model, self._model = self._model, None
-        if not chunks:  # the child died before it told (killed when memory ran out): check here
+        if not payload:  # the child died before it told (killed when memory ran out): check here
             return _check(model)
-        kind, value = pickle.loads(b"".join(chunks))
+        kind, value = pickle.loads(payload)
         if kind != "types":
             return kind, value, None
         return kind, (_interned(value) if self._wants_types else None), None
@@ -150,33 +152,30 @@ def _worth_a_child(nodes: int) -> bool:
     return available is not None and available >= nodes * (CHILD_BYTES_PER_NODE + GRAPH_BYTES_PER_NODE)
 
 
-def _fork_check(model: ModelProto) -> tuple[int, int] | None:
-    """Fork a child that checks `model` and writes its outcome, pickled, to a pipe; (its pid,
-    the pipe's read end), or None where the fork failed."""
-    read_end, write_end = os.pipe()
+def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
+    """Fork a child that checks `model`, writes its outcome, pickled, to a temporary file and
+    exits, its memory freed as soon as it is done; (its pid, that file), or None where the
+    fork failed."""
+    outcome = tempfile.TemporaryFile()
     try:
         pid = os.fork()
     except OSError:
-        os.close(read_end)
-        os.close(write_end)
+        outcome.close()
         return None
     if pid == 0:  # the child: never returns into the caller's code
         status = 1
         try:
-            os.close(read_end)
             try:
-                outcome = _check(model)
+                checked = _check(model)
             except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
-                outcome = None
-            if outcome is not None:
-                payload = pickle.dumps(outcome[:2], protocol=pickle.HIGHEST_PROTOCOL)
-                with os.fdopen(write_end, "wb") as writer:
-                    writer.write(payload)
+                checked = None
+            if checked is not None:
+                outcome.write(pickle.dumps(checked[:2], protocol=pickle.HIGHEST_PROTOCOL))
+                outcome.flush()
                 status = 0
         finally:
             os._exit(status)
-    os.close(write_end)
-    return pid, read_end
+    return pid, outcome
 
 
 def _interned(found: InferredTypes | None) -> InferredTypes | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import onnx
@@ -86,6 +87,20 @@ def test_a_child_that_dies_before_it_tells_is_replaced_by_a_check_here(apart):
     os.kill(beside._child[0], signal.SIGKILL)  # as the system does when memory runs out
     found = beside.take_types()
     assert found is not None and found.table == Validation(model, "m.onnx", apart=False).take_types().table
+
+
+def test_the_child_exits_when_done_not_when_asked(apart):
+    """Its memory goes as soon as the check is done: the outcome waits in a file, not in the child."""
+    model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
+    beside = Validation(model, "m.onnx")
+    pid = beside._child[0]
+    for _ in range(6000):  # a zombie, once it has exited: nobody has asked it anything yet
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the child did not exit")
+    assert beside.take_types().table == Validation(model, "m.onnx", apart=False).take_types().table
 
 
 def test_closing_stops_and_reaps_the_child(apart):
