@@ -28,6 +28,19 @@ def test_source_kind_names_what_produces_each_tensor():
 W = np.array([1.0, -2.0], F32)
 
 
+def test_an_initializers_value_is_decoded_at_each_ask_and_not_held():
+    """A large model has hundreds of thousands of small weights: their values are read from
+    their TensorProtos when asked, equal each time and read-only, and never kept beside them.
+    What is computed from them is kept."""
+    nodes = [helper.make_node("Neg", ["w"], ["n"], name="neg"), helper.make_node("Add", ["x", "n"], ["y"])]
+    g = Model(make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": W})).graph
+    first, again = g.constant_value("w"), g.constant_value("w")
+    assert first is not again and np.array_equal(first, again) and np.array_equal(first, W)
+    assert not first.flags.writeable
+    assert np.array_equal(g.constant_value("n"), -W)
+    assert set(g._constants._cache) == {"n"}
+
+
 def _negated_relu():
     """Neg(Relu(x)), added to x; w waits as an initializer nothing reads."""
     nodes = [
