@@ -73,6 +73,8 @@ _PLAIN_DTYPES = (
 
 # Comparing tensors: the bytes read first, and the size of the chunks external data is read in.
 FINGERPRINT_HEAD = 64
+# A tensor held inline whose data is at most this many bytes has its fingerprint computed again at each ask.
+KEPT_FINGERPRINT_BYTES = 1 << 12
 _CHUNK = 1 << 20
 
 
@@ -250,13 +252,17 @@ class TensorStore:
 
     def fingerprint(self, tensor: TensorProto, whole: bool = True) -> bytes:
         """Bytes that differ when two tensors' data differ: the first FINGERPRINT_HEAD bytes, or
-        (whole) a BLAKE2b digest of all of them. Computed once per tensor; external data is read
-        in chunks, so comparing weights never holds a second copy of them."""
+        (whole) a BLAKE2b digest of all of them. Computed once for a tensor whose data is read
+        from a file or is large (KEPT_FINGERPRINT_BYTES); a small inline one's, at each ask (the
+        666k weights of the million-node stack held 49 MB of them). External data is read in
+        chunks, so comparing weights never holds a second copy of them."""
+        external = uses_external_data(tensor)
+        kept = external or nbytes(tensor) > KEPT_FINGERPRINT_BYTES
         key = (id(tensor), whole)
-        cached = self._fingerprints.get(key)
+        cached = self._fingerprints.get(key) if kept else None
         if cached is not None and cached[0] is tensor:
             return cached[1]
-        if uses_external_data(tensor):
+        if external:
             if whole:
                 digest = hashlib.blake2b()
                 for chunk in self._chunks(tensor):
@@ -267,7 +273,8 @@ class TensorStore:
         else:
             raw = self.raw_bytes(tensor)
             result = hashlib.blake2b(raw).digest() if whole else raw[:FINGERPRINT_HEAD]
-        self._fingerprints[key] = (tensor, result)  # the tensor is kept so its id is never reused
+        if kept:
+            self._fingerprints[key] = (tensor, result)  # the tensor is kept so its id is never reused
         return result
 
     def _chunks(self, tensor: TensorProto, limit: int | None = None):

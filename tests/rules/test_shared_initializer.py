@@ -164,6 +164,25 @@ def test_fingerprints_tell_external_and_inline_copies_alike(tmp_path):
     assert store.fingerprint(changed) != store.fingerprint(inline)
 
 
+def test_fingerprints_are_kept_for_data_read_from_a_file_or_large_only(tmp_path):
+    """A small inline tensor's fingerprint costs less to compute again than to hold for each
+    of a large model's many weights; reading a file (or hashing much) is done once."""
+    from fuser.tensors import KEPT_FINGERPRINT_BYTES, TensorStore
+
+    big = RNG.standard_normal((40, 40)).astype(np.float32)  # 6400 bytes
+    model = make_model([helper.make_node("Neg", ["stored"], ["y"])], [], [("y", np.float32, [40, 40])], {"stored": big})
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    external = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).graph.initializer[0]
+    small = onnx.numpy_helper.from_array(big[:2], "small")
+    large = onnx.numpy_helper.from_array(big, "large")
+    assert onnx.numpy_helper.to_array(small).nbytes <= KEPT_FINGERPRINT_BYTES < big.nbytes
+    store = TensorStore(tmp_path)
+    for tensor in (external, small, large):
+        first = store.fingerprint(tensor, whole=True)
+        assert store.fingerprint(tensor, whole=True) == first
+    assert {key[0] for key in store._fingerprints} == {id(external), id(large)}
+
+
 def test_equal_initializers_inside_a_branch_become_one_there():
     onnx_float = helper.np_dtype_to_tensor_dtype(np.dtype(np.float32))
     then_branch = helper.make_graph(
