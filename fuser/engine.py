@@ -26,7 +26,7 @@ from fuser.qdq import is_qdq_op, quantized_unit, quantizes
 from fuser.rule import Builder, Change, Rule, as_outputs
 
 
-@dataclass
+@dataclass(slots=True)  # no dict per instance: a large model's log holds hundreds of thousands
 class Rewrite:
     """One applied rewrite: which rule, where, what it replaced and what it created."""
 
