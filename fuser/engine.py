@@ -19,8 +19,9 @@ from onnx import NodeProto
 from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
 from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
-from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches
+from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches, matches_where_it_may, may_match
 from fuser.model import Model
+from fuser.pattern import OpPattern
 from fuser.progress import Progress, Ticker
 from fuser.qdq import is_qdq_op, quantized_unit, quantizes
 from fuser.rule import Builder, Change, Rule, as_outputs
@@ -474,7 +475,10 @@ class Engine:
             nominated = self._nominated.get(id(candidate))
             if nominated is not None and node_id not in nominated and node_id not in self._released:
                 continue
-            for pattern, bindings in _guarded_matches(graph, candidate, node_id, self._present):
+            patterns = _fitting_patterns(graph, candidate, node_id, self._present)
+            if not patterns:  # what most tries of most nodes end with
+                continue
+            for pattern, bindings in _guarded_matches(graph, candidate, node_id, patterns):
                 match = Match(graph, pattern, bindings, self._types, self.context)
                 if self._vetoed(candidate, scope, match):
                     continue
@@ -824,11 +828,12 @@ def _same_nodes(nodes: list[NodeProto], others: list[NodeProto]) -> bool:
     return sorted(map(signature, nodes)) == sorted(map(signature, others))
 
 
-def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict):
-    """(pattern, bindings) for every match of each of the rule's patterns, with a crash in
-    its attribute predicates reported as the rule's bug. `present` caches which op types the
-    graph has: a pattern needing one it lacks is not tried (the node that would complete it
-    is new when it comes, and the engine revisits the nodes below a new node)."""
+def _fitting_patterns(graph: Graph, candidate: Rule, node_id: int, present: dict) -> list[OpPattern]:
+    """The rule's patterns whose root and required producers fit the node (may_match), with a
+    crash reported as the rule's bug. `present` caches which op types the graph has: a pattern
+    needing one it lacks is not tried (the node that would complete it is new when it comes,
+    and the engine revisits the nodes below a new node)."""
+    fitting = []
     known = None
     for pattern, needs in zip(candidate.alternatives, candidate.needs):
         if needs:
@@ -836,7 +841,19 @@ def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, present: dict)
                 known = _present_in(graph, present)
             if not all(_present(graph, need, known) for need in needs):
                 continue
-        matches = find_matches(graph, pattern, node_id)
+        try:
+            if may_match(graph, pattern, node_id):
+                fitting.append(pattern)
+        except Exception as error:  # noqa: BLE001
+            raise RuleError(candidate, f"its pattern raised {type(error).__name__}: {error}", error) from error
+    return fitting
+
+
+def _guarded_matches(graph: Graph, candidate: Rule, node_id: int, patterns: list[OpPattern]):
+    """(pattern, bindings) for every match of each of `patterns` (_fitting_patterns), with a
+    crash in its attribute predicates reported as the rule's bug."""
+    for pattern in patterns:
+        matches = matches_where_it_may(graph, pattern, node_id)
         while True:
             try:
                 yield pattern, next(matches)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,12 +34,17 @@ class Bindings:
 
 def find_matches(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindings]:
     """Every way `pattern` matches with its root at node `root` (usually zero or one)."""
-    if not _may_match(graph, pattern, root):
+    if not may_match(graph, pattern, root):
         return iter(())
     return _match_op(graph, pattern, root, Bindings())
 
 
-def _may_match(graph: Graph, pattern: OpPattern, root: int) -> bool:
+def matches_where_it_may(graph: Graph, pattern: OpPattern, root: int) -> Iterator[Bindings]:
+    """find_matches at a root where may_match holds (asked already, it is not asked again)."""
+    return _match_op(graph, pattern, root, Bindings())
+
+
+def may_match(graph: Graph, pattern: OpPattern, root: int) -> bool:
     """Whether the root and the op types of its required producers fit `pattern`: what turns
     away most nodes, asked before any matching state is built (an engine tries each node of a
     large graph against every rule rooted at its op type, and few of them match)."""
@@ -82,7 +87,7 @@ class _Plan:
     # node), the slots of its const leaves: asked first, they turn most nodes away at once.
     const_slots: tuple[int, ...] | None = None
     # Per input order, (slot, op types) of each required op input: a node matches only where
-    # some order has a producer of those types at each of those slots (_may_match).
+    # some order has a producer of those types at each of those slots (may_match).
     producers: tuple[tuple[tuple[int, tuple[str, ...]], ...], ...] = ((),)
 
 
