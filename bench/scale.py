@@ -4,7 +4,9 @@
                           [--real PATH.onnx] [--no-check-only] [--dir /tmp/fuser-scale]
 
 Every measurement is its own process, so its peak memory (max RSS, from the kernel's rusage
-of that child) is its own. Per model it runs, interleaved:
+of that child, and of the child fuser forks to check a large model) is its own; `tree GB` is
+the peak of the memory fuser and that child hold together (their proportional set sizes,
+summed, sampled four times a second). Per model it runs, interleaved:
 
 * `onnx load+save`: `onnx.save(onnx.load(model))`, the floor for any Python tool;
 * `fuser optimize --no-check`, and `fuser optimize` (with the onnxruntime numerics check).
@@ -114,18 +116,54 @@ def _model(nodes, inits, source: str, result: str, shape) -> onnx.ModelProto:
 ONNX_ROUND_TRIP = "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])"
 
 
-def measure(command: list[str]) -> tuple[float, float, int]:
-    """Wall seconds, peak RSS in GB and exit code of `command`, run as a child of its own."""
+def measure(command: list[str]) -> tuple[float, float, float | None, int]:
+    """Wall seconds, peak RSS in GB, peak memory of the process tree in GB and exit code of
+    `command`, run as a child of its own. The peak RSS is the kernel's, of the child and of
+    any child of its own it waited for (fuser checks a large model in one while it builds the
+    graph); the tree's is the sum of their proportional set sizes (shared pages counted once),
+    sampled every TREE_SAMPLE seconds, which the RSS of each alone does not show (None where
+    /proc cannot tell it)."""
     started = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
+    tree, sampled = 0.0, 0.0
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        now = time.perf_counter()
+        if tree is not None and now - sampled >= TREE_SAMPLE:
+            sampled = now
+            size = _tree_pss(child.pid)
+            tree = None if size is None else max(tree, size)
+        time.sleep(0.02)
     seconds = time.perf_counter() - started
     child.returncode = os.waitstatus_to_exitcode(status)
     error = child.stderr.read().decode(errors="replace").strip()
     child.stderr.close()
     if child.returncode not in (0,):
         print(f"    {' '.join(command[:4])}... exited {child.returncode}: {error.splitlines()[-1:]}", file=sys.stderr)
-    return seconds, usage.ru_maxrss / 1e6, child.returncode  # ru_maxrss is in KiB on Linux
+    return seconds, usage.ru_maxrss / 1e6, tree, child.returncode  # ru_maxrss is in KiB on Linux
+
+
+TREE_SAMPLE = 0.25  # seconds between samples of the process tree's memory (each walks its pages)
+
+
+def _tree_pss(root: int) -> float | None:
+    """The summed proportional set size of `root` and its descendants, in GB (None off Linux)."""
+    total, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as handle:
+                total += next(int(line.split()[1]) for line in handle if line.startswith("Pss:"))
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as handle:
+                    pending.extend(int(child) for child in handle.read().split())
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        except (OSError, StopIteration, ValueError):
+            return None
+    return total / 1e6
 
 
 def fuser_command(model: Path, output: Path, report: Path, check: bool) -> list[str]:
@@ -153,7 +191,7 @@ def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list
     reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
     for check in checks:
         report = workdir / "report.json"
-        seconds, peak, code = measure(fuser_command(path, workdir / "out.onnx", report, check))
+        seconds, peak, tree, code = measure(fuser_command(path, workdir / "out.onnx", report, check))
         rows.append(
             {
                 "model": label,
@@ -163,6 +201,7 @@ def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list
                 "onnx_gb": reference[1],
                 "fuser_s": seconds,
                 "fuser_gb": peak,
+                "tree_gb": tree,
                 "exit": code,
                 "stages": stage_times(report),
             }
@@ -173,9 +212,13 @@ def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list
 STAGES = ["load", "rewrite", "check", "blame", "write"]  # the report's timings (fuser/progress.py)
 
 
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def header() -> str:
     text = (
-        f"{'model':<16} {'nodes':>8} {'mode':<8} {'onnx s':>7} {'onnx GB':>8} {'fuser s':>8} {'fuser GB':>9} "
+        f"{'model':<16} {'nodes':>8} {'mode':<8} {'onnx s':>7} {'onnx GB':>8} {'fuser s':>8} {'fuser GB':>9} {'tree GB':>8} "
         f"{'time x':>7} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
     )
     return text + "\n" + "-" * len(text)
@@ -185,7 +228,7 @@ def line(row: dict) -> str:
     times = " ".join(f"{row['stages'][s]:>7.2f}" if s in row["stages"] else f"{'-':>7}" for s in STAGES)
     return (
         f"{row['model']:<16} {row['nodes']:>8} {row['mode']:<8} {row['onnx_s']:>7.2f} {row['onnx_gb']:>8.2f} "
-        f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {row['fuser_s'] / row['onnx_s']:>7.1f} "
+        f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {_gb(row['tree_gb']):>8} {row['fuser_s'] / row['onnx_s']:>7.1f} "
         f"{row['fuser_gb'] / row['onnx_gb']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
         + ("" if row["exit"] == 0 else f"  exit {row['exit']}")
     )
