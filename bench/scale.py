@@ -150,19 +150,19 @@ TREE_SAMPLE = 0.25  # seconds between samples of the process tree's memory (each
 
 def _tree_pss(root: int) -> float | None:
     """The summed proportional set size of `root` and its descendants, in GB (None off Linux)."""
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        return None
     total, pending = 0, [root]
     while pending:
         pid = pending.pop()
         try:
             with open(f"/proc/{pid}/smaps_rollup") as handle:
-                total += next(int(line.split()[1]) for line in handle if line.startswith("Pss:"))
+                total += next((int(line.split()[1]) for line in handle if line.startswith("Pss:")), 0)
             for task in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{task}/children") as handle:
                     pending.extend(int(child) for child in handle.read().split())
-        except FileNotFoundError:  # it ended meanwhile
+        except (OSError, ValueError):  # it ended meanwhile
             continue
-        except (OSError, StopIteration, ValueError):
-            return None
     return total / 1e6
 
 
