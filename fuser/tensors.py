@@ -256,13 +256,11 @@ class TensorStore:
         from a file or is large (KEPT_FINGERPRINT_BYTES); a small inline one's, at each ask (the
         666k weights of the million-node stack held 49 MB of them). External data is read in
         chunks, so comparing weights never holds a second copy of them."""
-        external = uses_external_data(tensor)
-        kept = external or nbytes(tensor) > KEPT_FINGERPRINT_BYTES
         key = (id(tensor), whole)
-        cached = self._fingerprints.get(key) if kept else None
+        cached = self._fingerprints.get(key)
         if cached is not None and cached[0] is tensor:
             return cached[1]
-        if external:
+        if uses_external_data(tensor):
             if whole:
                 digest = hashlib.blake2b()
                 for chunk in self._chunks(tensor):
@@ -273,8 +271,9 @@ class TensorStore:
         else:
             raw = self.raw_bytes(tensor)
             result = hashlib.blake2b(raw).digest() if whole else raw[:FINGERPRINT_HEAD]
-        if kept:
-            self._fingerprints[key] = (tensor, result)  # the tensor is kept so its id is never reused
+            if len(raw) <= KEPT_FINGERPRINT_BYTES:
+                return result
+        self._fingerprints[key] = (tensor, result)  # the tensor is kept so its id is never reused
         return result
 
     def _chunks(self, tensor: TensorProto, limit: int | None = None):
