@@ -30,7 +30,7 @@ import itertools
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
@@ -104,7 +104,6 @@ _NO_BODIES: dict = {}
 _NO_READS: dict = {}  # of a weight nothing reads; never written to
 
 
-@dataclass(slots=True)  # no per-instance dict: a graph holds one per node
 class NodeInfo:
     """What a rule or the engine may read about one op node.
 
@@ -113,20 +112,21 @@ class NodeInfo:
     each, and a hash to compute again), and the matcher and the engine read them millions of
     times on a large graph. Only Graph changes a node's inputs, and it keeps them current."""
 
-    id: int
-    proto: NodeProto
-    subgraphs: dict[str, list["Graph"]] = field(default_factory=dict)
-    op_type: str = field(init=False)
-    domain: str = field(init=False)
-    input_names: tuple[str, ...] = field(init=False)  # interned, "" for an absent optional input
-    output_names: tuple[str, ...] = field(init=False)
+    # No dict per instance: a graph holds one per node.
+    __slots__ = ("id", "proto", "subgraphs", "op_type", "domain", "input_names", "output_names")
 
-    def __post_init__(self) -> None:
-        proto = self.proto
-        self.op_type = sys.intern(proto.op_type)
-        self.domain = sys.intern(proto.domain)
-        self.input_names = tuple(map(sys.intern, proto.input))
-        self.output_names = tuple(map(sys.intern, proto.output))
+    def __init__(self, id: int, proto: NodeProto, subgraphs: dict[str, list[Graph]] | None = None) -> None:
+        self.id = id
+        self.proto = proto
+        self.subgraphs = {} if subgraphs is None else subgraphs
+        intern = sys.intern
+        self.op_type = intern(proto.op_type)
+        self.domain = intern(proto.domain)
+        self.input_names = tuple(map(intern, proto.input))  # "" for an absent optional input
+        self.output_names = tuple(map(intern, proto.output))
+
+    def __repr__(self) -> str:
+        return f"NodeInfo(id={self.id}, op_type={self.op_type!r}, name={self.proto.name!r})"
 
     @property
     def name(self) -> str:
@@ -274,15 +274,17 @@ class Graph:
 
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
-        subgraphs: dict[str, list[Graph]] = {}
-        for attribute in proto.attribute if may_hold_graphs(proto) else ():
-            if attribute.type == AttributeProto.GRAPH:
-                subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
-            elif attribute.type == AttributeProto.GRAPHS:
-                subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
-        info = NodeInfo(node_id, proto, subgraphs or _NO_BODIES)
-        if subgraphs:
-            self._holders[node_id] = None
+        info = NodeInfo(node_id, proto, _NO_BODIES)
+        if info.op_type not in graphless_op_types() or info.domain not in _DEFAULT_DOMAINS:  # may_hold_graphs
+            subgraphs: dict[str, list[Graph]] = {}
+            for attribute in proto.attribute:
+                if attribute.type == AttributeProto.GRAPH:
+                    subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
+                elif attribute.type == AttributeProto.GRAPHS:
+                    subgraphs[attribute.name] = [self._subgraph(g, node_id) for g in attribute.graphs]
+            if subgraphs:
+                info.subgraphs = subgraphs
+                self._holders[node_id] = None
         self._add_vertex(node_id, kind=OP, info=info, key=key, provenance=provenance)
         self.names.add(proto.name)
         for index, output in enumerate(info.output_names):
