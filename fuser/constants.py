@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
-from onnx import NodeProto, numpy_helper
+from onnx import NodeProto, TensorProto, numpy_helper
 
 if TYPE_CHECKING:
     from fuser.graph import Graph
@@ -150,8 +150,9 @@ class ConstantValues:
             return cached if cached.nbytes <= max_bytes else None
         if tensor in self._not_constant:
             return None
-        if self._graph.source_kind(tensor) == "initializer":
-            return self._leaf_value(tensor, max_bytes)  # nothing to evaluate: most queries are weights
+        graph = self._graph
+        if graph.source_kind(tensor) == "initializer":  # nothing to evaluate: most queries are weights
+            return self._stored_value(graph.initializer(tensor), max_bytes)
         order = self._dependencies(tensor)
         if order is None:
             return None
@@ -210,10 +211,13 @@ class ConstantValues:
         kind = graph.source_kind(tensor)
         if kind == "outer":
             return graph.outer.constant_value(tensor, max_bytes)
-        proto = graph.initializer(tensor) if kind == "initializer" else None
-        if proto is None:  # not an initializer, or a sparse one, which stays opaque
+        return self._stored_value(graph.initializer(tensor) if kind == "initializer" else None, max_bytes)
+
+    def _stored_value(self, proto: TensorProto | None, max_bytes: int) -> np.ndarray | None:
+        """An initializer's value, read-only; None for none, or a sparse one, which stays opaque."""
+        if proto is None:
             return None
-        value = graph.tensors.value(proto, max_bytes)
+        value = self._graph.tensors.value(proto, max_bytes)
         if value is not None:
             value.flags.writeable = False
         return value

@@ -36,7 +36,9 @@ def cast_finite(m: Match, what: str, value: np.ndarray, dtype) -> np.ndarray:
     it, and an inf weight would give inf outputs the original never had.
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        cast = np.asarray(value).astype(dtype)
+        cast = np.asarray(value).astype(dtype, copy=False)
+    if np.isfinite(cast).all():  # asked once per folded tensor of a large model: the plain case first
+        return cast
     bad = ~np.isfinite(cast)
     if bad.any():
         largest = float(np.nanmax(np.abs(np.asarray(value, np.float64)))) if np.isfinite(value).any() else float("nan")

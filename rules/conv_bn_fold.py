@@ -58,9 +58,12 @@ def conv_bn_fold(m: Match, b: Builder):
     channels = weight.shape[1] * group if transpose else weight.shape[0]
     params = {name: m.value(name) for name in ("scale", "beta", "mean", "var")}
     for name, value in params.items():
-        m.require(value.shape == (channels,), "BatchNormalization %s has shape %s, not (%d,)", name, value.shape, channels)
+        m.require(
+            value.shape == (channels,), "BatchNormalization %s has shape %s, not (%d,)", name, value.shape, channels
+        )
     epsilon = float(m.attr("bn", "epsilon", 1e-5))
-    m.require(bool(np.all(params["var"].astype(np.float64) + epsilon > 0)), "variance + epsilon is not positive")
+    variance = params["var"].astype(np.float64)
+    m.require(bool((variance + epsilon > 0).all()), "variance + epsilon is not positive")
     bias = m.value("b")
     m.require(bias is None or bias.shape == (channels,), "the convolution bias does not have one value per channel")
     new_weight, new_bias = fold_conv_bn(
@@ -69,7 +72,7 @@ def conv_bn_fold(m: Match, b: Builder):
         params["scale"],
         params["beta"],
         params["mean"],
-        params["var"],
+        variance,
         epsilon,
         transpose=transpose,
         group=group,
