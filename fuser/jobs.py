@@ -28,7 +28,7 @@ from pathlib import Path
 
 import onnx
 
-from fuser import api, verify
+from fuser import api, validation, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, UsageError
 from fuser.graph import paused_gc
@@ -556,6 +556,7 @@ def _work(job: OptimizeJob, sender) -> None:
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads
+    validation.CORES = job.threads
     outcome = optimize_file(job)
     sender.send(outcome)
     sender.close()

@@ -10,8 +10,8 @@ is longer than building fuser's graph of it (1.3 and 0.9 s of the 100k-node stac
 `bench/scale.py`). So a large model is checked in a child process forked once the file is
 parsed, while this one builds the graph, and the child sends back the verdict and the types.
 A fork is made only where it is safe and pays: on Linux, from a process running no other
-thread, for a model of CHILD_NODES nodes or more, when the memory the two processes then hold
-together is available; anywhere else the check runs here, first.
+thread, for a model of CHILD_NODES nodes or more, when a second core and the memory the two
+processes then hold together are available; anywhere else the check runs here, first.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ CHILD_NODES = 20_000
 # two then never hold memory together.
 CHILD_BYTES_PER_NODE = 2_000
 GRAPH_BYTES_PER_NODE = 4_000
+# The cores this process may use (None: the machine's); a worker of `fuser optimize -j N` is
+# given its share. The child gains only with a core of its own beside this process's.
+CORES: int | None = None
 
 _FAILURES = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, RuntimeError)
 
@@ -143,11 +146,14 @@ def _nodes(model: ModelProto) -> int:
 
 def _worth_a_child(nodes: int) -> bool:
     """Whether to check a model of `nodes` nodes in a child process: large enough to gain, on
-    Linux, from a process running no other thread, with the memory both processes need."""
+    Linux, from a process running no other thread, with a second core and the memory both
+    processes need."""
     if nodes < CHILD_NODES or not sys.platform.startswith("linux") or threading.active_count() != 1:
         return False
-    from fuser.jobs import available_memory
+    from fuser.jobs import available_cores, available_memory
 
+    if (CORES or available_cores()) < 2:
+        return False
     available = available_memory()
     return available is not None and available >= nodes * (CHILD_BYTES_PER_NODE + GRAPH_BYTES_PER_NODE)
 

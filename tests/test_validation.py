@@ -27,8 +27,9 @@ SAMPLES = Path(__file__).resolve().parents[1] / "models"
 
 @pytest.fixture
 def apart(monkeypatch):
-    """Every model is large enough to be checked in a child process."""
+    """Every model is large enough to be checked in a child process, on a machine of two cores."""
     monkeypatch.setattr(validation, "CHILD_NODES", 0)
+    monkeypatch.setattr(validation, "CORES", 2)
 
 
 @pytest.fixture
@@ -138,6 +139,13 @@ def test_no_child_is_forked_without_the_memory_both_processes_hold(apart, monkey
     beside = Validation(model, "m.onnx")
     assert beside._child is not None
     beside.close()
+
+
+def test_no_child_is_forked_without_a_second_core(apart, monkeypatch):
+    """A worker of `-j N` given one core's share, or a machine of one, gains nothing from a child."""
+    model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
+    monkeypatch.setattr(validation, "CORES", 1)
+    assert Validation(model, "m.onnx")._child is None
 
 
 def test_the_types_wait_for_the_check_until_a_rule_asks(apart):
