@@ -58,9 +58,12 @@ def run(code: Path, model: str, check: bool, out: Path) -> dict[str, float]:
         str(report),
     ]
     started = time.perf_counter()
+    # Started in the code's own folder: `python -m` puts the working directory first on the
+    # path, where a checkout of fuser would win over PYTHONPATH.
     done = subprocess.run(
         command + ([] if check else ["--no-check"]),
         env={**os.environ, "PYTHONPATH": str(code)},
+        cwd=code,
         capture_output=True,
         text=True,
     )
@@ -77,6 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--check", action="store_true", help="also measure runs with the numerics check")
     args = parser.parse_args(argv)
+    args.model = str(Path(args.model).resolve())
     with tempfile.TemporaryDirectory(prefix="fuser-versions-") as scratch:
         scratch = Path(scratch)
         for name in ("new", "old"):
