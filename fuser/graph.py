@@ -275,7 +275,7 @@ class Graph:
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
         info = NodeInfo(node_id, proto, _NO_BODIES)
-        if info.op_type not in graphless_op_types() or info.domain not in _DEFAULT_DOMAINS:  # may_hold_graphs
+        if op_may_hold_graphs(info.op_type, info.domain):
             subgraphs: dict[str, list[Graph]] = {}
             for attribute in proto.attribute:
                 if attribute.type == AttributeProto.GRAPH:
@@ -894,7 +894,12 @@ def graphless_op_types() -> frozenset[str]:
 
 def may_hold_graphs(node: NodeProto) -> bool:
     """Whether `node` may have If/Loop/Scan-like bodies: it is not of graphless_op_types()."""
-    return node.op_type not in graphless_op_types() or node.domain not in _DEFAULT_DOMAINS
+    return op_may_hold_graphs(node.op_type, node.domain)
+
+
+def op_may_hold_graphs(op_type: str, domain: str) -> bool:
+    """may_hold_graphs for a node whose op type and domain are read already."""
+    return op_type not in graphless_op_types() or domain not in _DEFAULT_DOMAINS
 
 
 def opset_versions(model: ModelProto) -> dict[str, int]:
