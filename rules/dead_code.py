@@ -14,6 +14,11 @@ runtime registers, which may write a file or keep state, and removing it could n
 by the numerics check, so such nodes, and the nodes they read, always stay. A node holding
 subgraphs is pure when every node inside them is.
 
+Every group of dead nodes has one that nothing reads at all (the last of it): where no pure node
+is unread, there is no dead node, which is seen without walking the graph (most models, and each
+sweep after a rewrite). A scope holding bodies is walked whole: a read inside a body may have no
+edge in it yet.
+
 Each connected group of dead nodes is one rewrite; the initializers and captured tensors only
 they read go with them. Initializers nothing reads at all go in one rewrite per graph scope.
 An initializer that a graph input can override (listed as an input, IR >= 4) is an input and
@@ -49,6 +54,15 @@ def _producers_read(graph, info) -> set[int]:
 @sweep("dead-code", phase=SIMPLIFY_PHASE)
 def dead_code(graph):
     """Nodes whose outputs reach no graph output, and initializers nothing reads  =>  removed."""
+    if graph.nodes_with_subgraphs() or any(_pure(graph.node(n)) for n in graph.unread_nodes()):
+        yield from _dead_groups(graph)
+    unused = graph.unread_initializers()
+    if unused:
+        yield Change(initializers=tuple(unused))
+
+
+def _dead_groups(graph):
+    """One Change per connected group of dead nodes, in graph order."""
     nodes = {info.id: info for info in graph.nodes()}
     live = {graph.producer(name) for name in graph.output_names()}
     live.discard(None)
@@ -78,6 +92,3 @@ def dead_code(graph):
         members.setdefault(root(node_id), []).append(node_id)
     for ids in sorted(members.values(), key=lambda ids: graph.sort_key(ids[0])):
         yield Change(nodes=tuple(ids))
-    unused = graph.unread_initializers()
-    if unused:
-        yield Change(initializers=tuple(unused))

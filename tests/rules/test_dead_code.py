@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 from fuser.rules.dead_code import dead_code
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 
 import fuser
+from fuser.model import Model
 from tests.helpers import assert_declined, assert_rewritten, make_model, op_types
 
 RULE = "dead-code"
@@ -175,3 +178,34 @@ def test_check_mode_lists_dead_code_as_work():
     model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
     result = fuser.find_opportunities(model, rules=[dead_code])
     assert [(o.rule, o.nodes) for o in result.opportunities] == [(RULE, ["neg"])]
+
+
+@st.composite
+def _wired_graphs(draw):
+    """A DAG of unary and binary nodes, some of a custom domain, with some outputs read by nothing."""
+    tensors, nodes = ["x"], []
+    for index in range(draw(st.integers(1, 12))):
+        reads = draw(st.lists(st.sampled_from(tensors), min_size=1, max_size=2))
+        op, domain = draw(st.sampled_from([("Neg", ""), ("Relu", ""), ("Trace", "my.company")]))
+        if len(reads) == 2 and not domain:
+            op = "Add"
+        nodes.append(helper.make_node(op, reads[:1] if op != "Add" else reads, [f"t{index}"], domain=domain))
+        tensors.append(f"t{index}")
+    outputs = draw(st.lists(st.sampled_from(tensors[1:]), min_size=1, max_size=3, unique=True))
+    return make_model(
+        nodes,
+        [("x", np.float32, [2, 3])],
+        [(name, np.float32, [2, 3]) for name in outputs],
+        extra_opsets={"my.company": 1},
+        check=False,
+    )
+
+
+@given(_wired_graphs())
+@settings(max_examples=200, deadline=None)
+def test_the_look_for_unread_nodes_finds_dead_code_wherever_the_whole_walk_does(model):
+    from fuser.rules.dead_code import _dead_groups
+
+    graph = Model(model).graph
+    quick = [change.nodes for change in dead_code.sweep(graph) if change.nodes]
+    assert quick == [change.nodes for change in _dead_groups(graph)]
