@@ -388,7 +388,7 @@ def optimize(
 def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
     try:
-        outcome = jobs_module.optimize_file(job, progress=terminal)
+        outcome = jobs_module.optimize_file(job, progress=terminal, keep=_left_for_exit)
     finally:
         if terminal is not None:
             terminal.close()
@@ -802,7 +802,19 @@ def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
     return EXIT_MISMATCH if any(r.failures for r in results) else EXIT_OK
 
 
+# What the program would free just before it ends (the model of `fuser optimize`), while main
+# runs as the program itself: None when fuser runs inside another program, which needs the memory.
+_left_for_exit: list | None = None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Run as the program (no `argv`), it ends the process once its output is
+    out, without freeing what it made: the system takes that back at once, where Python would
+    free a large graph object by object (seconds at a million nodes)."""
+    global _left_for_exit
+    program = argv is None
+    if program:
+        _left_for_exit = []
     argv = _debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
         code = cli.main(args=argv, prog_name="fuser", standalone_mode=False)
@@ -814,7 +826,21 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("fuser: aborted", err=True)
         code = EXIT_USAGE
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    code = code if isinstance(code, int) else EXIT_OK
+    if program:
+        _exit_at_once(code)
+    sys.exit(code)
+
+
+def _exit_at_once(code: int) -> None:
+    """End the process now: its output flushed, nothing freed, no exit handlers run (fuser
+    registers none, and has closed its worker pools, files and temporary folders by now)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone away (`| head`), or a stream closed
+            pass
+    os._exit(code)
 
 
 @cli.command(name="explain", epilog=EXIT_CODES_HELP)

@@ -119,17 +119,21 @@ def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: froz
     return options
 
 
-def optimize_file(job: OptimizeJob, progress: Progress | None = None) -> Outcome:
-    """Optimize job.source into job.destination: the report and summary of it, or of its failure."""
+def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, keep: list | None = None) -> Outcome:
+    """Optimize job.source into job.destination: the report and summary of it, or of its failure.
+
+    keep: a list the models are put in once written, rather than freed as this returns, for a
+    program that ends right after (cli.main): freeing a graph object by object takes seconds at
+    a million nodes, and the system takes a process's memory back at once."""
     # The cyclic collector waits for the end of the job. A graph is millions of objects that hold
     # no reference cycles, freed by reference counting as the job drops them; collected as they
     # aged, each was scanned three times, about a twentieth of the job's time at 100k nodes. What
     # cycles the job itself makes wait for its end: 6 MB on the deepest export measured.
     with paused_gc():
-        return _optimize_file(job, progress)
+        return _optimize_file(job, progress, keep)
 
 
-def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
+def _optimize_file(job: OptimizeJob, progress: Progress | None, keep: list | None = None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
@@ -191,6 +195,8 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
             size_after=sizes[1],
         )
         verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
+        if keep is not None:
+            keep += (loaded, optimized)
         return Outcome(
             source=str(source),
             code=EXIT_OK,
