@@ -5,6 +5,7 @@ Messages for people go to stderr; data (JSON) goes to stdout.
 
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import os
 import sys
@@ -827,20 +828,30 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("fuser: aborted", err=True)
         code = EXIT_USAGE
     code = code if isinstance(code, int) else EXIT_OK
-    if program:
+    if program and not _watched():
         _exit_at_once(code)
     sys.exit(code)
 
 
 def _exit_at_once(code: int) -> None:
-    """End the process now: its output flushed, nothing freed, no exit handlers run (fuser
-    registers none, and has closed its worker pools, files and temporary folders by now)."""
+    """End the process now, with its output flushed and its exit handlers run, without freeing
+    what it made or tearing its modules down."""
+    atexit._run_exitfuncs()  # what other code asked to run at the end (the interpreter would call it)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a reader gone away (`| head`), or a stream closed
             pass
     os._exit(code)
+
+
+def _watched() -> bool:
+    """Whether a tracer, a profiler or a coverage tool is attached: those write what they found
+    as the interpreter ends, which ending the process at once would lose."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)  # Python 3.12+
+    return monitoring is not None and any(monitoring.get_tool(tool) is not None for tool in range(6))
 
 
 @cli.command(name="explain", epilog=EXIT_CODES_HELP)

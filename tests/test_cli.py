@@ -159,3 +159,32 @@ def test_error_report_matches_its_schema(tmp_path):
     report = json.loads(report_path.read_text())
     jsonschema.validate(report, REPORT_SCHEMA)
     assert report["verdict"] == "error" and report["exit_code"] == 2
+
+
+def test_a_profiler_attached_to_the_command_still_gets_its_data(resnet, tmp_path):
+    # Run as the program, fuser ends the process without freeing its model; not under a profiler
+    # (or a coverage tool), which writes what it found only as the interpreter ends.
+    profile = tmp_path / "fuser.prof"
+    result = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "fuser.cli", "optimize", str(resnet), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert profile.stat().st_size > 0
+    assert resnet.with_name("resnet_small.fused.onnx").exists()
+
+
+def test_a_reader_that_goes_away_early_ends_the_run_quietly(resnet):
+    # `fuser optimize m.onnx --format json | true`: the report meets a closed pipe.
+    with subprocess.Popen(
+        [sys.executable, "-m", "fuser.cli", "optimize", str(resnet), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as child:
+        child.stdout.close()  # before the report is written
+        error = child.stderr.read().decode()
+        code = child.wait(timeout=300)
+    assert code == 0 and "Traceback" not in error and "Exception ignored" not in error
+    assert resnet.with_name("resnet_small.fused.onnx").exists()
