@@ -61,10 +61,6 @@ def paused_gc():
     Building or rewriting a graph of 100k+ nodes allocates millions of objects and none of
     them are garbage yet; the collector's repeated full scans would make the work
     quadratic. Reference counting still frees everything as usual.
-
-    What the pause made is handed to the oldest generation as it ends: re-enabled as it was, the
-    collector's next young pass would scan all of it at once (1.5 s for a million-node graph,
-    0.9 s for its report). A full collection, when one comes, still finds any cycle among them.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -72,8 +68,6 @@ def paused_gc():
         yield
     finally:
         if enabled:
-            gc.freeze()  # every tracked object to the permanent generation, and none young left...
-            gc.unfreeze()  # ...then all of them to the oldest
             gc.enable()
 
 
