@@ -1,5 +1,5 @@
 """`python -m fuser ...` runs the command line."""
 
-from fuser.cli import main
+from fuser.cli import program
 
-main()
+program()

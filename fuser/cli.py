@@ -389,7 +389,7 @@ def optimize(
 def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
     try:
-        outcome = jobs_module.optimize_file(job, progress=terminal, keep=_left_for_exit)
+        outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
     finally:
         if terminal is not None:
             terminal.close()
@@ -803,19 +803,29 @@ def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
     return EXIT_MISMATCH if any(r.failures for r in results) else EXIT_OK
 
 
-# What the program would free just before it ends (the model of `fuser optimize`), while main
-# runs as the program itself: None when fuser runs inside another program, which needs the memory.
-_left_for_exit: list | None = None
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The command line. Run as the program (no `argv`), it ends the process once its output is
-    out, without freeing what it made: the system takes that back at once, where Python would
-    free a large graph object by object (seconds at a million nodes)."""
-    global _left_for_exit
-    program = argv is None
-    if program:
-        _left_for_exit = []
+    """The command line as a function (sys.argv's arguments when `argv` is None): it ends by
+    raising SystemExit with the exit code, which the caller may catch."""
+    sys.exit(_command(argv))
+
+
+# Whether the process ends with this command (the `fuser` program; not main, called by other code).
+_ends_process = False
+
+
+def program() -> None:
+    """The `fuser` command (and `python -m fuser`): main, in a process that ends with it. It ends
+    at once when its output is out, without freeing what it made (fuser/jobs.py: optimize_file's
+    `last`), unless a tracer, a profiler or a coverage tool is attached."""
+    global _ends_process
+    _ends_process = not _watched()
+    code = _command(None)
+    if _ends_process:
+        _exit_at_once(code)
+    sys.exit(code)
+
+
+def _command(argv: list[str] | None) -> int:
     argv = _debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
         code = cli.main(args=argv, prog_name="fuser", standalone_mode=False)
@@ -827,21 +837,20 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("fuser: aborted", err=True)
         code = EXIT_USAGE
-    code = code if isinstance(code, int) else EXIT_OK
-    if program and not _watched():
-        _exit_at_once(code)
-    sys.exit(code)
+    return code if isinstance(code, int) else EXIT_OK
 
 
 def _exit_at_once(code: int) -> None:
-    """End the process now, with its output flushed and its exit handlers run, without freeing
+    """End the process now, with its exit handlers run and its output flushed, without freeing
     what it made or tearing its modules down."""
-    atexit._run_exitfuncs()  # what other code asked to run at the end (the interpreter would call it)
+    atexit._run_exitfuncs()  # what other code asked to run at the end, as the interpreter would
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader gone away (`| head`), or a stream closed
+        except BrokenPipeError:  # the reader went away (`| head`): what it left unread is not lost to it
             pass
+        except (OSError, ValueError):  # output lost (a full disk), or a stream closed: as Python's own end says
+            code = code or 120
     os._exit(code)
 
 
@@ -909,4 +918,4 @@ def print_schema(ctx: Context):
 
 
 if __name__ == "__main__":
-    main()
+    program()

@@ -10,6 +10,7 @@ worker when memory runs out, is that model's failure, reported as such; the othe
 from __future__ import annotations
 
 import dataclasses
+import gc
 import glob
 import importlib
 import mmap
@@ -119,18 +120,27 @@ def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: froz
     return options
 
 
-def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, keep: list | None = None) -> Outcome:
+def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, last: bool = False) -> Outcome:
     """Optimize job.source into job.destination: the report and summary of it, or of its failure.
 
-    keep: a list the models are put in once written, rather than freed as this returns, for a
-    program that ends right after (cli.main): freeing a graph object by object takes seconds at
-    a million nodes, and the system takes a process's memory back at once."""
+    last: the process ends soon after this job (the `fuser` command, a -j worker). Its models are
+    then kept once written, not freed as this returns, and the cyclic collector stays off: the
+    system takes the process's memory back at once, where Python frees a graph object by object
+    (0.2 s at 100k nodes, seconds at a million), and the collector, back on, would scan every
+    object the job made and kept."""
     # The cyclic collector waits for the end of the job. A graph is millions of objects that hold
     # no reference cycles, freed by reference counting as the job drops them; collected as they
     # aged, each was scanned three times, about a twentieth of the job's time at 100k nodes. What
     # cycles the job itself makes wait for its end: 6 MB on the deepest export measured.
+    if last:
+        gc.disable()
+        return _optimize_file(job, progress, _KEPT_UNTIL_EXIT)
     with paused_gc():
-        return _optimize_file(job, progress, keep)
+        return _optimize_file(job, progress)
+
+
+# The models of a job that its process outlives only briefly (optimize_file's `last`).
+_KEPT_UNTIL_EXIT: list = []
 
 
 def _optimize_file(job: OptimizeJob, progress: Progress | None, keep: list | None = None) -> Outcome:
@@ -563,7 +573,7 @@ def _work(job: OptimizeJob, sender) -> None:
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads
     validation.CORES = job.threads
-    outcome = optimize_file(job)
+    outcome = optimize_file(job, last=True)  # the worker ends once it is sent (forkserver's with os._exit)
     sender.send(outcome)
     sender.close()
 

@@ -188,3 +188,15 @@ def test_a_reader_that_goes_away_early_ends_the_run_quietly(resnet):
         code = child.wait(timeout=300)
     assert code == 0 and "Traceback" not in error and "Exception ignored" not in error
     assert resnet.with_name("resnet_small.fused.onnx").exists()
+
+
+def test_main_called_by_other_code_ends_by_raising_system_exit(resnet, monkeypatch):
+    # Only the `fuser` program ends its process at once; main(), called with sys.argv's arguments
+    # by a wrapper or a test, hands the exit code back as SystemExit.
+    from fuser.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fuser", "optimize", str(resnet), "-q", "--no-check"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    assert resnet.with_name("resnet_small.fused.onnx").exists()

@@ -73,7 +73,7 @@ def test_the_distribution_is_onnx_fuser_with_both_commands():
     meta = distribution("onnx-fuser")
     assert meta.version == fuser.__version__
     scripts = {e.name: e.value for e in meta.entry_points if e.group == "console_scripts"}
-    assert scripts["fuser"] == scripts["onnx-fuser"] == "fuser.cli:main"
+    assert scripts["fuser"] == scripts["onnx-fuser"] == "fuser.cli:program"
 
 
 def test_markdown_reports_for_a_job_summary(cli, tmp_path):
