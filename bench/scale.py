@@ -121,8 +121,8 @@ def measure(command: list[str]) -> tuple[float, float, float | None, int]:
     `command`, run as a child of its own. The peak RSS is the kernel's, of the child and of
     any child of its own it waited for (fuser checks a large model in one while it builds the
     graph); the tree's is the sum of their proportional set sizes (shared pages counted once),
-    sampled every TREE_SAMPLE seconds, which the RSS of each alone does not show (None where
-    /proc cannot tell it)."""
+    sampled every TREE_SAMPLE seconds or less often (TREE_SAMPLE_SPACING), which the RSS of each
+    alone does not show (None where /proc cannot tell it)."""
     started = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     tree, sampled, interval = 0.0, 0.0, TREE_SAMPLE
@@ -135,7 +135,7 @@ def measure(command: list[str]) -> tuple[float, float, float | None, int]:
             sampled = now
             size = _tree_pss(child.pid)
             tree = None if size is None else max(tree, size)
-            interval = max(TREE_SAMPLE, TREE_SAMPLE_COST * (time.perf_counter() - now))
+            interval = max(TREE_SAMPLE, TREE_SAMPLE_SPACING * (time.perf_counter() - now))
         time.sleep(0.02)
     seconds = time.perf_counter() - started
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -148,8 +148,9 @@ def measure(command: list[str]) -> tuple[float, float, float | None, int]:
 
 TREE_SAMPLE = 0.25  # seconds between samples of the process tree's memory, at least
 # Each sample walks the tree's pages in the kernel, 60 ms for a process of 3.6 GB: four a second
-# would take a quarter of a core from the run measured. Samples are spaced to take about 2% of one.
-TREE_SAMPLE_COST = 50
+# would take a quarter of a core from the run measured. The time from one sample to the next is at
+# least this many times what the last one took, so that sampling takes about 2% of a core.
+TREE_SAMPLE_SPACING = 50
 
 
 def _tree_pss(root: int) -> float | None:

@@ -15,9 +15,9 @@ by the numerics check, so such nodes, and the nodes they read, always stay. A no
 subgraphs is pure when every node inside them is.
 
 Every group of dead nodes has one that nothing reads at all (the last of it): where no pure node
-is unread, there is no dead node, which is seen without walking the graph (most models, and each
-sweep after a rewrite). A scope holding bodies is walked whole: a read inside a body may have no
-edge in it yet.
+is unread, there is no dead node, which one look over the nodes' readers tells without the walk
+from the outputs (most models, and each sweep after a rewrite). A scope holding bodies is walked:
+a read inside a body may have no edge in it yet.
 
 Each connected group of dead nodes is one rewrite; the initializers and captured tensors only
 they read go with them. Initializers nothing reads at all go in one rewrite per graph scope.
