@@ -10,6 +10,7 @@ comparison treats as equal.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape
 
 from fuser import Builder, Match, const, op, rule, var
@@ -18,11 +19,64 @@ from fuser import Builder, Match, const, op, rule, var
 NEUTRAL = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}
 
 
+def _maybe_neutral(graph, op_types: tuple[str, ...]) -> list[int]:
+    """The nodes of `op_types` with an input that may be their neutral constant: nearly every
+    bias Add and scale Mul of a model reads a weight that is not, and its first element, in the
+    weight's first bytes, says so without decoding the rest (Rule.candidates)."""
+    return [
+        node_id
+        for op_type in op_types
+        for node_id in graph.nodes_of_type(op_type)
+        if any(_may_be(graph, name, NEUTRAL[op_type]) for name in graph.node(node_id).input_names if name)
+    ]
+
+
+def _may_be(graph, tensor: str, neutral: int) -> bool:
+    """Whether `tensor` may be a constant of first element `neutral`: a weight whose first element
+    is another is not; one computed from constants may be anything."""
+    weight = graph.initializer(tensor)
+    if weight is None:
+        return graph.is_constant(tensor)
+    dtype = _numpy_type(weight.data_type)
+    if dtype is None:
+        return True
+    head = graph.tensors.fingerprint(weight, whole=False)  # the raw layout's first bytes
+    return len(head) < dtype.itemsize or np.frombuffer(head, dtype, count=1)[0] == neutral
+
+
+_NUMPY_TYPES: dict[int, np.dtype | None] = {}
+
+
+def _numpy_type(data_type: int) -> np.dtype | None:
+    """The numpy dtype of one element in ONNX's raw layout; None for a packed (4-bit) or unknown type."""
+    if data_type not in _NUMPY_TYPES:
+        packed = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
+        try:
+            found = None if data_type in packed else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        except (KeyError, TypeError, ValueError):
+            found = None
+        if found is not None and found.kind in "biufc":
+            found = found.newbyteorder("<")
+        elif found is None or not found.type.__module__.startswith("ml_dtypes"):  # bfloat16, float8
+            found = None
+        _NUMPY_TYPES[data_type] = found
+    return _NUMPY_TYPES[data_type]
+
+
+def _maybe_neutral_sum_or_product(graph) -> list[int]:
+    return _maybe_neutral(graph, ("Add", "Mul"))
+
+
+def _maybe_neutral_difference_or_quotient(graph) -> list[int]:
+    return _maybe_neutral(graph, ("Sub", "Div"))
+
+
 @rule(
     "neutral-element",
     pattern=(op.Add | op.Mul)(var("x"), const("c"), name="arith"),
     phase=SIMPLIFY_PHASE,
     exact=True,
+    candidates=_maybe_neutral_sum_or_product,
 )
 def neutral_element(m: Match, b: Builder):
     """x + 0  or  x * 1  =>  x."""
@@ -34,6 +88,7 @@ def neutral_element(m: Match, b: Builder):
     pattern=(op.Sub | op.Div)(var("x"), const("c"), name="arith", commutative=False),
     phase=SIMPLIFY_PHASE,
     exact=True,
+    candidates=_maybe_neutral_difference_or_quotient,
 )
 def neutral_element_right(m: Match, b: Builder):
     """x - 0  or  x / 1  =>  x."""

@@ -48,3 +48,64 @@ def test_broadcasting_to_a_larger_shape_declines():
 
 def test_zero_minus_x_is_not_x():
     assert_declined(arith_model("Sub", 0.0, swap=True), neutral_element_right, None, check=False)
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def _nominated(model):
+    from fuser.model import Model
+    from fuser.rules.neutral_element import _maybe_neutral
+
+    graph = Model(model).graph
+    return sorted(graph.node(n).name for n in _maybe_neutral(graph, ("Add", "Mul", "Sub", "Div")))
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float16, np.float64, np.int64, np.int32, "bfloat16", "float8_e4m3fn"]
+)
+def test_only_nodes_whose_constant_may_be_neutral_are_tried(dtype):
+    # A weight whose first element is not neutral is turned away by its first bytes; one whose
+    # first element is (the rest may not be) is tried; so is a constant computed by other nodes.
+    import ml_dtypes
+
+    dtype = getattr(ml_dtypes, dtype) if isinstance(dtype, str) else dtype
+    weights = {
+        "zeros": np.zeros((2, 3), dtype),
+        "ones": np.ones((2, 3), dtype),
+        "twos": np.full((2, 3), 2, dtype),
+        "zero_first": np.array([[0, 3, 3], [3, 3, 3]], dtype),
+    }
+    nodes = [
+        helper.make_node("Add", ["x", "zeros"], ["a"], name="add_zeros"),
+        helper.make_node("Add", ["a", "twos"], ["b"], name="add_twos"),
+        helper.make_node("Mul", ["ones", "b"], ["c"], name="mul_ones"),
+        helper.make_node("Mul", ["c", "twos"], ["d"], name="mul_twos"),
+        helper.make_node("Sub", ["d", "zero_first"], ["e"], name="sub_zero_first"),
+        helper.make_node("Div", ["e", "twos"], ["f"], name="div_twos"),
+        helper.make_node("Neg", ["ones"], ["minus_one"], name="computed"),
+        helper.make_node("Div", ["f", "minus_one"], ["g"], name="div_computed"),
+        helper.make_node("Add", ["g", "x"], ["y"], name="add_activations"),
+    ]
+    onnx_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    x = helper.make_tensor_value_info("x", onnx_type, [2, 3])
+    y = helper.make_tensor_value_info("y", onnx_type, [2, 3])
+    from onnx import numpy_helper
+
+    inits = [numpy_helper.from_array(value, name) for name, value in weights.items()]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits))
+    assert _nominated(model) == ["add_zeros", "div_computed", "mul_ones", "sub_zero_first"]
+
+
+def test_a_neutral_constant_made_by_other_nodes_goes_too():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Sub", ["one", "one"], ["zero"]),
+        helper.make_node("Add", ["r", "zero"], ["a"]),
+        helper.make_node("Neg", ["a"], ["y"]),
+    ]
+    model = make_model(
+        nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], {"one": np.ones((2, 3), np.float32)}
+    )
+    # The Sub, read by nothing then, goes with the Add.
+    assert_rewritten(model, RULES, counts={"neutral-element": 1}, expected_ops=["Relu", "Neg"], feeds=X)
