@@ -71,6 +71,14 @@ _PLAIN_DTYPES = (
     else {}
 )
 
+
+
+def plain_dtype(data_type: int) -> np.dtype | None:
+    """The numpy dtype that reads ONNX's raw data of `data_type` element by element, for the
+    plain types (_PLAIN_DTYPES); None for any other (packed, 8-bit float, string)."""
+    return _PLAIN_DTYPES.get(data_type)
+
+
 # Comparing tensors: the bytes read first, and the size of the chunks external data is read in.
 FINGERPRINT_HEAD = 64
 # A tensor held inline whose data is at most this many bytes has its fingerprint computed again at each ask.

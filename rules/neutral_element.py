@@ -10,8 +10,8 @@ comparison treats as equal.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape
+from fuser.tensors import plain_dtype
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -37,30 +37,11 @@ def _may_be(graph, tensor: str, neutral: int) -> bool:
     weight = graph.initializer(tensor)
     if weight is None:
         return graph.is_constant(tensor)
-    dtype = _numpy_type(weight.data_type)
+    dtype = plain_dtype(weight.data_type)
     if dtype is None:
         return True
     head = graph.tensors.fingerprint(weight, whole=False)  # the raw layout's first bytes
     return len(head) < dtype.itemsize or np.frombuffer(head, dtype, count=1)[0] == neutral
-
-
-_NUMPY_TYPES: dict[int, np.dtype | None] = {}
-
-
-def _numpy_type(data_type: int) -> np.dtype | None:
-    """The numpy dtype of one element in ONNX's raw layout; None for a packed (4-bit) or unknown type."""
-    if data_type not in _NUMPY_TYPES:
-        packed = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
-        try:
-            found = None if data_type in packed else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
-        except (KeyError, TypeError, ValueError):
-            found = None
-        if found is not None and found.kind in "biufc":
-            found = found.newbyteorder("<")
-        elif found is None or not found.type.__module__.startswith("ml_dtypes"):  # bfloat16, float8
-            found = None
-        _NUMPY_TYPES[data_type] = found
-    return _NUMPY_TYPES[data_type]
 
 
 def _maybe_neutral_sum_or_product(graph) -> list[int]:
