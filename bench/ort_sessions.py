@@ -9,10 +9,11 @@ model: constants as initializers (as exporters write them), the same N tensors a
 instead, and a chain of N Relu nodes without constants; and, as `kept`, the initializers again
 in a session asked to save its model, which keeps them instead of removing them one at a time
 (what fuser's check does for a model of many small initializers, fuser/verify.py); and, as
-`kept halves`, that model cut in two at its middle tensor, the sessions of the two halves started
-at once in two threads and timed until both are ready: onnxruntime's start of one session runs on
-one core and grows faster than the model, so pieces started side by side are a way under the
-floor of a whole-model check. Each start runs in a process of its own; medians of --runs.
+`kept in K`, that model cut into K consecutive pieces (--pieces), the sessions of the pieces
+started at once in K threads and timed until all are ready: onnxruntime's start of one session
+runs on one core and grows faster than the model, so pieces started side by side are a way under
+the floor of a whole-model check, and smaller pieces do less work in all. Each start runs in a
+process of its own; medians of --runs.
 """
 
 from __future__ import annotations
@@ -67,28 +68,28 @@ def chain(n: int, spelling: str) -> onnx.ModelProto:
     return model
 
 
-def halves(model: onnx.ModelProto) -> list[onnx.ModelProto]:
-    """A chain cut at its middle tensor: the first half computes it, the second reads it."""
+def pieces_of(model: onnx.ModelProto, count: int) -> list[onnx.ModelProto]:
+    """A chain cut into `count` consecutive pieces: each reads the tensor the one before computes."""
     graph = model.graph
-    middle = len(graph.node) // 2
-    cut = helper.make_tensor_value_info(graph.node[middle - 1].output[0], TensorProto.FLOAT, [1, 4])
+    bounds = [round(len(graph.node) * i / count) for i in range(count + 1)]
+    crossing = [helper.make_tensor_value_info(graph.node[b - 1].output[0], TensorProto.FLOAT, [1, 4]) for b in bounds[1:-1]]
     pieces = []
-    for nodes, inputs, outputs in (
-        (graph.node[:middle], list(graph.input), [cut]),
-        (graph.node[middle:], [cut], list(graph.output)),
-    ):
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        nodes = graph.node[start:end]
+        inputs = list(graph.input) if index == 0 else [crossing[index - 1]]
+        outputs = list(graph.output) if index == count - 1 else [crossing[index]]
         read = {name for node in nodes for name in node.input}
         weights = [t for t in graph.initializer if t.name in read]
         piece = helper.make_model(
-            helper.make_graph(list(nodes), "half", inputs, outputs, weights), opset_imports=model.opset_import
+            helper.make_graph(list(nodes), f"piece{index}", inputs, outputs, weights), opset_imports=model.opset_import
         )
         piece.ir_version = model.ir_version
         pieces.append(piece)
     return pieces
 
 
-def halves_agree(n: int = 1000) -> bool:
-    """Whether the halves, run one after the other, give the whole chain's output bit for bit."""
+def pieces_agree(n: int = 1000) -> bool:
+    """Whether four pieces, run one after the other, give the whole chain's output bit for bit."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -100,25 +101,28 @@ def halves_agree(n: int = 1000) -> bool:
         )
 
     model = chain(n, "initializers")
-    first, second = halves(model)
     x = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
-    (middle,) = outputs(first, {"x": x})
-    return np.array_equal(outputs(model, {"x": x})[0], outputs(second, {first.graph.output[0].name: middle})[0])
+    value = x
+    for index, piece in enumerate(pieces_of(model, 4)):
+        (value,) = outputs(piece, {piece.graph.input[0].name: value})
+    return np.array_equal(outputs(model, {"x": x})[0], value)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,20000,40000,80000")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--pieces", default="2,4,16", help="the piece counts to time the kept model in")
     args = parser.parse_args(argv)
-    spellings = ["initializers", "kept", "kept halves", "inputs", "relu"]
+    counts = {f"kept in {k}": int(k) for k in args.pieces.split(",") if k}
+    spellings = ["initializers", "kept", *counts, "inputs", "relu"]
     print(f"{'nodes':>8} " + " ".join(f"{s:>14}" for s in spellings) + "   (seconds to start a session, median)")
     with tempfile.TemporaryDirectory() as folder:
         for n in (int(s) for s in args.sizes.split(",") if s):
             cells = []
             for spelling in spellings:
                 model = chain(n, spelling if spelling in ("inputs", "relu") else "initializers")
-                models = halves(model) if spelling == "kept halves" else [model]
+                models = pieces_of(model, counts[spelling]) if spelling in counts else [model]
                 paths = [Path(folder) / f"{spelling.replace(' ', '_')}_{n}_{i}.onnx" for i in range(len(models))]
                 for piece, path in zip(models, paths):
                     onnx.save(piece, path)
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
                 ]
                 cells.append(statistics.median(times))
             print(f"{n:>8} " + " ".join(f"{c:>14.2f}" for c in cells), flush=True)
-    print(f"the halves, chained, give the whole chain's output bit for bit: {halves_agree()}")
+    print(f"four pieces, chained, give the whole chain's output bit for bit: {pieces_agree()}")
     return 0
 
 

@@ -11,7 +11,8 @@ bit for bit.
 A cut runs between two nodes of the main graph, in its order, through the tensors computed
 before it and read after it. Their element types must be known without an inference (the
 model's annotations, else element_types: from the operators' schemas), and numpy must hold them
-as they are. What onnxruntime holds constant stays constant in every piece: a weight goes into
+as they are; float16 is not cut through (_CUT_TYPES), as onnxruntime computes much of it in
+float32 and rounds only where a float16 tensor leaves its graph. What onnxruntime holds constant stays constant in every piece: a weight goes into
 each piece that reads it, and so does a copy of a Constant node (onnxruntime makes its value a
 weight at load, and kernels such as MatMul's pack a constant operand, which changes the sums).
 Each piece keeps the annotations of its tensors, so a wrong one fails as in the whole model. A
@@ -33,8 +34,12 @@ from onnx import GraphProto, ModelProto, TensorProto, helper
 from fuser.graph import may_hold_graphs, opset_versions
 from fuser.tensors import nbytes
 
-PIECE_NODES = 10_000  # the fewest nodes of a piece: below, a session starts in well under a second
-MAX_PIECES = 4  # on two cores, four pieces started in 2.3 s what two started in 2.5 s (66k nodes)
+# The fewest nodes of a piece: a session of 4k nodes starts in about a tenth of a second. Pieces
+# that small start the 66k-node optimized MLP of bench/scale.py, two at a time, in 2.0 s as 16,
+# 2.6 s as four (a third less work, as onnxruntime's start grows faster than the model); more than
+# 16 gained nothing (bench/ort_sessions.py).
+PIECE_NODES = 4_000
+MAX_PIECES = 16
 MAX_CUT = 64  # tensors crossing one cut
 SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
 
@@ -55,6 +60,10 @@ _NUMPY_TYPES = frozenset(
         TensorProto.BOOL,
     }
 )
+# What a cut may run through. Not float16: onnxruntime computes a float16 operator that has no
+# float16 kernel in float32, between casts, and drops the casts between two such operators, so
+# the whole model does not round what they hand on; a cut there, as a piece's output, would.
+_CUT_TYPES = _NUMPY_TYPES - {TensorProto.FLOAT16}
 # As schemas spell them: "tensor(float)", "tensor(int64)", "tensor(bool)".
 _TYPE_STRINGS = {f"tensor({TensorProto.DataType.Name(t).lower()})": t for t in _NUMPY_TYPES}
 
@@ -298,7 +307,7 @@ def cut_positions(
     graph: GraphProto, count: int, types: dict[str, int], wiring: Wiring | None = None
 ) -> list[int] | None:
     """Node positions to cut `graph` at into `count` pieces of about equal size, each where the
-    tensors crossing the cut are few, of known element types numpy holds; None if there are none
+    tensors crossing the cut are few, of known element types it may run through; None if there are none
     near enough, or the nodes are not in topological order."""
     wiring = wiring or Wiring(graph)
     total = len(wiring.inputs)
@@ -327,14 +336,16 @@ def cut_positions(
         if previous not in wiring.constants:  # a Constant is copied into the pieces that read it
             live.update(o for o in wiring.outputs[previous] if o and last_read.get(o, -1) >= position)
         live.difference_update([i for i in wiring.inputs[previous] if last_read.get(i) == previous])
-        for target in targets:
-            if abs(position - target) > span:
-                continue
-            if len(live) > MAX_CUT or any(wiring.type_of(t, types) not in _NUMPY_TYPES for t in live):
-                continue
-            score = (len(live), abs(position - target))
-            if target not in best or score < best[target][0]:
-                best[target] = (score, position)
+        # Targets lie a piece apart and a span is under half a piece: only the nearest can be in reach.
+        nearest = round(position * count / total) - 1
+        if not 0 <= nearest < len(targets) or abs(position - targets[nearest]) > span:
+            continue
+        target = targets[nearest]
+        if len(live) > MAX_CUT or any(wiring.type_of(t, types) not in _CUT_TYPES for t in live):
+            continue
+        score = (len(live), abs(position - target))
+        if target not in best or score < best[target][0]:
+            best[target] = (score, position)
     if len(best) != len(targets):
         return None
     cuts = sorted({best[target][1] for target in targets})
