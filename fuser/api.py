@@ -207,7 +207,10 @@ def optimize(
             # Progress in model runs: the original's input sets, then the optimized model's.
             runs = 1 if options.inputs is not None else options.runs
             stage.progress("check", 0, 2 * runs)
+            started = None
             if prepared is not None and prepared.options is options:
+                if not (foreign_block or upgraded):  # what those check is not `optimized` as it is
+                    started = prepared.start_beside(optimized)
                 checker = prepared.get()
             else:
                 checker = Checker(original, options, base_dir=model.base_dir)
@@ -238,6 +241,7 @@ def optimize(
                 exact,
                 stabilizing,
                 progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
+                started=started,
             )
         if report.verdict.passed:
             return finished(optimized)
@@ -298,6 +302,7 @@ class ForeignBlockChecker:
         stabilizing: bool = True,
         base_dir=None,
         progress=None,
+        started: None = None,  # never started ahead: the session is of the lowered model
     ) -> Verdict:
         model = as_proto(candidate)
         folder = base_dir or self.checker.base_dir

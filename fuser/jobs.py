@@ -29,7 +29,7 @@ from pathlib import Path
 
 import onnx
 
-from fuser import api, validation, verify
+from fuser import api, ending, validation, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, UsageError
 from fuser.graph import paused_gc
@@ -134,16 +134,13 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, last: b
     # cycles the job itself makes wait for its end: 6 MB on the deepest export measured.
     if last:
         gc.disable()
-        return _optimize_file(job, progress, _KEPT_UNTIL_EXIT)
+        ending.ends_soon()
+        return _optimize_file(job, progress)
     with paused_gc():
         return _optimize_file(job, progress)
 
 
-# The models of a job that its process outlives only briefly (optimize_file's `last`).
-_KEPT_UNTIL_EXIT: list = []
-
-
-def _optimize_file(job: OptimizeJob, progress: Progress | None, keep: list | None = None) -> Outcome:
+def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
@@ -205,8 +202,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, keep: list | Non
             size_after=sizes[1],
         )
         verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
-        if keep is not None:
-            keep += (loaded, optimized)
+        ending.keep(loaded, optimized)
         return Outcome(
             source=str(source),
             code=EXIT_OK,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from fuser import ending
 from fuser.errors import InputError, UsageError
 from fuser.float32_twin import (
     SIXTEEN_BIT_FLOAT_NAMES,
@@ -981,14 +982,16 @@ class Checker:
         *,
         base_dir: str | os.PathLike | None = None,
         on_serialized: Callable[[], None] | None = None,
+        weights: WeightFeeds | None = None,
     ):
-        """on_serialized: called once the original's session has its own copy of `original`."""
+        """on_serialized: called once the original's session has its own copy of `original`.
+        weights: the WeightFeeds the candidates' sessions share with the original's."""
         seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
         dims, shapes, ranges = options.dims, options.shapes, options.ranges
         self.rtol, self.atol = rtol, atol
         self.base_dir = base_dir
         check_names(original, options)
-        self.weights = WeightFeeds()
+        self.weights = weights if weights is not None else WeightFeeds()
         # What the original's float32 twin is made of, should a 16-bit float output differ:
         # copied now, as the caller may change `original` once the session has its copy.
         self._twin_source = _twin_source(original, base_dir, self.weights)
@@ -1143,22 +1146,25 @@ class Checker:
         stabilizing: bool = True,
         base_dir=None,
         progress=None,
+        started: Callable[[], object] | None = None,
     ) -> Verdict:
         """Compare `candidate` (external data beside `base_dir`, default the original's folder);
-        `progress` (fuser.progress) is told each input set run."""
-        verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir, progress or silent)
+        `progress` (fuser.progress) is told each input set run. started: its session, started
+        ahead (PreparedChecker.start_beside)."""
+        verdict = self._check(candidate, exact, stabilizing, base_dir or self.base_dir, progress or silent, started)
         verdict.input_shapes = dict(self.input_shapes)
         verdict.padded_masks = list(self.padded_masks)
         verdict.warnings = [*self.warnings, *verdict.warnings]
         return verdict
 
     def _check(
-        self, candidate: onnx.ModelProto | ModelParts, exact: bool, stabilizing: bool, base_dir, progress
+        self, candidate: onnx.ModelProto | ModelParts, exact: bool, stabilizing: bool, base_dir, progress, started
     ) -> Verdict:
         try:
-            after = session(candidate, base_dir, self.weights, in_pieces=True)
+            after = started() if started is not None else candidate_session(candidate, base_dir, self.weights)
         except InputError as error:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
+        ending.hold("check session", after)
         verdict = Verdict()
         wanted = set(self.input_names)
         given = {spec.name for spec in after.get_inputs()}
@@ -1324,6 +1330,12 @@ def return_freed_memory() -> None:
     trim(0)
 
 
+def candidate_session(candidate: onnx.ModelProto | ModelParts, base_dir, weights: WeightFeeds):
+    """The check's session of `candidate`: in pieces if it is large, fed the weights it shares
+    with the original; a model onnxruntime cannot load is an InputError."""
+    return session(candidate, base_dir, weights, in_pieces=True)
+
+
 class PreparedChecker:
     """A Checker built in a thread of its own while the caller goes on (the rewrite runs).
 
@@ -1337,6 +1349,10 @@ class PreparedChecker:
 
     def __init__(self, original: onnx.ModelProto, options: CheckOptions, base_dir=None):
         self.options = options
+        self.base_dir = base_dir
+        # Shared with the candidates' sessions, some started while the thread still runs
+        # (start_beside): the thread is done with it once the original's session has its copy.
+        self.weights = WeightFeeds()
         self._checker: Checker | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()
@@ -1348,11 +1364,32 @@ class PreparedChecker:
 
     def _build(self, original, options, base_dir) -> None:
         try:
-            self._checker = Checker(original, options, base_dir=base_dir, on_serialized=self._copied.set)
+            self._checker = Checker(
+                original, options, base_dir=base_dir, on_serialized=self._copied.set, weights=self.weights
+            )
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
         finally:
             self._copied.set()
+
+    def start_beside(self, candidate: onnx.ModelProto | ModelParts) -> Callable[[], object] | None:
+        """If the Checker is still being built, start the check's session of `candidate` now,
+        beside it, and return what gives it to Checker.check (or raises the InputError starting it
+        raised). The original's side ends on one core (its session, then its runs) while the
+        other would wait: the 100k-node MLP of bench/scale.py waited 0.8 s. Once it is built,
+        None: the original's session is closed, and the candidate's starts as usual."""
+        if not self._thread.is_alive():
+            return None
+        try:
+            started = candidate_session(candidate, self.base_dir, self.weights)
+        except InputError as error:
+            refused = error
+
+            def reraised():
+                raise refused
+
+            return reraised
+        return lambda: started
 
     def get(self) -> Checker:
         """The Checker, once built; what building it raised is raised here."""

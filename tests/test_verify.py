@@ -498,6 +498,88 @@ def test_a_prepared_checker_raises_what_building_it_raised_when_asked_for_it():
     assert PreparedChecker(model, CheckOptions()).get().check(model, exact=True).passed
 
 
+@pytest.fixture
+def held_original(monkeypatch):
+    """PreparedChecker's thread, held after the original's session has its copy of the model
+    until the test releases it: the thread is still building the Checker, as during a rewrite."""
+    import threading
+
+    from fuser.verify import Checker as Built
+
+    release = threading.Event()
+    synthesize = Built._synthesize
+
+    def held(self, *args):
+        release.wait(timeout=60)
+        return synthesize(self, *args)
+
+    monkeypatch.setattr(Built, "_synthesize", held)
+    yield release
+    release.set()
+
+
+def test_a_candidates_session_starts_beside_the_original_while_its_side_is_built(held_original):
+    from fuser.verify import PreparedChecker
+
+    relu = [helper.make_node("Relu", ["x"], ["y"])]
+    model = make_model(relu, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+    prepared = PreparedChecker(model, CheckOptions())
+    started = prepared.start_beside(model)
+    assert started is not None  # the thread waits: the candidate's session started now
+    negated = make_model(
+        [helper.make_node("Neg", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
+    )
+    started_wrong = prepared.start_beside(negated)
+    unknown = make_model(
+        [helper.make_node("NoSuchOp", ["x"], ["y"], domain="none.such")],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
+        extra_opsets={"none.such": 1},
+        check=False,
+    )
+    started_unloadable = prepared.start_beside(unknown)
+    held_original.set()
+    checker = prepared.get()
+    assert prepared.start_beside(model) is None  # built: the candidate's session starts in check
+    assert checker.check(model, exact=True, started=started).passed
+    assert not checker.check(negated, exact=True, started=started_wrong).passed
+    assert not checker.check(model, exact=True, started=started_wrong).passed  # the session given is what runs
+    refused = checker.check(unknown, exact=True, started=started_unloadable)
+    assert not refused.passed and "NoSuchOp" in refused.load_error
+
+
+def test_what_a_process_ending_soon_keeps_is_freed_only_by_its_end():
+    """fuser.ending keeps nothing until the process says it ends soon (run in a process of its
+    own: once said, it holds for the rest of the process)."""
+    script = """
+import gc, weakref
+from fuser import ending
+
+class Thing:
+    pass
+
+first, second, third = Thing(), Thing(), Thing()
+refs = [weakref.ref(t) for t in (first, second, third)]
+ending.keep(first)
+ending.hold("slot", second)
+del first, second
+gc.collect()
+assert [r() is None for r in refs[:2]] == [True, True]  # not ending: nothing kept
+ending.ends_soon()
+kept, held = Thing(), Thing()
+refs = [weakref.ref(kept), weakref.ref(held), weakref.ref(third)]
+ending.keep(kept)
+ending.hold("slot", held)
+ending.hold("slot", third)  # takes the slot: the value held before is freed
+del kept, held, third
+gc.collect()
+assert [r() is None for r in refs] == [False, True, False], [r() for r in refs]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_the_original_is_run_only_when_there_is_a_rewrite_to_check():
     """The original's side of the check is built during the rewrite; a model nothing rewrote
     needs no check, so inputs it cannot run on are no error then, as without the head start."""
