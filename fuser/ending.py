@@ -1,7 +1,8 @@
 """What a process about to end keeps rather than frees.
 
-Python frees a large graph, or onnxruntime's sessions of it, object by object: 0.2 s for a graph
-of 100k nodes, 0.5 s for the check's sessions of its optimized model, seconds at a million. The
+Python frees a large graph, or onnxruntime's sessions of it, object by object: 0.2 s for the
+100k-node MLP stack of bench/scale.py, 0.5 s for the check's four sessions of pieces of its
+optimized model, seconds at a million nodes. The
 `fuser` command and its -j workers end with os._exit once their output is out
 (fuser.cli.program), and the system takes back what they kept at once, with the rest of their
 memory. Until a process says it ends soon, `keep` and `hold` do nothing: a library caller, a

@@ -518,25 +518,25 @@ def held_original(monkeypatch):
     release.set()
 
 
+def one_node(op_type: str, domain: str = "") -> onnx.ModelProto:
+    """y = op_type(x) on a 2x3 float tensor; an unknown domain's node is left unchecked."""
+    return make_model(
+        [helper.make_node(op_type, ["x"], ["y"], domain=domain)],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [2, 3])],
+        extra_opsets={domain: 1} if domain else None,
+        check=not domain,
+    )
+
+
 def test_a_candidates_session_starts_beside_the_original_while_its_side_is_built(held_original):
     from fuser.verify import PreparedChecker
 
-    relu = [helper.make_node("Relu", ["x"], ["y"])]
-    model = make_model(relu, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+    model, negated, unknown = one_node("Relu"), one_node("Neg"), one_node("NoSuchOp", "none.such")
     prepared = PreparedChecker(model, CheckOptions())
     started = prepared.start_beside(model)
     assert started is not None  # the thread waits: the candidate's session started now
-    negated = make_model(
-        [helper.make_node("Neg", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]
-    )
     started_wrong = prepared.start_beside(negated)
-    unknown = make_model(
-        [helper.make_node("NoSuchOp", ["x"], ["y"], domain="none.such")],
-        [("x", np.float32, [2, 3])],
-        [("y", np.float32, [2, 3])],
-        extra_opsets={"none.such": 1},
-        check=False,
-    )
     started_unloadable = prepared.start_beside(unknown)
     held_original.set()
     checker = prepared.get()
