@@ -307,8 +307,9 @@ def cut_positions(
     graph: GraphProto, count: int, types: dict[str, int], wiring: Wiring | None = None
 ) -> list[int] | None:
     """Node positions to cut `graph` at into `count` pieces of about equal size, each where the
-    tensors crossing the cut are few, of known element types it may run through; None if there are none
-    near enough, or the nodes are not in topological order."""
+    tensors crossing the cut are few, of known element types it may run through, or into half
+    as many, and so on, where that many cannot be cut (or would copy too many weights); None if
+    not even two can, or the nodes are not in topological order."""
     wiring = wiring or Wiring(graph)
     total = len(wiring.inputs)
     sources = {v.name for v in graph.input} | wiring.weights.keys()
@@ -327,6 +328,17 @@ def cut_positions(
                 produced.add(name)
     if any(value.name not in produced for value in graph.output):
         return None  # an output no node computes (a graph input handed through)
+    while count >= 2:
+        cuts = _cuts(wiring, count, types, last_read)
+        if cuts is not None:
+            return cuts
+        count //= 2
+    return None
+
+
+def _cuts(wiring: Wiring, count: int, types: dict[str, int], last_read: dict[str, int]) -> list[int] | None:
+    """cut_positions for exactly `count` pieces, or None."""
+    total = len(wiring.inputs)
     span = total // (4 * count)
     targets = [round(total * i / count) for i in range(1, count)]
     best: dict[int, tuple] = {}

@@ -119,6 +119,9 @@ def test_a_weight_read_on_both_sides_of_a_cut_is_copied_only_while_small(small_p
     monkeypatch.setattr(pieces, "SHARED_BYTES", 0)
     assert cut(chain(40, shared=True)) is None
     assert cut(chain(40)).pieces == 4
+    # Room for one copy of the 16-byte weight: four pieces would copy it three times, two once.
+    monkeypatch.setattr(pieces, "SHARED_BYTES", 16)
+    assert cut(chain(40, shared=True)).pieces == 2
 
 
 def in_pieces_differs(model: onnx.ModelProto, count: int) -> bool:
