@@ -282,10 +282,17 @@ class Engine:
                     if len(self.result.rewrites) == before or self._limit_reached():
                         break
                     inferred_at = len(self.result.rewrites)
+                    naming = [r for r in self.rules if r.phase == phase and r.candidates is not None]
                     if self._types.learns_more():
                         pass_seeds = None if seeds is None else seeds | swept
                     elif swept:
                         pass_seeds = swept
+                    elif naming:
+                        # A rewrite can make a node far below it rewritable without touching it (a
+                        # folded Shape makes constant what is computed from it), where a rule tried
+                        # only the candidates it named as the pass started: named anew, they are
+                        # tried again, until a pass rewrites nothing.
+                        pass_seeds = set().union(*(self._candidates(graph, r) for r in naming))
                     else:
                         break
                 changes.append(touched)
@@ -410,7 +417,9 @@ class Engine:
                     starts |= nominated
                     continue
                 for root_type, domain in rule.roots:
-                    starts.update(graph.nodes_of_type(root_type, domain))
+                    # Not where none of its patterns can match: one needs an op type the scope lacks.
+                    if rule in self._rules_at(graph, root_type):
+                        starts.update(graph.nodes_of_type(root_type, domain))
             for node_id in starts:
                 push(node_id, release=False)
         queue.settle()

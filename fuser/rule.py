@@ -213,9 +213,10 @@ def rule(
         rewrites few, a function of a graph scope that finds those few in one look at the whole
         scope: the ids of the nodes worth trying when a pass over the scope (or much of it)
         starts. It must include every node the rule could rewrite at that moment; the nodes a
-        rewrite touches later are tried whatever it returned. So the rule's match must depend
-        on its pattern's nodes alone: a rewrite far above a node that makes it rewritable
-        (constants evaluated through many nodes) does not touch it.
+        rewrite touches later are tried whatever it returned. A rewrite far above a node can
+        make it rewritable without touching it (constants evaluated through many nodes): after
+        a pass that rewrote something, the engine names the candidates anew and tries them
+        again, until a pass rewrites nothing; naming them generously saves those passes.
     walks: for a rule whose function reads the graph beyond its pattern (walking up from it,
         Match.absorb), how deep that reads, counted as a pattern's depth is: after a rewrite,
         the engine looks again at nodes that far below it (otherwise as far as the deepest

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from fuser.rules.constant_fold import constant_fold
 from fuser.rules.identity_elimination import identity_elimination
 from onnx import TensorProto, helper, numpy_helper
@@ -345,3 +347,65 @@ def test_a_shape_folded_into_a_graph_outputs_copy_lets_what_reads_it_fold():
     copies = {n.output[0]: n.input[0] for n in after.graph.node if n.op_type == "Identity"}
     assert sorted(copies) == ["r", "s"] and len(after.graph.node) == 2
     assert numpy_helper.to_array(folded[copies["r"]]) == 64 * 64 * 5
+
+
+@st.composite
+def _graphs_with_constants(draw):
+    """A DAG over an input, two weights, a Constant and a Shape, listed in a shuffled order (so
+    that a reader may come before the node it reads, as a rewrite's nodes do)."""
+    tensors, nodes = ["x", "w", "v"], []
+    for index in range(draw(st.integers(1, 14))):
+        op = draw(st.sampled_from(["Neg", "Add", "Constant", "Shape", "Cast", "RandomNormalLike"]))
+        out = f"t{index}"
+        if op == "Constant":
+            node = helper.make_node(op, [], [out], value=numpy_helper.from_array(np.ones((2, 3), np.float32)))
+        elif op == "Add":
+            node = helper.make_node(op, draw(st.lists(st.sampled_from(tensors), min_size=2, max_size=2)), [out])
+        elif op == "Cast":
+            node = helper.make_node(op, [draw(st.sampled_from(tensors))], [out], to=TensorProto.FLOAT)
+        else:
+            node = helper.make_node(op, [draw(st.sampled_from(tensors))], [out])
+        nodes.append(node)
+        tensors.append(out)
+    order = draw(st.permutations(nodes))
+    weights = {"w": np.ones((2, 3), np.float32), "v": np.ones((2, 3), np.float32)}
+    return make_model(order, [("x", np.float32, [2, 3])], [(tensors[-1], np.float32, None)], weights, check=False)
+
+
+@given(_graphs_with_constants())
+@settings(max_examples=300, deadline=None)
+def test_the_candidates_hold_every_node_of_constant_inputs(model):
+    """maybe_constant names every node whose inputs the evaluator finds constant (what
+    constant-fold's pattern asks), and every node below a Shape, which shape-fold may make so."""
+    from fuser.model import Model
+    from fuser.rules.constant_fold import maybe_constant
+
+    graph = Model(model).graph
+    named = maybe_constant(graph)
+    for info in graph.nodes():
+        if all(not name or graph.is_constant(name) for name in info.input_names):
+            assert info.id in named, info
+    below_shapes = {o for info in graph.nodes() if info.op_type == "Shape" for o in info.output_names}
+    for info in graph.nodes():  # what reads only shapes and constants
+        if all(not n or n in below_shapes or graph.is_constant(n) for n in info.input_names):
+            assert info.id in named, info
+
+
+def test_a_fold_a_far_rewrite_makes_possible_is_made_by_the_candidates_named_anew():
+    """A rewrite far above a node can make it constant without touching it; constant-fold named
+    its candidates as the pass started, and names them anew until a pass rewrites nothing."""
+    from fuser.rules.constant_fold import constant_fold
+    from fuser.rules.identity_elimination import identity_elimination
+
+    @fuser.rule("frozen-sin", pattern=fuser.op.Sin(fuser.var("x"), name="sin"), phase=constant_fold.phase)
+    def frozen_sin(m, b):
+        """Sin(x) => zeros, a stand-in for a rule that finds a computed tensor constant."""
+        return b.constant(np.zeros(2, np.int64), "frozen")
+
+    nodes = [helper.make_node("Sin", ["x"], ["s0"], name="sin")]
+    nodes += [helper.make_node("Identity", [f"s{i}"], [f"s{i + 1}"], name=f"id{i}") for i in range(5)]
+    nodes.append(helper.make_node("Concat", ["s5", "one"], ["target"], name="concat", axis=0))
+    outputs = [("target", np.int64, [3])] + [(f"s{i + 1}", np.int64, [2]) for i in range(5)]
+    model = make_model(nodes, [("x", np.int64, [2])], outputs, {"one": np.array([1], np.int64)}, check=False)
+    _, report = fuser.optimize(model, rules=[frozen_sin, constant_fold, identity_elimination], check=False)
+    assert ("constant-fold", ["concat"]) in [(r.rule, r.matched) for r in report.rewrites]
