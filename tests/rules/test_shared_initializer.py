@@ -205,3 +205,18 @@ def test_equal_initializers_inside_a_branch_become_one_there():
     assert [r.scope for r in report.rewrites] == ["main/if.then_branch"]
     branch = next(a.g for a in after.graph.node[0].attribute if a.name == "then_branch")
     assert [t.name for t in branch.initializer] == ["p"] and branch.node[1].input[1] == "p"
+
+
+def test_a_weight_added_after_a_quiet_sweep_is_compared_again():
+    """A sweep that found nothing is remembered with the weights it saw: the next one looks
+    again only when a weight read is not one of them, as one a rewrite adds is not."""
+    from fuser.model import Model
+
+    graph = Model(_two_adds(W, W + 1)).graph
+    assert list(shared_initializer.sweep(graph)) == []
+    assert list(shared_initializer.sweep(graph)) == []  # the same weights: nothing to compare
+    graph.add_initializer(onnx.numpy_helper.from_array(W.copy(), "copy"))
+    assert list(shared_initializer.sweep(graph)) == []  # read by nothing yet
+    graph.add_node(helper.make_node("Sub", ["x", "copy"], ["d"]), (5,))
+    (change,) = shared_initializer.sweep(graph)
+    assert change.redirects == (("copy", "a"),)
