@@ -983,9 +983,11 @@ class Checker:
         base_dir: str | os.PathLike | None = None,
         on_serialized: Callable[[], None] | None = None,
         weights: WeightFeeds | None = None,
+        retire: Callable[[object], None] | None = None,
     ):
         """on_serialized: called once the original's session has its own copy of `original`.
-        weights: the WeightFeeds the candidates' sessions share with the original's."""
+        weights: the WeightFeeds the candidates' sessions share with the original's.
+        retire: given the original's session once its outputs are known, before it is let go."""
         seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
         dims, shapes, ranges = options.dims, options.shapes, options.ranges
         self.rtol, self.atol = rtol, atol
@@ -1030,6 +1032,8 @@ class Checker:
         # every check, and onnxruntime starts the next session of a large model slower while it
         # lives (the optimized 100k-node MLP of bench/scale.py: 6.1 s beside it, 4.8 s alone).
         self.input_names = [spec.name for spec in self.session.get_inputs()]
+        if retire is not None:
+            retire(self.session)
         self.session = None
         return_freed_memory()
 
@@ -1353,6 +1357,7 @@ class PreparedChecker:
         # Shared with the candidates' sessions, some started while the thread still runs
         # (start_beside): the thread is done with it once the original's session has its copy.
         self.weights = WeightFeeds()
+        self._beside = False  # a candidate's session is being started beside the thread
         self._checker: Checker | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()
@@ -1365,12 +1370,24 @@ class PreparedChecker:
     def _build(self, original, options, base_dir) -> None:
         try:
             self._checker = Checker(
-                original, options, base_dir=base_dir, on_serialized=self._copied.set, weights=self.weights
+                original,
+                options,
+                base_dir=base_dir,
+                on_serialized=self._copied.set,
+                weights=self.weights,
+                retire=self._retire,
             )
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
         finally:
             self._copied.set()
+
+    def _retire(self, session) -> None:
+        """Keep the original's session, in a process that ends soon, while a candidate's is being
+        started beside: onnxruntime frees a session holding Python's lock (0.9 s for the 100k-node
+        MLP's original), and cutting the candidate into pieces waited for it."""
+        if self._beside:
+            ending.hold("original session", session)
 
     def start_beside(self, candidate: onnx.ModelProto | ModelParts) -> Callable[[], object] | None:
         """If the Checker is still being built, start the check's session of `candidate` now,
@@ -1380,6 +1397,7 @@ class PreparedChecker:
         None: the original's session is closed, and the candidate's starts as usual."""
         if not self._thread.is_alive():
             return None
+        self._beside = True
         try:
             started = candidate_session(candidate, self.base_dir, self.weights)
         except InputError as error:

@@ -548,6 +548,37 @@ def test_a_candidates_session_starts_beside_the_original_while_its_side_is_built
     assert not refused.passed and "NoSuchOp" in refused.load_error
 
 
+def test_a_process_ending_soon_keeps_the_originals_session_while_a_candidates_starts_beside():
+    """Freeing the original's session holds Python's lock; while a candidate's session is being
+    started beside the thread, a process that ends soon keeps it instead (run in a process of
+    its own, as ending.ends_soon holds for the rest of it)."""
+    script = """
+import threading
+import numpy as np
+from onnx import helper
+from fuser import ending, verify
+from fuser.testing import make_model
+
+release = threading.Event()
+synthesize = verify.Checker._synthesize
+verify.Checker._synthesize = lambda self, *args: (release.wait(60), synthesize(self, *args))[1]
+ending.ends_soon()
+model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+prepared = verify.PreparedChecker(model, verify.CheckOptions())
+started = prepared.start_beside(model)
+release.set()
+checker = prepared.get()
+assert type(ending._held.get("original session")).__name__ == "InferenceSession", ending._held
+assert checker.check(model, exact=True, started=started).passed
+kept = ending._held["original session"]
+verify.PreparedChecker(model, verify.CheckOptions()).get()  # nothing beside: its session is not kept
+assert ending._held["original session"] is kept
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_what_a_process_ending_soon_keeps_is_freed_only_by_its_end():
     """fuser.ending keeps nothing until the process says it ends soon (run in a process of its
     own: once said, it holds for the rest of the process)."""
