@@ -32,11 +32,12 @@ def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorPr
     return [group for group in groups.values() if len(group) > 1]
 
 
-# Per graph scope, the weights read there when a sweep of it found nothing, by id (the tensors
-# held, so no id is reused). Tensors are not changed in place: while every weight read is one of
-# those, none is found again. The sweep runs after every phase that rewrote (the fusions of a
-# large model leave its weights as they were), and comparing the weights took 0.27 s per sweep
-# of the 100k-node MLP stack of bench/scale.py.
+# Per graph scope, the weights read there when a sweep of it found nothing, in file order (the
+# tensors held, not copied). Tensors are not changed in place, and a weight added later comes
+# after them: while the weights read are those, in that order, less any removed since, none is
+# found again. The sweep runs after every phase that rewrote (the fusions of a large model leave
+# its weights as they were), and comparing the weights took 0.27 s per sweep of the 100k-node
+# MLP stack of bench/scale.py; a dict or set of them would hold 40 MB more at a million nodes.
 _QUIET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -45,14 +46,20 @@ def shared_initializer(graph):
     """Initializers of equal dtype, shape and bytes  =>  one, read by all their readers."""
     weights = graph.read_initializers()
     quiet = _QUIET.get(graph)
-    if quiet is not None and all(quiet.get(id(tensor)) is tensor for tensor in weights):
+    if quiet is not None and _among(weights, quiet):
         return
     found = False
     for change in _merges(graph, weights):
         found = True
         yield change
     if not found:
-        _QUIET[graph] = {id(tensor): tensor for tensor in weights}
+        _QUIET[graph] = weights
+
+
+def _among(weights: list[TensorProto], seen: list[TensorProto]) -> bool:
+    """Whether `weights` are some of `seen`, in the same order (the same objects)."""
+    rest = iter(seen)
+    return all(any(tensor is other for other in rest) for tensor in weights)
 
 
 def _merges(graph, weights: list[TensorProto]):
