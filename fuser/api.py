@@ -243,6 +243,7 @@ def optimize(
                 progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
                 started=started,
             )
+            started = None  # its session is the check's to keep or let go (blame makes its own)
         if report.verdict.passed:
             return finished(optimized)
         _require_steady(checker, original)

@@ -282,19 +282,19 @@ class Engine:
                     if len(self.result.rewrites) == before or self._limit_reached():
                         break
                     inferred_at = len(self.result.rewrites)
+                    # A rewrite can make a node far below it rewritable without touching it (a
+                    # folded Shape makes constant what is computed from it), where a rule tried
+                    # only the candidates it named as the pass started: named anew, they are
+                    # tried again by every pass that does not cover the whole scope.
                     naming = [r for r in self.rules if r.phase == phase and r.candidates is not None]
-                    if self._types.learns_more():
-                        pass_seeds = None if seeds is None else seeds | swept
-                    elif swept:
-                        pass_seeds = swept
-                    elif naming:
-                        # A rewrite can make a node far below it rewritable without touching it (a
-                        # folded Shape makes constant what is computed from it), where a rule tried
-                        # only the candidates it named as the pass started: named anew, they are
-                        # tried again, until a pass rewrites nothing.
-                        pass_seeds = set().union(*(self._candidates(graph, r) for r in naming))
-                    else:
+                    learns = self._types.learns_more()
+                    if not (learns or swept or naming):
                         break
+                    if learns and seeds is None:
+                        pass_seeds = None
+                    else:
+                        renamed = set().union(*(self._candidates(graph, r) for r in naming))
+                        pass_seeds = swept | renamed | (seeds if learns else set())
                 changes.append(touched)
                 seen_changes[phase] = len(changes)  # its own changes it has revisited already
                 seen_rewrites[phase] = len(self.result.rewrites)

@@ -332,7 +332,7 @@ def cut_positions(
         cuts = _cuts(wiring, count, types, last_read)
         if cuts is not None:
             return cuts
-        count //= 2
+        count = 1 if count == 2 else max(2, count // 2)
     return None
 
 

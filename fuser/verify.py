@@ -1166,6 +1166,7 @@ class Checker:
     def _check(
         self, candidate: onnx.ModelProto | ModelParts, exact: bool, stabilizing: bool, base_dir, progress, started
     ) -> Verdict:
+        ending.hold("check session", None)  # the last check's session goes before the next is made
         try:
             after = started() if started is not None else candidate_session(candidate, base_dir, self.weights)
         except InputError as error:

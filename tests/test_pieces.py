@@ -122,6 +122,7 @@ def test_a_weight_read_on_both_sides_of_a_cut_is_copied_only_while_small(small_p
     # Room for one copy of the 16-byte weight: four pieces would copy it three times, two once.
     monkeypatch.setattr(pieces, "SHARED_BYTES", 16)
     assert cut(chain(40, shared=True)).pieces == 2
+    assert cut(chain(30, shared=True)).pieces == 2  # three pieces were too many, and half of three is two
 
 
 def in_pieces_differs(model: onnx.ModelProto, count: int) -> bool:

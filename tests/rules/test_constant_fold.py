@@ -402,10 +402,21 @@ def test_a_fold_a_far_rewrite_makes_possible_is_made_by_the_candidates_named_ane
         """Sin(x) => zeros, a stand-in for a rule that finds a computed tensor constant."""
         return b.constant(np.zeros(2, np.int64), "frozen")
 
+    from fuser.rules.shared_initializer import shared_initializer
+
     nodes = [helper.make_node("Sin", ["x"], ["s0"], name="sin")]
     nodes += [helper.make_node("Identity", [f"s{i}"], [f"s{i + 1}"], name=f"id{i}") for i in range(5)]
     nodes.append(helper.make_node("Concat", ["s5", "one"], ["target"], name="concat", axis=0))
     outputs = [("target", np.int64, [3])] + [(f"s{i + 1}", np.int64, [2]) for i in range(5)]
     model = make_model(nodes, [("x", np.int64, [2])], outputs, {"one": np.array([1], np.int64)}, check=False)
     _, report = fuser.optimize(model, rules=[frozen_sin, constant_fold, identity_elimination], check=False)
+    assert ("constant-fold", ["concat"]) in [(r.rule, r.matched) for r in report.rewrites]
+    # The same where a sweep after the pass changed something (it merges the frozen zeros with an
+    # equal weight), and the next pass is seeded with what it changed.
+    model.graph.node.append(helper.make_node("Add", ["x", "z"], ["u"], name="add"))
+    model.graph.output.append(helper.make_tensor_value_info("u", TensorProto.INT64, [2]))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(2, np.int64), "z"))
+    rules = [frozen_sin, constant_fold, identity_elimination, shared_initializer]
+    _, report = fuser.optimize(model, rules=rules, check=False)
+    assert "shared-initializer" in report.counts
     assert ("constant-fold", ["concat"]) in [(r.rule, r.matched) for r in report.rewrites]
