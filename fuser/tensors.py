@@ -72,7 +72,6 @@ _PLAIN_DTYPES = (
 )
 
 
-
 def plain_dtype(data_type: int) -> np.dtype | None:
     """The numpy dtype that reads ONNX's raw data of `data_type` element by element, for the
     plain types (_PLAIN_DTYPES); None for any other (packed, 8-bit float, string)."""
