@@ -560,6 +560,10 @@ class Graph:
             if entry is not None and entry[0] == weights:
                 yield name, tensor, bool(reads.get(name))
 
+    def is_weight(self, tensor: str) -> bool:
+        """Whether `tensor` is an initializer of this scope that no graph input overrides."""
+        return self._producer.get(tensor) == self._weight_entry
+
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
         entry = self._producer.get(tensor)

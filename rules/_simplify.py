@@ -36,6 +36,42 @@ _NOT_FOLDED = {
 }
 
 
+# Operators whose result is their input's shape: a constant once shape inference fixes it.
+SHAPE_READERS = frozenset({"Shape", "Size"})
+
+
+def may_be_constant(graph) -> tuple[set[int], set[str]]:
+    """The nodes whose every input may be constant during a simplification pass, and the tensors
+    besides this scope's weights that may be: the constants of enclosing scopes, what a Shape or Size
+    reports (shape-fold makes it a constant where shape inference fixes it, and what is computed
+    from it must fold in the same pass, ahead of rules that would take it in), and what nodes of
+    such inputs compute. More than the evaluator would call constant (a random or body-holding
+    node's outputs count here) is only more to try. One look at each node: nearly every node of
+    a large model reads an activation first, which turns it away at once."""
+    known = {name for name in graph.captured() if graph.is_constant(name)}  # a body's few
+    is_weight = graph.is_weight
+    found: set[int] = set()
+    for info in graph.nodes():  # in the order the nodes came, which is mostly the graph's order
+        names = info.input_names
+        if names and names[0] and names[0] not in known and info.op_type not in SHAPE_READERS and not is_weight(names[0]):
+            continue  # the usual first input, an activation
+        if info.op_type in SHAPE_READERS or all(not name or name in known or is_weight(name) for name in names):
+            found.add(info.id)
+            known.update(info.output_names)
+    # A reader that came before the node it reads (a rewrite's nodes come last) is found from it.
+    pending = [o for node_id in found for o in graph.node(node_id).output_names if o]
+    while pending:
+        for consumer in graph.op_consumers(pending.pop()):
+            info = graph.node(consumer)
+            if consumer not in found and all(not name or name in known or is_weight(name) for name in info.input_names):
+                found.add(consumer)
+                fresh = [o for o in info.output_names if o and o not in known]
+                known.update(fresh)
+                pending.extend(fresh)
+    known.discard("")
+    return found, known
+
+
 def foldable_op_types() -> tuple[str, ...]:
     """Every standard ONNX operator except the random ones and those holding subgraphs."""
     names = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx")}

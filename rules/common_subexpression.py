@@ -42,8 +42,8 @@ def repeated_nodes(graph) -> list[int]:
     have a twin, and a pass over a large graph need not try the rule at the others."""
     groups: dict[tuple, list[int]] = {}
     for info in graph.nodes():
-        if any(info.proto.input):
-            groups.setdefault((info.domain, info.op_type, tuple(info.proto.input)), []).append(info.id)
+        if any(info.input_names):
+            groups.setdefault((info.domain, info.op_type, info.input_names), []).append(info.id)
     return [node_id for group in groups.values() if len(group) > 1 for node_id in group]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import operator
 
-from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, used
+from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, may_be_constant, used
 
 from fuser import Builder, Match, const, op, rule
 from fuser.graph import SUBGRAPH_SLOT
@@ -38,8 +38,6 @@ CONE_LIMIT = 256  # constant nodes looked through for the weights a fold frees
 # large weight (an embedding table transposed in both branches of a merged decoder) stays one.
 BODY_COPY_BYTES = 1 << 20
 
-# Operators whose result is their input's shape: a constant once shape inference fixes it.
-SHAPE_READERS = frozenset({"Shape", "Size"})
 # Identity is left to identity-elimination, which rewires to the constant instead of copying it.
 # A DequantizeLinear of a constant is how a quantized model stores a weight: runtimes read it
 # as the integer operand of the operator it feeds (fuser/qdq.py), so it stays.
@@ -146,34 +144,9 @@ def stored_bytes(graph, tensors: list[str]) -> int:
 
 
 def maybe_constant(graph) -> set[int]:
-    """The nodes whose every input may be constant during a pass: a weight, a tensor of an
-    enclosing scope, what a Shape or Size reports (shape-fold makes it a constant where shape
-    inference fixes it, and what is computed from it must fold in the same pass, ahead of rules
-    that would take it in), or what nodes of such inputs compute (Rule.candidates). The pattern
-    is tried at every node of nearly every op type, and nearly every node of a large model reads
-    an activation first, which turns it away here at once. More than the evaluator would call
-    constant (a random or body-holding node's outputs count here) is only more to try."""
-    known = {tensor.name for tensor in graph.read_initializers()}
-    known.update(graph.captured())
-    found: set[int] = set()
-    for info in graph.nodes():  # in the order the nodes came, which is mostly the graph's order
-        names = info.input_names
-        if names and names[0] and names[0] not in known and info.op_type not in SHAPE_READERS:
-            continue  # the usual first input, an activation: turned away without a generator
-        if info.op_type in SHAPE_READERS or all(not name or name in known for name in names):
-            found.add(info.id)
-            known.update(info.output_names)
-    # A reader that came before the node it reads (a rewrite's nodes come last) is found from it.
-    pending = [o for node_id in found for o in graph.node(node_id).output_names if o]
-    while pending:
-        for consumer in graph.op_consumers(pending.pop()):
-            info = graph.node(consumer)
-            if consumer not in found and all(not name or name in known for name in info.input_names):
-                found.add(consumer)
-                fresh = [o for o in info.output_names if o and o not in known]
-                known.update(fresh)
-                pending.extend(fresh)
-    return found
+    """The nodes whose every input may be constant during a pass (Rule.candidates): the pattern
+    is tried at every node of nearly every op type."""
+    return may_be_constant(graph)[0]
 
 
 @rule(

@@ -10,7 +10,7 @@ comparison treats as equal.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape
+from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape, may_be_constant
 from fuser.tensors import plain_dtype
 
 from fuser import Builder, Match, const, op, rule, var
@@ -23,20 +23,27 @@ def _maybe_neutral(graph, op_types: tuple[str, ...]) -> list[int]:
     """The nodes of `op_types` with an input that may be their neutral constant: nearly every
     bias Add and scale Mul of a model reads a weight that is not, and its first element, in the
     weight's first bytes, says so without decoding the rest (Rule.candidates)."""
+    computed = None  # the tensors other than weights that may be constant, found once if asked
+
+    def may_be(tensor: str, neutral: int) -> bool:
+        nonlocal computed
+        weight = graph.initializer(tensor)
+        if weight is not None:
+            return _may_be_weight(graph, weight, neutral)
+        if computed is None:
+            computed = may_be_constant(graph)[1]
+        return tensor in computed
+
     return [
         node_id
         for op_type in op_types
         for node_id in graph.nodes_of_type(op_type)
-        if any(_may_be(graph, name, NEUTRAL[op_type]) for name in graph.node(node_id).input_names if name)
+        if any(may_be(name, NEUTRAL[op_type]) for name in graph.node(node_id).input_names if name)
     ]
 
 
-def _may_be(graph, tensor: str, neutral: int) -> bool:
-    """Whether `tensor` may be a constant of first element `neutral`: a weight whose first element
-    is another is not; one computed from constants may be anything."""
-    weight = graph.initializer(tensor)
-    if weight is None:
-        return graph.is_constant(tensor)
+def _may_be_weight(graph, weight, neutral: int) -> bool:
+    """Whether `weight` may be all `neutral`: not if its first element is another."""
     dtype = plain_dtype(weight.data_type)
     if dtype is None:
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from fuser.rules.neutral_element import neutral_element, neutral_element_right
 from onnx import helper
@@ -118,3 +119,37 @@ def test_a_neutral_constant_made_by_other_nodes_goes_too():
     )
     # The Sub, read by nothing then, goes with the Add.
     assert_rewritten(model, RULES, counts={"neutral-element": 1}, expected_ops=["Relu", "Neg"], feeds=X)
+
+
+def test_a_body_tries_the_constants_it_reads_from_its_enclosing_graph():
+    # Inside an If branch, a weight of the main graph is read by its first bytes like one of the
+    # branch's own; a tensor the main graph computes from constants may be constant, one it
+    # reads from its inputs may not.
+    from fuser.model import Model
+    from fuser.rules.neutral_element import _maybe_neutral
+
+    branch_nodes = [
+        helper.make_node("Add", ["x", "zeros"], ["a"], name="add_outer_zeros"),
+        helper.make_node("Add", ["a", "twos"], ["b"], name="add_outer_twos"),
+        helper.make_node("Mul", ["b", "computed"], ["c"], name="mul_outer_computed"),
+        helper.make_node("Mul", ["c", "x"], ["d"], name="mul_activations"),
+    ]
+    out = helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, [2, 3])
+    branch = helper.make_graph(branch_nodes, "then", [], [out])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [], [
+        helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [2, 3])
+    ])
+    nodes = [
+        helper.make_node("Neg", ["twos"], ["computed"]),
+        helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=other),
+    ]
+    model = make_model(
+        nodes,
+        [("x", np.float32, [2, 3]), ("flag", np.bool_, [])],
+        [("y", np.float32, [2, 3])],
+        {"zeros": np.zeros((2, 3), np.float32), "twos": np.full((2, 3), 2, np.float32)},
+    )
+    graph = Model(model).graph
+    body = graph.nodes_with_subgraphs()[0].subgraphs["then_branch"][0]
+    tried = sorted(body.node(n).name for n in _maybe_neutral(body, ("Add", "Mul")))
+    assert tried == ["add_outer_zeros", "mul_outer_computed"]
