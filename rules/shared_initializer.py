@@ -5,7 +5,10 @@ constant folded in two places, the scale of every LayerNorm of an untrained mode
 constant folding writes the same small shape tensor many times. One copy makes the file
 smaller and lets common-subexpression see that two nodes read the same value.
 
-Comparing is cheap first: by dtype and dims (no bytes read), then by the first bytes, and only
+Comparing is cheap first. A weight of at most FINGERPRINT_HEAD bytes stored inline as raw bytes
+is compared by dtype and bytes, and by dims only where those agree; such a weight and an equal one
+stored otherwise (as float_data, or in a file) stay apart, which no exporter writes. Other
+weights are compared by dtype and dims (no bytes read), then by their first bytes, and only
 tensors still alike are hashed whole (BLAKE2b; external data read in chunks, each tensor once).
 The first initializer in file order is kept. An initializer that a graph input can override
 (listed as an input, IR >= 4) is an input, not a constant, and is never merged; neither is a
@@ -20,16 +23,14 @@ import weakref
 from onnx import TensorProto
 
 from fuser.rules._simplify import SIMPLIFY_PHASE
+from fuser.tensors import FINGERPRINT_HEAD, uses_external_data
 
 from fuser import Change, sweep
 
 
 def _alike(graph, tensors: list[TensorProto], whole: bool) -> list[list[TensorProto]]:
     """`tensors` split into groups of two or more with equal fingerprints, in file order."""
-    groups: dict[bytes, list[TensorProto]] = {}
-    for tensor in tensors:
-        groups.setdefault(graph.tensors.fingerprint(tensor, whole=whole), []).append(tensor)
-    return [group for group in groups.values() if len(group) > 1]
+    return _split(tensors, lambda tensor: graph.tensors.fingerprint(tensor, whole=whole))
 
 
 # Per graph scope, the weights read there when a sweep of it found nothing, in file order (the
@@ -63,16 +64,40 @@ def _among(weights: list[TensorProto], seen: list[TensorProto]) -> bool:
 
 
 def _merges(graph, weights: list[TensorProto]):
+    by_bytes: dict[tuple, list[TensorProto]] = {}
     by_type: dict[tuple, list[TensorProto]] = {}
     for tensor in weights:
         data_type = tensor.data_type
-        if data_type != TensorProto.STRING:
+        if data_type == TensorProto.STRING:
+            continue
+        # A small weight stored as raw bytes (most of a large model's: its biases and norm
+        # scales) is its own key: one look at it, and its dims read only if another has its bytes.
+        raw = tensor.raw_data if tensor.HasField("raw_data") and not uses_external_data(tensor) else None
+        if raw is not None and len(raw) <= FINGERPRINT_HEAD:
+            by_bytes.setdefault((data_type, raw), []).append(tensor)
+        else:
             by_type.setdefault((data_type, tuple(tensor.dims)), []).append(tensor)
+    for candidates in by_bytes.values():
+        if len(candidates) > 1:
+            for equal in _split(candidates, lambda tensor: tuple(tensor.dims)):
+                yield from _onto_first(equal)
     for candidates in by_type.values():
         if len(candidates) < 2:
             continue
         for similar in _alike(graph, candidates, whole=False):
             for equal in _alike(graph, similar, whole=True):
-                kept = equal[0].name
-                for duplicate in equal[1:]:
-                    yield Change(redirects=((duplicate.name, kept),))
+                yield from _onto_first(equal)
+
+
+def _split(tensors: list[TensorProto], key) -> list[list[TensorProto]]:
+    """`tensors` split into groups of two or more of equal `key`, in file order."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(key(tensor), []).append(tensor)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _onto_first(equal: list[TensorProto]):
+    kept = equal[0].name
+    for duplicate in equal[1:]:
+        yield Change(redirects=((duplicate.name, kept),))

@@ -220,3 +220,14 @@ def test_a_weight_added_after_a_quiet_sweep_is_compared_again():
     graph.add_node(helper.make_node("Sub", ["x", "copy"], ["d"]), (5,))
     (change,) = shared_initializer.sweep(graph)
     assert change.redirects == (("copy", "a"),)
+
+
+def test_small_weights_of_equal_bytes_in_other_shapes_stay_apart():
+    # Small raw weights are compared by their bytes first: their dims still decide.
+    row = np.arange(4, dtype=np.float32)
+    inits = {"row": row, "column": row.reshape(4, 1), "again": row.copy(), "wide": row.reshape(1, 4)}
+    nodes = [helper.make_node("Add", ["x", name], [f"y_{name}"]) for name in inits]
+    model = make_model(nodes, [("x", np.float32, [4, 4])], [(f"y_{name}", np.float32, [4, 4]) for name in inits], inits)
+    graph = fuser.Model(model).graph
+    changes = list(shared_initializer.sweep(graph))
+    assert [change.redirects for change in changes] == [(("again", "row"),)]
