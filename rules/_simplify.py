@@ -48,12 +48,15 @@ def may_be_constant(graph) -> tuple[set[int], set[str]]:
     such inputs compute. More than the evaluator would call constant (a random or body-holding
     node's outputs count here) is only more to try. One look at each node: nearly every node of
     a large model reads an activation first, which turns it away at once."""
-    known = {name for name in graph.captured() if graph.is_constant(name)}  # a body's few
+    # A body's few captures: a weight of an enclosing scope counts without being read (it may be
+    # large, in a file); any other capture is asked of the scope that computes it.
+    known = {name for name in graph.captured() if graph.initializer(name) is not None or graph.is_constant(name)}
     is_weight = graph.is_weight
     found: set[int] = set()
     for info in graph.nodes():  # in the order the nodes came, which is mostly the graph's order
         names = info.input_names
-        if names and names[0] and names[0] not in known and info.op_type not in SHAPE_READERS and not is_weight(names[0]):
+        first = names[0] if names else ""
+        if first and first not in known and info.op_type not in SHAPE_READERS and not is_weight(first):
             continue  # the usual first input, an activation
         if info.op_type in SHAPE_READERS or all(not name or name in known or is_weight(name) for name in names):
             found.add(info.id)

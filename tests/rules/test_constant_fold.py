@@ -420,3 +420,33 @@ def test_a_fold_a_far_rewrite_makes_possible_is_made_by_the_candidates_named_ane
     _, report = fuser.optimize(model, rules=rules, check=False)
     assert "shared-initializer" in report.counts
     assert ("constant-fold", ["concat"]) in [(r.rule, r.matched) for r in report.rewrites]
+
+
+def test_a_body_names_its_candidates_without_reading_the_weights_it_captures(tmp_path):
+    # A weight of the enclosing graph kept in a file counts as constant in the body without
+    # being read: gone from disk, the candidates are still named.
+    from fuser.model import Model
+    from fuser.rules._simplify import may_be_constant
+
+    table = np.arange(64, dtype=np.float32).reshape(8, 8)
+    branch = helper.make_graph(
+        [helper.make_node("Transpose", ["table"], ["t"], name="transpose"), helper.make_node("Add", ["t", "x"], ["y"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, 8])],
+    )
+    z = helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [8, 8])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "else", [], [z])
+    model = make_model(
+        [helper.make_node("If", ["flag"], ["out"], then_branch=branch, else_branch=other)],
+        [("x", np.float32, [8, 8]), ("flag", np.bool_, [])],
+        [("out", np.float32, [8, 8])],
+        {"table": table},
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
+    loaded = Model.load(path)
+    (tmp_path / "weights.bin").unlink()
+    body = loaded.graph.nodes_with_subgraphs()[0].subgraphs["then_branch"][0]
+    found, _ = may_be_constant(body)
+    assert sorted(body.node(n).name for n in found) == ["transpose"]
