@@ -12,9 +12,10 @@ A cut runs between two nodes of the main graph, in its order, through the tensor
 before it and read after it. Their element types must be known without an inference (the
 model's annotations, else element_types: from the operators' schemas), and numpy must hold them
 as they are; float16 is not cut through (_CUT_TYPES), as onnxruntime computes much of it in
-float32 and rounds only where a float16 tensor leaves its graph. What onnxruntime holds constant stays constant in every piece: a weight goes into
-each piece that reads it, and so does a copy of a Constant node (onnxruntime makes its value a
-weight at load, and kernels such as MatMul's pack a constant operand, which changes the sums).
+float32 and rounds only where a float16 tensor leaves its graph. What onnxruntime holds constant
+stays constant in every piece: a weight goes into each piece that reads it, and so does a copy
+of a Constant node (onnxruntime makes its value a weight at load, and kernels such as MatMul's
+pack a constant operand, which changes the sums).
 Each piece keeps the annotations of its tensors, so a wrong one fails as in the whole model. A
 model with If/Loop/Scan bodies, sparse initializers or a name defined twice is not cut, nor where
 a cut would copy more than SHARED_BYTES of weights into two pieces. Where a piece cannot be

@@ -42,15 +42,14 @@ SHAPE_READERS = frozenset({"Shape", "Size"})
 
 def may_be_constant(graph) -> tuple[set[int], set[str]]:
     """The nodes whose every input may be constant during a simplification pass, and the tensors
-    besides this scope's weights that may be: the constants of enclosing scopes, what a Shape or Size
-    reports (shape-fold makes it a constant where shape inference fixes it, and what is computed
-    from it must fold in the same pass, ahead of rules that would take it in), and what nodes of
-    such inputs compute. More than the evaluator would call constant (a random or body-holding
-    node's outputs count here) is only more to try. One look at each node: nearly every node of
-    a large model reads an activation first, which turns it away at once."""
-    # A body's few captures: a weight of an enclosing scope counts without being read (it may be
-    # large, in a file); any other capture is asked of the scope that computes it.
-    known = {name for name in graph.captured() if graph.initializer(name) is not None or graph.is_constant(name)}
+    besides this scope's weights that may be: what enclosing scopes hold or compute (not their
+    inputs), what a Shape or Size reports (shape-fold makes it a constant where shape inference
+    fixes it, and what is computed from it must fold in the same pass, ahead of rules that would
+    take it in), and what nodes of such inputs compute. More than the evaluator would call
+    constant (a random or body-holding node's outputs count here) is only more to try. One look
+    at each node: nearly every node of a large model reads an activation first, which turns it
+    away at once."""
+    known = {name for name in graph.captured() if _captured_may_be_constant(graph, name)}
     is_weight = graph.is_weight
     found: set[int] = set()
     for info in graph.nodes():  # in the order the nodes came, which is mostly the graph's order
@@ -73,6 +72,16 @@ def may_be_constant(graph) -> tuple[set[int], set[str]]:
                 pending.extend(fresh)
     known.discard("")
     return found, known
+
+
+def _captured_may_be_constant(graph, name: str) -> bool:
+    """Whether a tensor a body reads from an enclosing scope may be constant, told by what makes
+    it in the scope that does, without evaluating it: a weight (which may be large, in a file)
+    or a node's output may be; a graph input is not."""
+    scope = graph.outer
+    while scope is not None and scope.source_kind(name) == "outer":
+        scope = scope.outer
+    return scope is not None and scope.source_kind(name) in ("initializer", "op")
 
 
 def foldable_op_types() -> tuple[str, ...]:
