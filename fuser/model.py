@@ -42,6 +42,7 @@ from fuser.wire import (
     encode_varint,
     field_key,
     read_in_place,
+    varint_size,
 )
 
 
@@ -537,22 +538,25 @@ def _write_streaming(
     ]
     sizes = [t.ByteSize() if parts is None else parts[2] for t, parts in zip(initializers, inlined)]
     graph_size = graph_head.ByteSize() + graph_tail.ByteSize()
-    graph_size += sum(1 + len(encode_varint(size)) + size for size in (*node_sizes, *sizes))
+    graph_size += sum(1 + varint_size(size) + size for size in (*node_sizes, *sizes))
     stream.write(model_head.SerializeToString(deterministic=True))
     stream.write(field_key(MODEL_GRAPH_FIELD) + encode_varint(graph_size))
+    # One call per node and weight: a large model has a million of them.
+    node_key, initializer_key = field_key(GRAPH_NODE_FIELD), field_key(GRAPH_INITIALIZER_FIELD)
+    write = stream.write
     for node, size in zip(nodes, node_sizes):
-        stream.write(field_key(GRAPH_NODE_FIELD) + encode_varint(size) + node.SerializeToString(deterministic=True))
-    stream.write(graph_head.SerializeToString(deterministic=True))
+        write(node_key + encode_varint(size) + node.SerializeToString(deterministic=True))
+    write(graph_head.SerializeToString(deterministic=True))
     for tensor, size, parts in zip(initializers, sizes, inlined):
-        stream.write(field_key(GRAPH_INITIALIZER_FIELD) + encode_varint(size))
+        write(initializer_key + encode_varint(size))  # apart: joined, a large weight's bytes were copied
         if parts is not None:
             _write_inline(tensor, parts, inline_from, stream)
         else:
-            stream.write(tensor.SerializeToString(deterministic=True))
+            write(tensor.SerializeToString(deterministic=True))
         if ticker is not None:
             ticker.tick()
-    stream.write(graph_tail.SerializeToString(deterministic=True))
-    stream.write(model_tail.SerializeToString(deterministic=True))
+    write(graph_tail.SerializeToString(deterministic=True))
+    write(model_tail.SerializeToString(deterministic=True))
     if ticker is not None:
         ticker.finish()
 

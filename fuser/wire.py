@@ -43,6 +43,11 @@ VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
 def encode_varint(value: int) -> bytes:
     """`value` in protobuf's base-128 varint encoding."""
+    # The lengths of a model's nodes and small weights, one or two bytes, take the short way.
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -52,6 +57,14 @@ def encode_varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
+
+
+def varint_size(value: int) -> int:
+    """The bytes encode_varint(value) takes, for a non-negative `value`."""
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def field_key(number: int, wire: int = LENGTH_DELIMITED) -> bytes:

@@ -29,7 +29,7 @@ from fuser.graph import ModelParts
 from fuser.model import Model, read_model, write_model
 from fuser.tensors import uses_external_data
 from fuser.verify import FEED_BYTES
-from fuser.wire import IN_PLACE_BYTES, read_in_place
+from fuser.wire import IN_PLACE_BYTES, encode_varint, read_in_place, varint_size
 from tests.helpers import in_process_cli, make_model
 
 # float32 elements: just over the threshold, and large enough for the check to feed it (FEED_BYTES)
@@ -362,3 +362,12 @@ def test_the_command_writes_from_the_loaded_weights_without_joining_them(cli, tm
     written = write_model(parts, tmp_path / "apart.onnx", source_dir=None)
     assert written == [tmp_path / "apart.onnx"]  # the parts know the weights came from one file
     assert (tmp_path / "apart.onnx").read_bytes() == (tmp_path / "out.onnx").read_bytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.integers(0, 0x4000 + 1), st.integers(0, 2**63 - 1)))
+def test_a_varint_is_encoded_as_protobuf_encodes_it(value):
+    # protobuf writes an int64 field as its key, one byte here, then the value as a varint
+    encoded = onnx.AttributeProto(i=value).SerializeToString()[1:]
+    assert encode_varint(value) == encoded
+    assert varint_size(value) == len(encoded)
