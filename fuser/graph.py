@@ -200,12 +200,14 @@ class Graph:
         # The vertex producing the initializers (see the module's docstring), and each one's reads:
         # {consumer: {key: name}}.
         self._weights = next(self._ids)
-        self._weight_entry = (self._weights, 0)  # every weight's entry in _producer: one tuple for all
+        self._weight_entry = (self._weights, 0)  # every weight's entry in _producer: one tuple for all, told by `is`
         self._add_vertex(self._weights, kind=INITIALIZER)
         self._weight_reads: dict[str, dict[int, dict]] = {}
         self._by_op: dict[tuple[str, str], dict[int, None]] = {}
         # The nodes holding If/Loop/Scan bodies, so that finding the bodies need not look at every node.
         self._holders: dict[int, None] = {}
+        # The vertices of tensors read from enclosing scopes, so that listing them need not look at every node.
+        self._captures: dict[int, None] = {}
         # Counts the times an op type appeared in this scope or left it (has_op's answers changed).
         self.op_types_version = 0
         self._initializers: dict[str, TensorProto] = {}
@@ -271,6 +273,8 @@ class Graph:
         node_id = next(self._ids)
         self._add_vertex(node_id, kind=kind, tensor=tensor, key=key)
         self._producer[tensor] = (node_id, 0)
+        if kind == OUTER:
+            self._captures[node_id] = None
 
     def _register_node(self, proto: NodeProto, key: tuple, provenance: str | None = None) -> int:
         node_id = next(self._ids)
@@ -290,7 +294,7 @@ class Graph:
         for index, output in enumerate(info.output_names):
             if output:
                 self.names.add(output)
-                if self._producer.get(output) == self._weight_entry:
+                if self._producer.get(output) is self._weight_entry:
                     # A node computing a weight's name (an invalid model loaded as it is): the
                     # reads listed before it are lost with the weight, as they must not return
                     # should the name become a weight again.
@@ -394,6 +398,7 @@ class Graph:
         for producer in pred.pop(node_id):
             del succ[producer][node_id]
         del self._attrs[node_id]
+        self._captures.pop(node_id, None)
 
     @property
     def outer(self) -> Graph | None:
@@ -420,9 +425,7 @@ class Graph:
 
     def captured(self) -> list[str]:
         """Names this graph (or a graph nested in it) reads from enclosing scopes."""
-        return [
-            data["tensor"] for node_id, data in self._attrs.items() if data["kind"] == OUTER and self._succ[node_id]
-        ]
+        return [self._attrs[node_id]["tensor"] for node_id in self._captures if self._succ[node_id]]
 
     def node(self, node_id: int) -> NodeInfo:
         return self._attrs[node_id]["info"]
@@ -562,7 +565,7 @@ class Graph:
 
     def is_weight(self, tensor: str) -> bool:
         """Whether `tensor` is an initializer of this scope that no graph input overrides."""
-        return self._producer.get(tensor) == self._weight_entry
+        return self._producer.get(tensor) is self._weight_entry
 
     def is_constant(self, tensor: str) -> bool:
         """True when the tensor's value is fixed by the model (initializer or Constant node)."""
@@ -613,7 +616,7 @@ class Graph:
         weights = self._weight_reads
         for name in read:
             # A body may read a weight its scope never read; what a node removed with it made is gone.
-            if name in weights and self._producer.get(name) == self._weight_entry:
+            if name in weights and self._producer.get(name) is self._weight_entry:
                 weights[name].pop(node_id, None)
         for output in info.output_names:
             if output and self._producer.get(output, (None,))[0] == node_id:
