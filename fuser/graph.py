@@ -235,13 +235,15 @@ class Graph:
         for position, value in enumerate(proto.input):
             if value.name not in constant_inputs:
                 self._add_source(GRAPH_INPUT, value.name, (-2, position))
+        producer, weight_entry = self._producer, self._weight_entry
         for tensor in proto.initializer:
-            self.names.add(tensor.name)
-            self._initializers[tensor.name] = tensor
+            name = sys.intern(tensor.name)  # read once: protobuf makes a new string at each read
+            self.names.add(name)
+            self._initializers[name] = tensor
             # Since IR 4 an initializer that is also a graph input is only a default
             # the caller may override, so the input is what produces the tensor.
-            if tensor.name not in self._producer:
-                self._add_weight(tensor.name)
+            if name not in producer:
+                producer[name] = weight_entry
         for tensor in proto.sparse_initializer:
             self.names.add(tensor.values.name)
             if tensor.values.name not in self._producer:
@@ -321,8 +323,9 @@ class Graph:
     def _reads_known(self, node_id: int) -> bool:
         info: NodeInfo = self._attrs[node_id]["info"]
         producer = self._producer
-        if not all(tensor in producer for tensor in info.input_names if tensor):
-            return False
+        for tensor in info.input_names:  # a loop, not all(): asked for every node of a large graph
+            if tensor and tensor not in producer:
+                return False
         if not info.subgraphs:
             return True
         return all(name in producer for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
