@@ -548,7 +548,8 @@ def _write_streaming(
         write(node_key + encode_varint(size) + node.SerializeToString(deterministic=True))
     write(graph_head.SerializeToString(deterministic=True))
     for tensor, size, parts in zip(initializers, sizes, inlined):
-        write(initializer_key + encode_varint(size))  # apart: joined, a large weight's bytes were copied
+        # The prefix goes out on its own: joined to a large weight's bytes, it would copy them.
+        write(initializer_key + encode_varint(size))
         if parts is not None:
             _write_inline(tensor, parts, inline_from, stream)
         else:
