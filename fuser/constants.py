@@ -193,9 +193,12 @@ class ConstantValues:
         """A rewrite produces `tensor` anew under its name: if it is constant now (a Shape
         folded into a graph output's copy of it), what is computed from it may be too, though it
         was found not to be while `tensor` was not."""
-        if self._dependencies(tensor) is not None:
-            graph = self._graph
-            self.reconsider(o for c in graph.op_consumers(tensor) for o in graph.node(c).output_names)
+        graph = self._graph
+        found = [o for c in graph.op_consumers(tensor) for o in graph.node(c).output_names if o in self._not_constant]
+        # Where nothing computed from it was found not constant there is nothing to take back, and
+        # no search up its producers (every fusion of a large model renews its root's output).
+        if found and self._dependencies(tensor) is not None:
+            self.reconsider(found)
 
     def _leaf_value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
         """An initializer's, a capture's or an already evaluated tensor's value.
