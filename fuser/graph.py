@@ -195,6 +195,8 @@ class Graph:
         self._succ = self.nx._succ
         self._pred = self.nx._pred
         self.modified = False
+        # Counts this scope's changes: an answer computed from the graph holds while it stays.
+        self.revision = 0
         self._ids = itertools.count()
         self._producer: dict[str, tuple[int, int]] = {}
         # The vertex producing the initializers (see the module's docstring), and each one's reads:
@@ -602,7 +604,7 @@ class Graph:
         node_id = self._register_node(self._stored(proto), key, provenance)
         self._attrs[node_id]["owned"] = True
         self._connect_inputs(node_id)
-        self.modified = True
+        self._changed()
         return node_id
 
     def _stored(self, proto: NodeProto) -> NodeProto:
@@ -631,7 +633,11 @@ class Graph:
             self.op_types_version += 1
         self._holders.pop(node_id, None)
         self._remove_vertex(node_id)
+        self._changed()
+
+    def _changed(self) -> None:
         self.modified = True
+        self.revision += 1
 
     def take_lost_readers(self) -> set[str]:
         """The tensors that lost a reader to a removed node since the last call: a rule wanting
@@ -656,7 +662,7 @@ class Graph:
             self._disconnect(old, consumer, slot)
             self._connect(new, consumer, slot)
             self._constants.reconsider(info.output_names)
-        self.modified = True
+        self._changed()
 
     def replace_nodes(
         self,
@@ -704,7 +710,7 @@ class Graph:
             self._inputs[tensor.name] = onnx.helper.make_tensor_value_info(
                 tensor.name, tensor.data_type, list(tensor.dims)
             )
-        self.modified = True
+        self._changed()
 
     def remove_if_unused(self, tensor: str) -> None:
         """Drop an initializer or a Constant-like producer that a rewrite left without consumers."""
@@ -720,6 +726,7 @@ class Graph:
         if kind == OUTER:
             del self._producer[tensor]
             self._remove_vertex(node_id)
+            self._changed()
             if self.outer is not None and self.owner is not None:
                 self.outer.release_capture(self.owner, tensor)
         elif kind == INITIALIZER:
@@ -728,7 +735,7 @@ class Graph:
             del self._producer[tensor]
             self._weight_reads.pop(tensor, None)
             self._constants.forget(tensor)
-            self.modified = True
+            self._changed()
         elif kind == OP:
             info = self.node(node_id)
             if any(self.consumers(o) for o in info.output_names if o):
@@ -750,7 +757,7 @@ class Graph:
             return
         if tensor in self._reads(tensor, entry[0]).get(node_id, ()):
             self._disconnect(tensor, node_id, tensor)
-        self.modified = True
+        self._changed()
         self.remove_if_unused(tensor)
 
     # --------------------------------------------------------------- conversion

@@ -10,6 +10,8 @@ node by node, and a Conv visited before the Pad arithmetic above it folded would
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx
 
@@ -41,6 +43,23 @@ SHAPE_READERS = frozenset({"Shape", "Size"})
 
 
 def may_be_constant(graph) -> tuple[set[int], set[str]]:
+    """_may_be_constant's answer for `graph` as it is now: the rules naming their candidates ask
+    it in turn of the same graph, and it takes a look at every node. Not to be changed."""
+    scopes, revisions = graph, []
+    while scopes is not None:  # a body's answer depends on its enclosing scopes too
+        revisions.append(scopes.revision)
+        scopes = scopes.outer
+    kept = _answers.get(graph)
+    if kept is None or kept[0] != revisions:
+        kept = _answers[graph] = (revisions, _may_be_constant(graph))
+    return kept[1]
+
+
+# may_be_constant's answers, with the revisions of the scopes they were found at.
+_answers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _may_be_constant(graph) -> tuple[set[int], set[str]]:
     """The nodes whose every input may be constant during a simplification pass, and the tensors
     besides this scope's weights that may be: what enclosing scopes hold or compute (not their
     inputs), what a Shape or Size reports (shape-fold makes it a constant where shape inference

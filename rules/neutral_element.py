@@ -9,6 +9,8 @@ comparison treats as equal.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from fuser.rules._simplify import SIMPLIFY_PHASE, broadcast_keeps_shape, may_be_constant
 from fuser.tensors import plain_dtype
@@ -24,22 +26,26 @@ def _maybe_neutral(graph, op_types: tuple[str, ...]) -> list[int]:
     bias Add and scale Mul of a model reads a weight that is not, and its first element, in the
     weight's first bytes, says so without decoding the rest (Rule.candidates)."""
     computed = None  # the tensors other than weights that may be constant, found once if asked
-
-    def may_be(tensor: str, neutral: int) -> bool:
-        nonlocal computed
-        weight = graph.initializer(tensor)
-        if weight is not None:
-            return _may_be_weight(graph, weight, neutral)
-        if computed is None:
-            computed = may_be_constant(graph)[1]
-        return tensor in computed
-
-    return [
-        node_id
-        for op_type in op_types
-        for node_id in graph.nodes_of_type(op_type)
-        if any(may_be(name, NEUTRAL[op_type]) for name in graph.node(node_id).input_names if name)
-    ]
+    initializer = graph.initializer
+    found = []
+    # Loops, not any() over a generator: asked of every Add and Mul of a large model, twice a run.
+    for op_type in op_types:
+        neutral = NEUTRAL[op_type]
+        for node_id in graph.nodes_of_type(op_type):
+            for name in graph.node(node_id).input_names:
+                if not name:
+                    continue
+                weight = initializer(name)  # this scope's, or one an enclosing scope holds
+                if weight is None:
+                    if computed is None:
+                        computed = may_be_constant(graph)[1]
+                    if name in computed:
+                        found.append(node_id)
+                        break
+                elif _may_be_weight(graph, weight, neutral):
+                    found.append(node_id)
+                    break
+    return found
 
 
 def _may_be_weight(graph, weight, neutral: int) -> bool:
@@ -48,7 +54,18 @@ def _may_be_weight(graph, weight, neutral: int) -> bool:
     if dtype is None:
         return True
     head = graph.tensors.fingerprint(weight, whole=False)  # the raw layout's first bytes
-    return len(head) < dtype.itemsize or np.frombuffer(head, dtype, count=1)[0] == neutral
+    if len(head) < dtype.itemsize:
+        return True
+    unpack = _FIRST_ELEMENT.get(dtype)
+    first = np.frombuffer(head, dtype, count=1)[0] if unpack is None else unpack(head)[0]
+    return first == neutral
+
+
+# Reading the first element with struct, for the dtypes it knows, takes an eighth of numpy's time.
+_FIRST_ELEMENT = {
+    np.dtype(code): struct.Struct("<" + code).unpack_from
+    for code in ("f", "d", "e", "b", "B", "h", "H", "i", "I", "q", "Q")
+}
 
 
 def _maybe_neutral_sum_or_product(graph) -> list[int]:

@@ -450,3 +450,101 @@ def test_a_body_names_its_candidates_without_reading_the_weights_it_captures(tmp
     body = loaded.graph.nodes_with_subgraphs()[0].subgraphs["then_branch"][0]
     found, _ = may_be_constant(body)
     assert sorted(body.node(n).name for n in found) == ["transpose"]
+
+
+def test_the_candidates_are_found_anew_once_the_graph_changes():
+    # may_be_constant keeps its answer while the graph stays as it was: the rules naming their
+    # candidates ask it in turn. A change (a weight added and read instead of an activation, a
+    # node added, one removed) gives a new answer.
+    from fuser.model import Model
+    from fuser.rules._simplify import may_be_constant
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Add", ["r", "w"], ["y"], name="add"),
+    ]
+    graph = Model(
+        make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], {"w": np.ones(2, np.float32)})
+    ).graph
+
+    def names():
+        return sorted(graph.node(n).name for n in may_be_constant(graph)[0])
+
+    assert names() == []
+    assert may_be_constant(graph) is may_be_constant(graph)
+    graph.add_initializer(numpy_helper.from_array(np.zeros(2, np.float32), "c"))
+    graph.redirect("r", "c")
+    assert names() == ["add"]
+    neg = graph.add_node(helper.make_node("Neg", ["w"], ["n"], name="neg"), key=(5,))
+    assert names() == ["add", "neg"]
+    graph.remove_node(neg)
+    assert names() == ["add"]
+
+
+def test_a_bodys_candidates_are_found_anew_once_its_enclosing_graph_changes():
+    # What a body reads from its enclosing graph may be constant when a node there computes it;
+    # gone from there, it may not: the body's answer follows the enclosing graph's changes.
+    from fuser.model import Model
+    from fuser.rules._simplify import may_be_constant
+
+    branch = helper.make_graph(
+        [helper.make_node("Add", ["t", "x"], ["y"], name="add")],
+        "then",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2])],
+    )
+    nodes = [
+        helper.make_node("Neg", ["w"], ["t"], name="neg"),
+        helper.make_node("If", ["flag"], ["out"], then_branch=branch, else_branch=other),
+    ]
+    graph = Model(
+        make_model(
+            nodes,
+            [("x", np.float32, [2]), ("flag", np.bool_, [])],
+            [("out", np.float32, [2])],
+            {"w": np.ones(2, np.float32)},
+        )
+    ).graph
+    body = graph.nodes_with_subgraphs()[0].subgraphs["then_branch"][0]
+    assert "t" in may_be_constant(body)[1]
+    graph.remove_node(graph.nodes_of_type("Neg")[0])
+    assert "t" not in may_be_constant(body)[1]
+
+
+def test_every_change_to_a_graph_counts_in_its_revision():
+    from fuser.model import Model
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Add", ["r", "w"], ["y"], name="add"),
+    ]
+    graph = Model(
+        make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], {"w": np.ones(2, np.float32)})
+    ).graph
+    seen = [graph.revision]
+
+    def changed():
+        assert graph.revision > seen[-1]
+        seen.append(graph.revision)
+
+    graph.add_initializer(numpy_helper.from_array(np.zeros(2, np.float32), "c"))
+    changed()
+    graph.redirect("r", "c")
+    changed()
+    graph.remove_if_unused("r")  # the Relu, which nothing reads now, goes
+    assert graph.nodes_of_type("Relu") == []
+    changed()
+    graph.remove_if_unused("x")  # a graph input stays
+    assert graph.revision == seen[-1]
+    added = graph.add_node(helper.make_node("Neg", ["c"], ["n"], name="neg"), key=(5,))
+    changed()
+    graph.replace_nodes([added], [helper.make_node("Abs", ["c"], ["n"], name="abs")], [], (5,), "test")
+    changed()
+    graph.remove_node(graph.nodes_of_type("Abs")[0])
+    changed()
