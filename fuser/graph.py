@@ -177,6 +177,8 @@ class Graph:
         constant_initializer_inputs: bool = False,
         progress: Progress | None = None,
     ) -> None:
+        # Fewer than 30 attributes: past that, CPython gives an instance a key table of its own
+        # and every attribute read slows (tests/test_graph.py, ..._share_their_keys_...).
         # Before IR 4 every initializer had to be listed as a graph input too, and such
         # inputs hold the model's weights: they are constants, not values to feed.
         self.constant_initializer_inputs = constant_initializer_inputs
@@ -194,7 +196,6 @@ class Graph:
         self._attrs = self.nx._node
         self._succ = self.nx._succ
         self._pred = self.nx._pred
-        self.modified = False
         # Counts this scope's changes: an answer computed from the graph holds while it stays.
         self.revision = 0
         self._ids = itertools.count()
@@ -636,7 +637,6 @@ class Graph:
         self._changed()
 
     def _changed(self) -> None:
-        self.modified = True
         self.revision += 1
 
     def take_lost_readers(self) -> set[str]:
@@ -789,7 +789,7 @@ class Graph:
         return order
 
     def is_modified(self) -> bool:
-        return self.modified or any(
+        return self.revision > 0 or any(
             g.is_modified() for info in self.nodes_with_subgraphs() for gs in info.subgraphs.values() for g in gs
         )
 

@@ -222,7 +222,7 @@ def test_a_subgraph_keeps_its_weights_in_the_skeleton(elements):
     )
     loaded = Model(model)
     body = next(iter(loaded.graph.nodes())).subgraphs["then_branch"][0]
-    body.modified = True  # as after a rewrite inside it: the body is rebuilt from the graph
+    body.revision += 1  # as after a rewrite inside it: the body is rebuilt from the graph
     skeleton = loaded.to_proto(weights=False)
     then_proto = next(a.g for a in skeleton.graph.node[0].attribute if a.name == "then_branch")
     assert len(then_proto.input) == 0 and [t.name for t in then_proto.initializer] == ["W"]
