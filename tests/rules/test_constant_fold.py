@@ -452,20 +452,25 @@ def test_a_body_names_its_candidates_without_reading_the_weights_it_captures(tmp
     assert sorted(body.node(n).name for n in found) == ["transpose"]
 
 
-def test_the_candidates_are_found_anew_once_the_graph_changes():
-    # may_be_constant keeps its answer while the graph stays as it was: the rules naming their
-    # candidates ask it in turn. A change (a weight added and read instead of an activation, a
-    # node added, one removed) gives a new answer.
+def _relu_add_graph():
+    """Relu(x) -> r;  Add(r, w) -> y."""
     from fuser.model import Model
-    from fuser.rules._simplify import may_be_constant
 
     nodes = [
         helper.make_node("Relu", ["x"], ["r"], name="relu"),
         helper.make_node("Add", ["r", "w"], ["y"], name="add"),
     ]
-    graph = Model(
-        make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], {"w": np.ones(2, np.float32)})
-    ).graph
+    model = make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], {"w": np.ones(2, np.float32)})
+    return Model(model).graph
+
+
+def test_the_candidates_are_found_anew_once_the_graph_changes():
+    # may_be_constant keeps its answer while the graph stays as it was: the rules naming their
+    # candidates ask it in turn. A change (a weight added and read instead of an activation, a
+    # node added, one removed) gives a new answer.
+    from fuser.rules._simplify import may_be_constant
+
+    graph = _relu_add_graph()
 
     def names():
         return sorted(graph.node(n).name for n in may_be_constant(graph)[0])
@@ -518,15 +523,7 @@ def test_a_bodys_candidates_are_found_anew_once_its_enclosing_graph_changes():
 
 
 def test_every_change_to_a_graph_counts_in_its_revision():
-    from fuser.model import Model
-
-    nodes = [
-        helper.make_node("Relu", ["x"], ["r"], name="relu"),
-        helper.make_node("Add", ["r", "w"], ["y"], name="add"),
-    ]
-    graph = Model(
-        make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], {"w": np.ones(2, np.float32)})
-    ).graph
+    graph = _relu_add_graph()
     seen = [graph.revision]
 
     def changed():
