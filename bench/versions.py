@@ -13,6 +13,7 @@ interleaved, compares.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -39,6 +40,10 @@ def checkout(revision: str | None, folder: Path) -> Path:
         )
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
     (folder / "fuser" / "rules").symlink_to("../rules")  # the package maps fuser.rules to rules/
+    # Compiled to bytecode first, as an installed fuser is: where PYTHONDONTWRITEBYTECODE is set,
+    # every run would compile it anew (compileall skips the linked rules folder: named apart).
+    for part in ("fuser", "rules"):
+        compileall.compile_dir(folder / part, quiet=1)
     return folder
 
 
