@@ -190,8 +190,8 @@ COUNT_NODES = "import onnx, sys; print(len(onnx.load(sys.argv[1], load_external_
 BUILD = "import sys; sys.path.insert(0, sys.argv[1]); import scale, onnx; onnx.save(eval(sys.argv[2]), sys.argv[3])"
 # fuser's modules compiled to bytecode before anything is measured, as an installed fuser has
 # them (onnx's are, in site-packages): where PYTHONDONTWRITEBYTECODE is set, as on the machines
-# these tables come from, every run would otherwise compile them anew (0.19 s for fuser and its
-# rules). compileall skips a linked folder, so the rules are compiled as a package of their own.
+# these tables come from, every run would otherwise compile them anew (0.1 to 0.15 s of its
+# imports). compileall skips a linked folder, so the rules are compiled as a package of their own.
 COMPILE = (
     "import compileall, importlib.util, sys; "
     "folders = [d for name in ('fuser', 'fuser.rules') "

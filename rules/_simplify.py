@@ -44,7 +44,8 @@ SHAPE_READERS = frozenset({"Shape", "Size"})
 
 def may_be_constant(graph) -> tuple[set[int], set[str]]:
     """_may_be_constant's answer for `graph` as it is now: the rules naming their candidates ask
-    it in turn of the same graph, and it takes a look at every node. Not to be changed."""
+    it in turn of the same graph, and it takes a look at every node. The sets are shared: a
+    caller must not change them."""
     scopes, revisions = graph, []
     while scopes is not None:  # a body's answer depends on its enclosing scopes too
         revisions.append(scopes.revision)
