@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import onnx
+from scale import COMPILE
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
@@ -32,6 +33,7 @@ def main() -> int:
     models = sorted(name for name in os.listdir(LIGHT) if name.endswith(".onnx"))
     seconds: dict[int, list[float]] = {n: [] for n in counts}
     loads: list[float] = []
+    subprocess.run([sys.executable, "-c", COMPILE], check=True)  # every worker would compile fuser anew
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
             for n in counts:
