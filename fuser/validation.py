@@ -129,11 +129,11 @@ class Validation:
         return kind, (_interned(value) if self._wants_types else None), None
 
 
-def _check(model: ModelProto) -> tuple[str, object, Exception | None]:
+def _check(model: ModelProto, disposable: bool = False) -> tuple[str, object, Exception | None]:
     """("types", InferredTypes or None, None) for a valid model; ("invalid", the error's first
-    line, the error) for an invalid one."""
+    line, the error) for an invalid one. disposable: `model` may be changed (in the child)."""
     try:
-        return "types", checked_inference(model), None
+        return "types", checked_inference(model, disposable), None
     except _FAILURES as error:
         if valid_for_onnxruntime(model, error):
             return "types", None, None
@@ -176,7 +176,7 @@ def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
         status = 1
         try:
             try:
-                checked = _check(model)
+                checked = _check(model, disposable=True)  # this process's copy, never used again
             except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
                 checked = None
             if checked is not None:
@@ -199,7 +199,7 @@ def _interned(found: InferredTypes | None) -> InferredTypes | None:
     )
 
 
-def checked_inference(model: ModelProto) -> InferredTypes | None:
+def checked_inference(model: ModelProto, disposable: bool = False) -> InferredTypes | None:
     """Check `model` as onnx.checker's full check does, and return the types shape inference
     found in it: what the rewrite's first inference would find while nothing has changed the
     model (None when it is not that).
@@ -209,9 +209,9 @@ def checked_inference(model: ModelProto) -> InferredTypes | None:
     structural one and a strict type and shape inference, which catches attributes of the
     wrong type (float `axes`) before a rule reads them. That inference is made here with data
     propagation, as the rewrite's is. Where it fails, the full check itself decides whether the
-    model is valid.
+    model is valid. disposable: `model` itself may become the skeleton (no copy of its nodes).
     """
-    skeleton = weightless_model(model).SerializeToString()
+    skeleton = weightless_model(model, in_place=disposable).SerializeToString()
     if model.ir_version >= 4:  # an older model's skeleton keeps initializers the rewrite's lists as inputs
         onnx.checker.check_model(skeleton)
         try:

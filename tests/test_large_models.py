@@ -12,9 +12,11 @@ import io
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 
-from fuser.graph import SKELETON_BYTES, weightless_model
+from fuser.graph import SKELETON_BYTES, add_weightless, weightless_model
 from fuser.model import Model, _write_streaming, write_model
 from fuser.testing import make_model
 from fuser.verify import FEED_BYTES, Checker, WeightFeeds
@@ -49,6 +51,19 @@ def test_weightless_model_keeps_small_tensors_and_declares_large_ones_as_inputs(
     assert [d.dim_value for d in declared["w"].type.tensor_type.shape.dim] == [WIDE, WIDE]
     assert skeleton.ByteSize() < model.ByteSize() - SKELETON_BYTES // 2
     onnx.checker.check_model(skeleton, full_check=True)
+
+
+@pytest.mark.parametrize("ir_version", [3, 8])
+def test_a_skeleton_made_in_place_is_the_copy_made_of_the_model(ir_version):
+    """The child checking a large model turns its own copy of it into the skeleton: the bytes
+    are those of the skeleton copied from it, before IR 4 too (initializers listed as inputs)."""
+    model = mlp()
+    model.ir_version = ir_version
+    if ir_version < 4:
+        model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in model.graph.initializer)
+    copied = weightless_model(model).SerializeToString()
+    assert len(model.graph.initializer) == 2  # the copy leaves the model as it was
+    assert weightless_model(model, in_place=True).SerializeToString() == copied
 
 
 def test_shape_inference_on_the_skeleton_equals_inference_on_the_full_model():
@@ -94,6 +109,43 @@ def test_skeleton_keeps_the_values_inference_reads_and_only_those():
     y = onnx.TypeProto.FromString(full["y"]).tensor_type.shape.dim
     assert [d.dim_value for d in y] == [1, 1, 8, 8]  # known only from the scales' values
     assert inferred(skeleton) == full
+
+
+_WEIGHT_TYPES = [onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=80),
+            st.sampled_from(_WEIGHT_TYPES),
+            st.lists(st.integers(0, 300), max_size=4),
+        ),
+        unique_by=lambda weight: weight[0],
+        max_size=12,
+    ),
+    st.data(),
+)
+def test_weights_are_declared_as_the_typed_inputs_protobuf_itself_would_hold(weights, data):
+    """The skeleton's typed inputs are written as protobuf's bytes: parsed, they are the
+    ValueInfoProtos onnx.helper makes, in the weights' order, after the graph's own inputs."""
+    weights = [*weights, ("a/long/name/" + "\u00e9" * 80, onnx.TensorProto.FLOAT, [3, 3])]  # over 127 bytes
+    graph = onnx.GraphProto()
+    graph.input.append(helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4]))
+    initializers = [
+        onnx.TensorProto(name=name, data_type=data_type, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
+        for name, data_type, dims in weights
+    ]
+    already_inputs = data.draw(st.sets(st.sampled_from([name for name, _, _ in weights]))) if weights else set()
+    add_weightless(graph, initializers, already_inputs)
+    expected = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])] + [
+        helper.make_tensor_value_info(name, data_type, dims)
+        for name, data_type, dims in weights
+        if name not in already_inputs
+    ]
+    assert [v.SerializeToString() for v in graph.input] == [v.SerializeToString() for v in expected]
+    assert len(graph.initializer) == 0  # data kept outside is never a skeleton's to read
 
 
 def matmul_add() -> onnx.ModelProto:
