@@ -263,7 +263,12 @@ class ConstantValues:
                 constant = graph.outer is not None and graph.outer.constant_value(name) is not None
             elif kind == "op":
                 node_id = graph.producer(name)
-                constant = is_foldable(graph.node(node_id))
+                info = graph.node(node_id)
+                # An input known not to be constant settles it before any is searched: the
+                # activation of a residual block's Add is, while its first input leads back
+                # through the whole block to the same activation.
+                not_constant = self._not_constant
+                constant = is_foldable(info) and not any(i in not_constant for i in info.input_names)
             else:
                 constant = False
             if not constant:

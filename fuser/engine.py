@@ -965,6 +965,8 @@ def _sole_reader_gained(graph: Graph, lost_readers: set[str]) -> set[int]:
     for tensor in lost_readers:
         bound = graph.readers_at_most(tensor)
         producer = graph.producer(tensor)
+        if not bound and producer is None:  # gone with the rewrite, as a folded weight is, or unread
+            continue
         single_output = producer is None or len(graph.node(producer).outputs) == 1
         if bound > 1 and (single_output or bound > SOLE_READER_SCAN_LIMIT):
             continue
