@@ -152,7 +152,7 @@ class ConstantValues:
             return None
         graph = self._graph
         if graph.source_kind(tensor) == "initializer":  # nothing to evaluate: most queries are weights
-            return self._stored_value(graph.initializer(tensor), max_bytes)
+            return self.stored_value(graph.initializer(tensor), max_bytes)
         order = self._dependencies(tensor)
         if order is None:
             return None
@@ -214,9 +214,9 @@ class ConstantValues:
         kind = graph.source_kind(tensor)
         if kind == "outer":
             return graph.outer.constant_value(tensor, max_bytes)
-        return self._stored_value(graph.initializer(tensor) if kind == "initializer" else None, max_bytes)
+        return self.stored_value(graph.initializer(tensor) if kind == "initializer" else None, max_bytes)
 
-    def _stored_value(self, proto: TensorProto | None, max_bytes: int) -> np.ndarray | None:
+    def stored_value(self, proto: TensorProto | None, max_bytes: int) -> np.ndarray | None:
         """An initializer's value, read-only; None for none, or a sparse one, which stays opaque."""
         if proto is None:
             return None

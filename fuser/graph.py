@@ -586,6 +586,8 @@ class Graph:
         """The tensor's numpy value if it is constant, evaluating constant subgraphs on demand
         (see fuser/constants.py). Values above `max_bytes` are not materialized; None means
         "not a known constant"."""
+        if self._producer.get(tensor) is self._weight_entry:  # most queries: nothing to evaluate
+            return self._constants.stored_value(self._initializers.get(tensor), max_bytes)
         return self._constants.value(tensor, max_bytes)
 
     def source_kind(self, tensor: str) -> str | None:
