@@ -31,7 +31,7 @@ import onnx
 from onnx import NodeProto, TensorProto
 
 from fuser.errors import RuleError
-from fuser.graph import Graph
+from fuser.graph import Graph, NodeInfo
 from fuser.operators import DEFAULT_DOMAINS, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
 from fuser.tensors import from_array
@@ -317,6 +317,7 @@ ATTRIBUTE_CACHE_LIMIT = 4096
 ATTRIBUTE_CACHE_LENGTH = 64  # items of a list, characters of a text
 # Keywords of Builder.op that set the NodeProto's own fields, as onnx.helper.make_node takes them.
 NODE_FIELDS = ("doc_string", "overload")
+_BODY_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 _encoded_attributes: dict[tuple, onnx.AttributeProto] = {}
 
 
@@ -400,6 +401,20 @@ class Builder:
         node.attribute.extend(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
         self.nodes.append(node)
         return output_names[0] if outputs == 1 else output_names
+
+    def like(self, node: NodeInfo, *inputs, outputs: int = 1, **attrs) -> str | list[str]:
+        """A node of `node`'s op type and domain, with its attributes (those in `attrs` replaced),
+        reading `inputs`: a convolution with folded weights is `b.like(conv, x, weight, bias)`.
+        The attributes are copied as they are, not decoded and encoded again; If/Loop/Scan
+        bodies are not copied (as NodeInfo.attrs() leaves them out)."""
+        result = self.op(node.op_type, *inputs, domain=node.domain, outputs=outputs, **attrs)
+        built = self.nodes[-1]
+        kept = [a for a in node.proto.attribute if a.name not in attrs and a.type not in _BODY_ATTRIBUTES]
+        if kept:
+            merged = sorted([*built.attribute, *kept], key=lambda a: a.name)  # in op()'s order, by name
+            del built.attribute[:]
+            built.attribute.extend(merged)
+        return result
 
     def replaces(self, interior: str, tensor: str) -> None:
         """The replacement also provides `interior`, an output of a matched node other than

@@ -35,4 +35,4 @@ def conv_add_bias(m: Match, b: Builder):
     bias = m.value("b")
     total = values.astype(np.float64) + (0.0 if bias is None else bias.astype(np.float64))
     new_bias = cast_finite(m, "bias values", total, weight.dtype)
-    return b.op(conv.op_type, m["x"], m["w"], b.constant(new_bias, "bias"), **conv.attrs())
+    return b.like(conv, m["x"], m["w"], b.constant(new_bias, "bias"))

@@ -80,4 +80,4 @@ def conv_bn_fold(m: Match, b: Builder):
     new_weight = cast_finite(m, "weights", new_weight, weight.dtype)
     new_bias = cast_finite(m, "bias values", new_bias, weight.dtype)
     conv = m.node("conv")
-    return b.op(conv.op_type, m["x"], b.constant(new_weight, "weight"), b.constant(new_bias, "bias"), **conv.attrs())
+    return b.like(conv, m["x"], b.constant(new_weight, "weight"), b.constant(new_bias, "bias"))

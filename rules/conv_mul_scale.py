@@ -32,9 +32,6 @@ def conv_mul_scale(m: Match, b: Builder):
     bias = m.value("b")
     new_bias = None if bias is None else cast_finite(m, "bias values", bias.astype(np.float64) * factors, weight.dtype)
     conv = m.node("conv")
-    return b.Conv(
-        m["x"],
-        b.constant(new_weight, "weight"),
-        None if new_bias is None else b.constant(new_bias, "bias"),
-        **conv.attrs(),
+    return b.like(
+        conv, m["x"], b.constant(new_weight, "weight"), None if new_bias is None else b.constant(new_bias, "bias")
     )

@@ -34,4 +34,4 @@ def identity_output(m: Match, b: Builder):
     producer = m.node("producer")
     m.require(len(producer.outputs) == 1, f"{producer.op_type} has several outputs")
     inputs = [m[f"input{i}"] for i in range(len(producer.inputs))]
-    return b.op(producer.op_type, *inputs, **producer.attrs())
+    return b.like(producer, *inputs)

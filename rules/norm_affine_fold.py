@@ -54,7 +54,7 @@ def _norm(m: Match, b: Builder, scale, bias):
             inputs = [m["x"], m["skip"], scale, m["skip_bias"]]
     else:
         inputs = [m["x"], scale, bias]
-    outputs = b.op(node.op_type, *inputs, domain=node.domain, outputs=len(node.outputs), **node.attrs())
+    outputs = b.like(node, *inputs, outputs=len(node.outputs))
     if isinstance(outputs, str):
         return outputs
     for old, new in zip(node.outputs[1:], outputs[1:]):

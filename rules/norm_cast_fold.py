@@ -78,4 +78,4 @@ def norm_cast_fold(m: Match, b: Builder):
     node = m.node("norm")
     scale = b.constant(_in_float16(m, "s", "scale"), "scale")
     bias = b.constant(_in_float16(m, "b", "bias"), "bias") if m.has("b") else None
-    return b.op(node.op_type, m["x"], scale, bias, domain=node.domain, **node.attrs())
+    return b.like(node, m["x"], scale, bias)

@@ -43,7 +43,5 @@ def norm_scale_through_cast(m: Match, b: Builder):
     if m.has("b"):
         bias = b.constant((broadcast_over(m, m.value("b"), dims, rank, "the bias") * g).astype(np.float32), "bias")
     node = m.node("norm")
-    norm = b.op(
-        node.op_type, m["x"], b.constant(scale.astype(np.float32), "scale"), bias, domain=node.domain, **node.attrs()
-    )
+    norm = b.like(node, m["x"], b.constant(scale.astype(np.float32), "scale"), bias)
     return b.Cast(norm, to=TensorProto.FLOAT16)

@@ -902,6 +902,35 @@ def test_builder_arrays_become_initializers_with_their_shape():
     assert_same_outputs(proto, out, {"x": np.array(1.5, F32)})
 
 
+def test_builder_like_keeps_the_nodes_type_domain_and_attributes_with_those_given_replaced():
+    conv = helper.make_node(
+        "Conv", ["x", "w"], ["y"], name="conv", strides=[2, 2], pads=[1, 1, 1, 1], group=1, dilations=[1, 1]
+    )
+    norm = helper.make_node("LayerNormalization", ["x", "s"], ["n"], domain="ai.onnx", axis=-1, epsilon=1e-5)
+    graph = Model(chain_model([conv, norm], ["x", "w", "s"], ["y", "n"])).graph
+    builder = Builder(graph, "anchor")
+    conv_info, norm_info = (graph.node(graph.producer(t)) for t in ("y", "n"))
+    builder.like(conv_info, "x", "w", "bias")
+    builder.like(conv_info, "x", "w", pads=[0, 0, 0, 0], group=None, auto_pad="SAME_UPPER")
+    builder.like(norm_info, "x", "s", outputs=3)
+    same, changed, renorm = builder.nodes
+    assert (same.op_type, same.domain, list(same.input)) == ("Conv", "", ["x", "w", "bias"])
+    expected = helper.make_node("Conv", [], [], strides=[2, 2], pads=[1, 1, 1, 1], group=1, dilations=[1, 1])
+    assert [a.SerializeToString() for a in same.attribute] == [a.SerializeToString() for a in expected.attribute]
+    assert {a.name: helper.get_attribute_value(a) for a in changed.attribute} == {
+        "auto_pad": b"SAME_UPPER",
+        "dilations": [1, 1],
+        "pads": [0, 0, 0, 0],
+        "strides": [2, 2],
+    }
+    assert [a.name for a in changed.attribute] == sorted(a.name for a in changed.attribute)  # as op() orders them
+    assert (renorm.domain, len(renorm.output)) == ("ai.onnx", 3)
+    assert [(a.name, helper.get_attribute_value(a)) for a in renorm.attribute] == [
+        ("axis", -1),
+        ("epsilon", pytest.approx(1e-5)),
+    ]
+
+
 # ------------------------------------------------------------------ fresh names
 
 

@@ -60,7 +60,9 @@ def test_a_skeleton_made_in_place_is_the_copy_made_of_the_model(ir_version):
     model = mlp()
     model.ir_version = ir_version
     if ir_version < 4:
-        model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in model.graph.initializer)
+        model.graph.input.extend(
+            helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in model.graph.initializer
+        )
     copied = weightless_model(model).SerializeToString()
     assert len(model.graph.initializer) == 2  # the copy leaves the model as it was
     assert weightless_model(model, in_place=True).SerializeToString() == copied
