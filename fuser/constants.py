@@ -145,6 +145,8 @@ class ConstantValues:
         self._graph_ref = weakref.ref(state["_graph_ref"])
 
     def value(self, tensor: str, max_bytes: int) -> np.ndarray | None:
+        if not tensor:  # an absent optional input: never recorded as not constant, or every node
+            return None  # with one would look not constant to the search
         cached = self._cache.get(tensor)
         if cached is not None:
             return cached if cached.nbytes <= max_bytes else None
@@ -267,8 +269,8 @@ class ConstantValues:
                 # An input known not to be constant settles it before any is searched: the
                 # activation of a residual block's Add is, while its first input leads back
                 # through the whole block to the same activation.
-                not_constant = self._not_constant
-                constant = is_foldable(info) and not any(i in not_constant for i in info.input_names)
+                not_constant, cache = self._not_constant, self._cache
+                constant = is_foldable(info) and not any(i in not_constant and i not in cache for i in info.input_names)
             else:
                 constant = False
             if not constant:

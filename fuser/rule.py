@@ -405,11 +405,14 @@ class Builder:
     def like(self, node: NodeInfo, *inputs, outputs: int = 1, **attrs) -> str | list[str]:
         """A node of `node`'s op type and domain, with its attributes (those in `attrs` replaced),
         reading `inputs`: a convolution with folded weights is `b.like(conv, x, weight, bias)`.
-        The attributes are copied as they are, not decoded and encoded again; If/Loop/Scan
-        bodies are not copied (as NodeInfo.attrs() leaves them out)."""
+        The attributes are copied as they are, not decoded and encoded again. If/Loop/Scan
+        bodies are not copied: a node holding one needs its bodies given (or None)."""
+        bodies = [a.name for a in node.proto.attribute if a.type in _BODY_ATTRIBUTES and a.name not in attrs]
+        if bodies:
+            raise ValueError(f"b.like does not copy the bodies of {node.op_type} ({', '.join(bodies)}): give them")
         result = self.op(node.op_type, *inputs, domain=node.domain, outputs=outputs, **attrs)
         built = self.nodes[-1]
-        kept = [a for a in node.proto.attribute if a.name not in attrs and a.type not in _BODY_ATTRIBUTES]
+        kept = [a for a in node.proto.attribute if a.name not in attrs]
         if kept:
             merged = sorted([*built.attribute, *kept], key=lambda a: a.name)  # in op()'s order, by name
             del built.attribute[:]

@@ -131,7 +131,8 @@ class Validation:
 
 def _check(model: ModelProto, disposable: bool = False) -> tuple[str, object, Exception | None]:
     """("types", InferredTypes or None, None) for a valid model; ("invalid", the error's first
-    line, the error) for an invalid one. disposable: `model` may be changed (in the child)."""
+    line, the error) for an invalid one. disposable: `model` may be changed (in the child, which
+    has no use for it after the check: it may already be the skeleton when the check fails)."""
     try:
         return "types", checked_inference(model, disposable), None
     except _FAILURES as error:

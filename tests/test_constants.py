@@ -61,6 +61,21 @@ def test_a_node_redirected_to_a_constant_becomes_constant():
     np.testing.assert_array_equal(g.constant_value("n"), -W)
 
 
+def test_an_absent_optional_input_asked_about_leaves_what_has_one_constant():
+    """An empty name (a Slice without axes) is no tensor: asking for its value first must not
+    make the search take every node with an absent input for one that is not constant."""
+    ints = {name: np.array(value, np.int64) for name, value in (("starts", [0]), ("ends", [4]), ("steps", [1]))}
+    nodes = [
+        helper.make_node("Slice", ["d", "starts", "ends", "", "steps"], ["s"], name="slice"),
+        helper.make_node("Neg", ["s"], ["n"], name="neg"),
+        helper.make_node("Add", ["x", "n"], ["y"], name="use"),
+    ]
+    d = np.array([1, 2, 3, 4, 5], np.int64)
+    g = Model(make_model(nodes, [("x", np.int64, [4])], [("y", np.int64, [4])], {"d": d, **ints})).graph
+    assert g.constant_value("") is None
+    np.testing.assert_array_equal(g.constant_value("n"), -d[:4])
+
+
 def test_a_removed_node_forgets_its_value_and_its_replacement_is_evaluated():
     nodes = [
         helper.make_node("Neg", ["w"], ["c"], name="neg"),

@@ -931,6 +931,18 @@ def test_builder_like_keeps_the_nodes_type_domain_and_attributes_with_those_give
     ]
 
 
+def test_builder_like_refuses_to_drop_a_nodes_bodies():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["o"])], "b", [], [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2])]
+    )
+    branch = helper.make_node("If", ["c"], ["y"], name="if", then_branch=body, else_branch=body)
+    graph = Model(chain_model([branch], ["c", "x"], ["y"])).graph
+    node = graph.node(graph.producer("y"))
+    with pytest.raises(ValueError, match="else_branch, then_branch"):
+        Builder(graph, "anchor").like(node, "c")
+    Builder(graph, "anchor").like(node, "c", then_branch=body, else_branch=body)  # given: built
+
+
 # ------------------------------------------------------------------ fresh names
 
 
@@ -1609,7 +1621,9 @@ _scalars = st.one_of(
     st.text(max_size=4),
     st.binary(max_size=8),  # a float's bits may be these bytes
 )
-_attribute_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 5), st.floats(width=32)), min_size=1, max_size=4))
+_attribute_values = st.one_of(
+    _scalars, st.lists(st.one_of(st.integers(-5, 5), st.floats(width=32)), min_size=1, max_size=4)
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1308,3 +1308,10 @@ def test_memory_another_thread_freed_goes_back_to_the_system():
     result = subprocess.run([sys.executable, "-c", _THREAD_FREES], capture_output=True, text=True, check=True)
     freed, returned = map(float, result.stdout.split())
     assert freed - returned > 150, (freed, returned)  # of the 216 MB the thread freed
+
+
+def test_the_checks_sessions_do_not_spin():
+    """Idle threads that spin take the core the rewrite, or the next piece of a large model, runs on."""
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", np.float32, [2])], [("y", np.float32, [2])])
+    options = session(model).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
