@@ -240,8 +240,8 @@ class ConstantValues:
             # Most tensors are computed from an input already known not to be constant: settled
             # without the search, which is most of the time of a first look at a large graph.
             info = graph.node(producer)
-            not_constant = self._not_constant
-            if not is_foldable(info) or any(name in not_constant for name in info.input_names):
+            not_constant, cache = self._not_constant, self._cache
+            if not is_foldable(info) or any(i in not_constant and i not in cache for i in info.input_names):
                 not_constant.add(tensor)
                 return None
         stack: list[tuple[str, bool]] = [(tensor, False)]
