@@ -227,6 +227,12 @@ class ConstantValues:
             value.flags.writeable = False
         return value
 
+    def _reads_not_constant(self, info) -> bool:
+        """Whether the node reads a tensor already known not to be constant (a value cached
+        since outranks that record)."""
+        not_constant, cache = self._not_constant, self._cache
+        return any(name in not_constant and name not in cache for name in info.input_names)
+
     def _dependencies(self, tensor: str) -> list[int] | None:
         """Op nodes to evaluate, inputs first, for `tensor`; None if it is not constant.
 
@@ -240,9 +246,8 @@ class ConstantValues:
             # Most tensors are computed from an input already known not to be constant: settled
             # without the search, which is most of the time of a first look at a large graph.
             info = graph.node(producer)
-            not_constant, cache = self._not_constant, self._cache
-            if not is_foldable(info) or any(i in not_constant and i not in cache for i in info.input_names):
-                not_constant.add(tensor)
+            if not is_foldable(info) or self._reads_not_constant(info):
+                self._not_constant.add(tensor)
                 return None
         stack: list[tuple[str, bool]] = [(tensor, False)]
         order: list[int] = []
@@ -269,8 +274,7 @@ class ConstantValues:
                 # An input known not to be constant settles it before any is searched: the
                 # activation of a residual block's Add is, while its first input leads back
                 # through the whole block to the same activation.
-                not_constant, cache = self._not_constant, self._cache
-                constant = is_foldable(info) and not any(i in not_constant and i not in cache for i in info.input_names)
+                constant = is_foldable(info) and not self._reads_not_constant(info)
             else:
                 constant = False
             if not constant:
