@@ -555,20 +555,18 @@ class Graph:
     def unread_initializers(self) -> list[str]:
         """This scope's dense initializers that nothing reads, not even a graph output, in file
         order; one that a graph input overrides is that input, and not listed."""
-        return [name for name, _, read in self._constant_initializers() if not read]
+        # One comprehension each, not a shared generator: both are asked of every weight of a
+        # large model after every phase that rewrote.
+        producer, weight, reads = self._producer, self._weight_entry, self._weight_reads
+        return [name for name in self._initializers if producer.get(name) is weight and not reads.get(name)]
 
     def read_initializers(self) -> list[TensorProto]:
         """This scope's dense initializers that something reads, in file order; one that a graph
         input overrides is that input, and not listed."""
-        return [tensor for _, tensor, read in self._constant_initializers() if read]
-
-    def _constant_initializers(self) -> Iterator[tuple[str, TensorProto, bool]]:
-        """(name, tensor, whether anything reads it) of each initializer no graph input overrides."""
-        producer, weights, reads = self._producer, self._weights, self._weight_reads
-        for name, tensor in self._initializers.items():
-            entry = producer.get(name)
-            if entry is not None and entry[0] == weights:
-                yield name, tensor, bool(reads.get(name))
+        producer, weight, reads = self._producer, self._weight_entry, self._weight_reads
+        return [
+            tensor for name, tensor in self._initializers.items() if producer.get(name) is weight and reads.get(name)
+        ]
 
     def is_weight(self, tensor: str) -> bool:
         """Whether `tensor` is an initializer of this scope that no graph input overrides."""

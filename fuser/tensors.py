@@ -90,7 +90,10 @@ def external_data_fields(tensor: TensorProto) -> dict[str, str]:
 
 
 def uses_external_data(tensor: TensorProto) -> bool:
-    return tensor.HasField("data_location") and tensor.data_location == TensorProto.EXTERNAL
+    return tensor.data_location == _EXTERNAL  # an unset data_location reads as DEFAULT
+
+
+_EXTERNAL = TensorProto.EXTERNAL
 
 
 def names_a_file_inside(location: str) -> bool:

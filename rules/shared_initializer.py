@@ -23,7 +23,7 @@ import weakref
 from onnx import TensorProto
 
 from fuser.rules._simplify import SIMPLIFY_PHASE
-from fuser.tensors import FINGERPRINT_HEAD, uses_external_data
+from fuser.tensors import FINGERPRINT_HEAD
 
 from fuser import Change, sweep
 
@@ -66,14 +66,19 @@ def _among(weights: list[TensorProto], seen: list[TensorProto]) -> bool:
 def _merges(graph, weights: list[TensorProto]):
     by_bytes: dict[tuple, list[TensorProto]] = {}
     by_type: dict[tuple, list[TensorProto]] = {}
-    for tensor in weights:
+    for tensor in weights:  # every weight of the model: each protobuf field read once, or not at all
         data_type = tensor.data_type
         if data_type == TensorProto.STRING:
             continue
         # A small weight stored as raw bytes (most of a large model's: its biases and norm
         # scales) is its own key: one look at it, and its dims read only if another has its bytes.
-        raw = tensor.raw_data if tensor.HasField("raw_data") and not uses_external_data(tensor) else None
-        if raw is not None and len(raw) <= FINGERPRINT_HEAD:
+        # (An unset raw_data reads as empty; a weight in a file has none inline.)
+        raw = tensor.raw_data
+        if (
+            len(raw) <= FINGERPRINT_HEAD
+            and (raw or tensor.HasField("raw_data"))
+            and tensor.data_location != TensorProto.EXTERNAL
+        ):
             by_bytes.setdefault((data_type, raw), []).append(tensor)
         else:
             by_type.setdefault((data_type, tuple(tensor.dims)), []).append(tensor)
