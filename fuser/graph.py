@@ -465,6 +465,10 @@ class Graph:
         domains = _DEFAULT_DOMAINS if domain in _DEFAULT_DOMAINS else (domain,)
         return any(self._by_op.get((d, t)) for d in domains for t in op_types)
 
+    def op_type_counts(self) -> dict[tuple[str, str], int]:
+        """How many nodes of each (domain, op type) this scope has, not counting its bodies'."""
+        return {key: len(ids) for key, ids in self._by_op.items() if ids}
+
     def domains(self) -> set[str]:
         """The domains of this scope's nodes (not of its bodies')."""
         return {domain for (domain, _), ids in self._by_op.items() if ids}
@@ -542,11 +546,11 @@ class Graph:
 
     def initializer(self, tensor: str) -> TensorProto | None:
         entry = self._producer.get(tensor)
-        if entry is None or self._attrs[entry[0]]["kind"] != INITIALIZER:
-            if entry is not None and self._attrs[entry[0]]["kind"] == OUTER and self.outer:
-                return self.outer.initializer(tensor)
-            return None
-        return self._initializers.get(tensor)
+        if entry is self._weight_entry:  # asked of every input of many nodes: weights told at once
+            return self._initializers.get(tensor)
+        if entry is not None and self._attrs[entry[0]]["kind"] == OUTER and self.outer:
+            return self.outer.initializer(tensor)
+        return None
 
     def initializers(self) -> list[TensorProto]:
         """This scope's dense initializers, in file order."""

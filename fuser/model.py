@@ -243,7 +243,12 @@ class Model:
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op type (domain-qualified outside ai.onnx), subgraphs included."""
-        return count_op_types(node for g in self.graph.all_graphs() for node in g.nodes())
+        counts: dict[str, int] = {}
+        for g in self.graph.all_graphs():  # counted per op type, not per node: asked before and after a rewrite
+            for (domain, op_type), count in g.op_type_counts().items():
+                key = _op_type_key(domain, op_type)
+                counts[key] = counts.get(key, 0) + count
+        return _most_frequent_first(counts)
 
     def save(self, path: str | os.PathLike, external_data: str = "auto") -> None:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
@@ -261,8 +266,16 @@ def count_op_types(nodes) -> dict[str, int]:
     """Nodes per op type, most frequent first; op types outside ai.onnx carry their domain."""
     counts: dict[str, int] = {}
     for node in nodes:
-        key = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        key = _op_type_key(node.domain, node.op_type)
         counts[key] = counts.get(key, 0) + 1
+    return _most_frequent_first(counts)
+
+
+def _op_type_key(domain: str, op_type: str) -> str:
+    return f"{domain}.{op_type}" if domain not in ("", "ai.onnx") else op_type
+
+
+def _most_frequent_first(counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
