@@ -231,3 +231,37 @@ def test_small_weights_of_equal_bytes_in_other_shapes_stay_apart():
     graph = fuser.Model(model).graph
     changes = list(shared_initializer.sweep(graph))
     assert [change.redirects for change in changes] == [(("again", "row"),)]
+
+
+def test_weights_without_raw_bytes_are_compared_by_their_values():
+    # An empty raw_data is set all the same (a weight without elements): compared by its bytes,
+    # none, and its dims. A weight stored as float_data has no raw_data: it is compared by its
+    # values, and its inline raw twin stays apart, which no exporter writes.
+    def listed(name, values):
+        return helper.make_tensor(name, onnx.TensorProto.FLOAT, [4], values)
+
+    weights = [
+        onnx.numpy_helper.from_array(np.zeros((0, 3), np.float32), "empty"),
+        onnx.numpy_helper.from_array(np.zeros((0, 3), np.float32), "twin"),
+        onnx.numpy_helper.from_array(np.zeros((3, 0), np.float32), "other"),
+        listed("listed", [0.0, 1.0, 2.0, 3.0]),
+        listed("changed", [0.0, 1.0, 2.0, 4.0]),
+        listed("again", [0.0, 1.0, 2.0, 3.0]),
+        onnx.numpy_helper.from_array(np.arange(4, dtype=np.float32), "raw"),
+    ]
+    assert weights[0].HasField("raw_data") and not weights[0].raw_data and not weights[3].HasField("raw_data")
+    nodes = [helper.make_node("Concat", ["x", name], [f"y_{name}"], axis=0) for name in ("empty", "twin")]
+    nodes += [helper.make_node("Concat", ["x3", "other"], ["y_other"], axis=1)]
+    four = ("listed", "changed", "again", "raw")
+    nodes += [helper.make_node("Add", ["x4", name], [f"y_{name}"]) for name in four]
+    shapes = {"empty": [2, 3], "twin": [2, 3], "other": [3, 2]} | {name: [4] for name in four}
+    model = make_model(
+        nodes,
+        [("x", np.float32, [2, 3]), ("x3", np.float32, [3, 2]), ("x4", np.float32, [4])],
+        [(f"y_{name}", np.float32, shape) for name, shape in shapes.items()],
+        check=False,  # the weights come after
+    )
+    model.graph.initializer.extend(weights)
+    onnx.checker.check_model(model, full_check=True)
+    changes = list(shared_initializer.sweep(fuser.Model(model).graph))
+    assert [change.redirects for change in changes] == [(("twin", "empty"),), (("again", "listed"),)]
