@@ -593,6 +593,7 @@ def check(
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
     reports = []
     for source in sources:
+        input_entry = report_module.file_entry_soon(source)
         try:
             result = api.find_opportunities(
                 source,
@@ -607,8 +608,7 @@ def check(
             if not several:
                 return _fail_with_report("check", error, ctx.debug, report_path, fmt)
             code = _fail(error, ctx.debug)
-            entry = report_module.file_entry(source) if source.is_file() else None
-            reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
+            reports.append(report_module.envelope("check", "error", code, error=str(error), input=input_entry()))
             continue
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
@@ -617,7 +617,7 @@ def check(
                 "check",
                 "work-found" if found else "fully-fused",
                 code,
-                input=report_module.file_entry(source),
+                input=input_entry(),
                 target=target,
                 nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],

@@ -144,11 +144,10 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
-    entries: dict = {"input": None, "output": None}
+    # The report names the input even when it cannot be read as a model.
+    input_entry = report_module.file_entry_soon(source)
     loaded = None
     try:
-        if source.is_file():  # the report names the input even when it cannot be read as a model
-            entries["input"] = report_module.file_entry(source)
         check_destination(source, destination, job.force)
         progress("load", 0, None)
         loading = time.perf_counter()
@@ -196,7 +195,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         body = result.to_dict()
         sizes = (size_before, sum(path.stat().st_size for path in written))
         body.update(
-            input=entries["input"],
+            input=input_entry(),
             output=report_module.file_entry(destination),
             size_before=sizes[0],
             size_after=sizes[1],
@@ -218,7 +217,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
         if "report" in error.evidence:
             body["timings"] = _in_stage_order(body["timings"], load=load_seconds)
-        body.update(input=entries["input"], output=None, evidence=str(folder))
+        body.update(input=input_entry(), output=None, evidence=str(folder))
         report = report_module.envelope("optimize", "mismatch", code, error=str(error), **body)
         write_bytes_atomically(folder / "report.json", (report_module.dumps(report) + "\n").encode())
         told = f"{error}; evidence kept in {folder}"
@@ -226,7 +225,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         error = _refused(loaded, error)
         code, messages = describe_error(error, job.debug)
-        report = report_module.envelope("optimize", "error", code, error=str(error), **entries)
+        report = report_module.envelope("optimize", "error", code, error=str(error), input=input_entry(), output=None)
         told = _error_text(error)
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import jsonschema
 import onnx
 import pytest
 
-from fuser.report import REPORT_SCHEMA
+from fuser.report import REPORT_SCHEMA, file_entry, file_entry_soon
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models")
 
@@ -150,6 +151,35 @@ def test_json_report_matches_its_schema(resnet, tmp_path):
     lines = report_path.read_text().splitlines()
     assert sum(line.startswith('    {"index": ') for line in lines) == 9  # the log's entries, one a line
     assert any(line.startswith('  "rules": ["') for line in lines)  # a list of plain values: one line
+
+
+def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
+    report_path = tmp_path / "report.json"
+    output = tmp_path / "out.onnx"
+    result = fuser_cli("optimize", str(resnet), "-o", str(output), "--report", str(report_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["input"] == {"path": str(resnet), "sha256": hashlib.sha256(resnet.read_bytes()).hexdigest()}
+    assert report["output"] == {"path": str(output), "sha256": hashlib.sha256(output.read_bytes()).hexdigest()}
+    # A file that is no model is still named in the error report, by what it holds.
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    failed = fuser_cli("optimize", str(garbage), "--report", str(report_path))
+    assert failed.returncode == 2
+    report = json.loads(report_path.read_text())
+    assert report["input"]["sha256"] == hashlib.sha256(b"not a model").hexdigest() and report["output"] is None
+
+
+def test_a_file_that_cannot_be_read_has_no_entry(tmp_path):
+    assert file_entry_soon(tmp_path / "missing.onnx")() is None
+    assert file_entry_soon(tmp_path)() is None  # a folder
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"abc")
+    assert (
+        file_entry_soon(model)()
+        == file_entry(model)
+        == {"path": str(model), "sha256": hashlib.sha256(b"abc").hexdigest()}
+    )
 
 
 def test_error_report_matches_its_schema(tmp_path):
