@@ -809,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.exit(_command(argv))
 
 
+# onnxruntime's opt-out of its telemetry, read as it is first imported (onnxruntime 1.29 and later).
+ORT_TELEMETRY_SWITCH = "ORT_DISABLE_TELEMETRY"
+
 # Whether the process ends with this command (the `fuser` program; not main, called by other code).
 _ends_process = False
 
@@ -819,6 +822,10 @@ def program() -> None:
     `last`), unless a tracer, a profiler or a coverage tool is attached."""
     global _ends_process
     _ends_process = not _watched()
+    # onnxruntime 1.29 and later send usage telemetry from Linux too: they keep a device id and
+    # an event queue in the home folder, and warn at every start where they cannot write there
+    # (a CI container's user). The command opts out, unless the environment says otherwise.
+    os.environ.setdefault(ORT_TELEMETRY_SWITCH, "1")
     code = _command(None)
     if _ends_process:
         _exit_at_once(code)

@@ -31,7 +31,7 @@ import onnx
 
 from fuser import api, ending, validation, verify
 from fuser import report as report_module
-from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, UsageError
+from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, OutputPathError, UsageError
 from fuser.graph import paused_gc
 from fuser.model import (
     Model,
@@ -284,13 +284,17 @@ def expand_models(arguments: Iterable[str]) -> tuple[list[Path], bool]:
     found: list[Path] = []
     for argument in arguments:
         path = Path(argument)
-        if path.is_dir():
+        try:
+            folder, exists = path.is_dir(), path.exists()
+        except OSError:  # a folder on the way that may not be searched: reading the model says so
+            folder, exists = False, True
+        if folder:
             several = True
             matches = sorted(p for p in path.glob("*.onnx") if p.is_file() and not p.name.endswith(FUSED_SUFFIX))
             if not matches:
                 raise UsageError(f"{argument}: no .onnx files in this folder")
             found += matches
-        elif not path.exists() and glob.has_magic(argument):
+        elif not exists and glob.has_magic(argument):
             several = True
             matches = sorted(Path(p) for p in glob.glob(argument) if Path(p).is_file())
             if not matches:
@@ -352,12 +356,16 @@ def check_folder(path: Path) -> None:
 
 
 def check_destination(source: Path, destination: Path, force: bool) -> None:
-    check_folder(destination)
-    if destination.exists() and source.exists() and destination.resolve() == source.resolve():
+    try:
+        check_folder(destination)
+        exists = destination.exists()
+    except OSError as error:  # a folder on the way that may not be searched
+        raise OutputPathError(f"{destination}: cannot write there ({error.strerror or error})") from error
+    if exists and destination.resolve() == source.resolve():
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
-    if destination.exists() and not force:
+    if exists and not force:
         raise UsageError(f"{destination} already exists; pass --force to replace it")
-    if destination.exists() and destination.is_dir():
+    if exists and destination.is_dir():
         raise UsageError(f"{destination} is a directory")
 
 

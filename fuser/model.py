@@ -292,9 +292,13 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
     data_location (TensorStore's stated_default), the identity of the file they were read in
     place from (None when none were), and its check, under way (fuser/validation.py; in a child
     process if `apart` and that pays)."""
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
-    if path.is_dir():
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as error:  # a folder on the way that may not be searched
+        raise InputError(f"{path}: cannot read ({error.strerror or error})") from error
+    if stat.S_ISDIR(status.st_mode):
         raise InputError(f"{path}: is a directory, not an ONNX model")
     try:
         with open(path, "rb") as handle:

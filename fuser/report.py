@@ -377,7 +377,10 @@ def file_entry_soon(path: str | Path) -> Callable[[], dict | None]:
     path is not a regular file (a pipe is read once, by the load) or could not be read, which
     whatever reads it next reports."""
     found: list[dict | None] = [None]
-    if not Path(path).is_file():
+    try:
+        if not Path(path).is_file():
+            return lambda: None
+    except OSError:  # a folder on the way that may not be searched
         return lambda: None
 
     def work() -> None:

@@ -191,6 +191,24 @@ def test_error_report_matches_its_schema(tmp_path):
     assert report["verdict"] == "error" and report["exit_code"] == 2
 
 
+def test_the_command_leaves_the_home_folder_alone(resnet, tmp_path):
+    # onnxruntime 1.29 and later otherwise keep a telemetry device id and event queue there,
+    # and warn on stderr where they cannot write it.
+    home = tmp_path / "home"
+    home.mkdir()
+    environment = {k: v for k, v in os.environ.items() if k not in ("ORT_DISABLE_TELEMETRY", "XDG_CACHE_HOME")}
+    result = subprocess.run(
+        [sys.executable, "-m", "fuser.cli", "optimize", str(resnet), "-o", str(tmp_path / "out.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**environment, "HOME": str(home)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "numerics check: passed" in result.stderr and "telemetry" not in result.stderr
+    assert list(home.rglob("*")) == []
+
+
 def test_a_profiler_attached_to_the_command_still_gets_its_data(resnet, tmp_path):
     # Run as the program, fuser ends the process without freeing its model; not under a profiler
     # (or a coverage tool), which writes what it found only as the interpreter ends.

@@ -235,6 +235,7 @@ def _symbolic_model(folder: Path) -> Path:
         (["--dim", f"batch={2**40}"], "cannot make a check input 'x' of shape [1099511627776,4]"),
         (["--input-shape", f"x:{2**40},4"], "cannot make a check input 'x'"),
         (["-o", "m.onnx/inside.onnx"], "m.onnx is not a folder"),
+        (["-o", "o" * 300 + ".onnx"], "cannot write there (File name too long)"),
     ],
 )
 def test_unusable_settings_and_paths_exit_2_with_one_line(cli, tmp_path, args, message):
@@ -242,6 +243,17 @@ def test_unusable_settings_and_paths_exit_2_with_one_line(cli, tmp_path, args, m
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     result = cli(tmp_path, "optimize", model.name, *args)
     _assert_clean_failure(result, tmp_path, before, message)
+
+
+@pytest.mark.parametrize("command", ["optimize", "check"])
+def test_a_model_path_the_system_refuses_is_the_inputs_fault(cli, tmp_path, command):
+    # A name longer than a file name may be (the same goes for a folder on the way that may not
+    # be searched): the system's own error, not fuser's crash.
+    _symbolic_model(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    arguments = ["-o", "out.onnx"] if command == "optimize" else []
+    result = cli(tmp_path, command, "m" * 300 + ".onnx", *arguments)
+    _assert_clean_failure(result, tmp_path, before, "cannot read (File name too long)")
 
 
 @pytest.mark.parametrize("width", [16, 160])  # a weight left out of the skeleton: 1 KiB, and over SKELETON_BYTES
