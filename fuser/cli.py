@@ -593,7 +593,6 @@ def check(
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
     reports = []
     for source in sources:
-        input_entry = report_module.file_entry_soon(source)
         try:
             result = api.find_opportunities(
                 source,
@@ -608,7 +607,8 @@ def check(
             if not several:
                 return _fail_with_report("check", error, ctx.debug, report_path, fmt)
             code = _fail(error, ctx.debug)
-            reports.append(report_module.envelope("check", "error", code, error=str(error), input=input_entry()))
+            entry = report_module.regular_file_entry(source)
+            reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
             continue
         found = result.opportunities
         code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
@@ -617,7 +617,7 @@ def check(
                 "check",
                 "work-found" if found else "fully-fused",
                 code,
-                input=input_entry(),
+                input=report_module.file_entry(source),
                 target=target,
                 nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],

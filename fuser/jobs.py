@@ -144,9 +144,8 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
-    # The report names the input even when it cannot be read as a model.
-    input_entry = report_module.file_entry_soon(source)
     loaded = None
+    hashing = None  # the input's entry for the report, worked out beside the rewrite
     try:
         check_destination(source, destination, job.force)
         progress("load", 0, None)
@@ -154,6 +153,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         # Returned while onnx's check of a large model may still run beside the rewrite: whatever
         # fails, a model the check refuses is said to be one (_refused).
         loaded = Model.load(source, progress=progress, validated=False)
+        hashing = report_module.file_entry_soon(source)  # after the load, which forks only a process of one thread
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
         options = options_for(loaded.interface(), job.options, job.from_config)
@@ -195,7 +195,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         body = result.to_dict()
         sizes = (size_before, sum(path.stat().st_size for path in written))
         body.update(
-            input=input_entry(),
+            input=hashing(),
             output=report_module.file_entry(destination),
             size_before=sizes[0],
             size_after=sizes[1],
@@ -217,7 +217,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
         if "report" in error.evidence:
             body["timings"] = _in_stage_order(body["timings"], load=load_seconds)
-        body.update(input=input_entry(), output=None, evidence=str(folder))
+        body.update(input=_input_entry(source, hashing), output=None, evidence=str(folder))
         report = report_module.envelope("optimize", "mismatch", code, error=str(error), **body)
         write_bytes_atomically(folder / "report.json", (report_module.dumps(report) + "\n").encode())
         told = f"{error}; evidence kept in {folder}"
@@ -225,9 +225,16 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         error = _refused(loaded, error)
         code, messages = describe_error(error, job.debug)
-        report = report_module.envelope("optimize", "error", code, error=str(error), input=input_entry(), output=None)
+        report = report_module.envelope(
+            "optimize", "error", code, error=str(error), input=_input_entry(source, hashing), output=None
+        )
         told = _error_text(error)
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
+
+
+def _input_entry(source: Path, hashing: Callable[[], dict | None] | None) -> dict | None:
+    """The report's entry of the input, even when it cannot be read as a model."""
+    return hashing() if hashing is not None else report_module.regular_file_entry(source)
 
 
 def _refused(model: Model | None, error: Exception) -> Exception:

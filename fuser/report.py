@@ -370,24 +370,25 @@ def file_entry(path: str | Path | None) -> dict | None:
     return {"path": str(path), "sha256": digest.hexdigest()}
 
 
-def file_entry_soon(path: str | Path) -> Callable[[], dict | None]:
-    """file_entry(path), worked out in a thread of its own while the caller goes on: reading a
-    file and hashing it let go of Python's lock, and the hash of a large model (0.3 s for GPT-2's
-    500 MB) need not hold up loading it. The function returned waits for the entry: None if the
-    path is not a regular file (a pipe is read once, by the load) or could not be read, which
-    whatever reads it next reports."""
-    found: list[dict | None] = [None]
+def regular_file_entry(path: str | Path) -> dict | None:
+    """file_entry(path) for a regular file; None for anything else (a pipe is read once, by the
+    load) and for a path that cannot be read, which whatever reads it reports."""
     try:
-        if not Path(path).is_file():
-            return lambda: None
-    except OSError:  # a folder on the way that may not be searched
-        return lambda: None
+        return file_entry(path) if Path(path).is_file() else None
+    except OSError:
+        return None
+
+
+def file_entry_soon(path: str | Path) -> Callable[[], dict | None]:
+    """regular_file_entry(path), worked out in a thread of its own while the caller goes on:
+    reading a file and hashing it let go of Python's lock, and the hash of a large model (0.3 s
+    for GPT-2's 500 MB) need not hold up the work. The function returned waits for the entry.
+    Not before a model's load: the load forks its check only from a process running no other
+    thread (fuser/validation.py)."""
+    found: list[dict | None] = [None]
 
     def work() -> None:
-        try:
-            found[0] = file_entry(path)
-        except OSError:
-            pass
+        found[0] = regular_file_entry(path)
 
     thread = threading.Thread(target=work, name="fuser-hash", daemon=True)
     thread.start()

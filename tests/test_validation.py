@@ -125,6 +125,23 @@ def test_no_child_is_forked_beside_other_threads(apart):
         other.join()
 
 
+@pytest.mark.parametrize("check", [[], ["--no-check"]])
+def test_optimize_loads_its_model_in_a_process_of_one_thread(apart, cli, tmp_path, monkeypatch, check):
+    """Whatever optimize runs beside its work (the hash of the input for the report, the
+    original's check session) starts after the load: another thread would stop the fork."""
+    forked = []
+
+    def fork_check(model):
+        forked.append(threading.active_count())
+        return fork(model)
+
+    fork = validation._fork_check
+    monkeypatch.setattr(validation, "_fork_check", fork_check)
+    result = cli(tmp_path, "optimize", SAMPLES / "mlp.onnx", "-o", "out.onnx", "-q", *check)
+    assert result.returncode == 0, result.stderr
+    assert forked == [1]
+
+
 def test_no_child_is_forked_without_the_memory_both_processes_hold(apart, monkeypatch):
     """The child's check holds its memory while the graph is built: with too little available,
     the check runs here, first, as it did before there was a child."""
