@@ -617,7 +617,7 @@ def check(
                 "check",
                 "work-found" if found else "fully-fused",
                 code,
-                input=report_module.file_entry(source),
+                input=report_module.regular_file_entry(source),  # a pipe was read by the load
                 target=target,
                 nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],

@@ -38,6 +38,7 @@ from fuser.model import (
     external_data_path,
     found_as_external_data,
     refuse_input_data_file,
+    require_model_file,
     write_bytes_atomically,
     write_model,
     writes_external_data,
@@ -147,6 +148,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
     loaded = None
     hashing = None  # the input's entry for the report, worked out beside the rewrite
     try:
+        require_model_file(source)  # what is wrong with the input first, then with the output
         check_destination(source, destination, job.force)
         progress("load", 0, None)
         loading = time.perf_counter()
@@ -311,8 +313,17 @@ def expand_models(arguments: Iterable[str]) -> tuple[list[Path], bool]:
             found.append(path)
     unique: dict[Path, Path] = {}
     for path in found:
-        unique.setdefault(path.resolve(), path)
+        unique.setdefault(_resolved(path), path)
     return list(unique.values()), several
+
+
+def _resolved(path: Path) -> Path:
+    """The path with its links followed; as it is where they loop (Python before 3.13 raises),
+    which reading the model then reports."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
 
 
 def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list[Path]:
@@ -325,9 +336,13 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
         return [Path(output) if output else source.with_name(fused_name(source.name))]
     if output is not None:
         folder = Path(output)
-        if folder.exists() and not folder.is_dir():
+        try:
+            exists, is_folder = folder.exists(), folder.is_dir()
+        except OSError as error:  # a folder on the way that may not be searched, a name too long
+            raise OutputPathError(f"-o {output}: cannot write there ({error.strerror or error})") from error
+        if exists and not is_folder:
             raise UsageError(f"-o {output}: with several models -o names a folder, and {output} is a file")
-        if not folder.exists() and folder.suffix == ".onnx":
+        if not exists and folder.suffix == ".onnx":
             raise UsageError(
                 f"-o {output}: with several models -o names a folder (created if missing), not a .onnx file"
             )
@@ -336,16 +351,16 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
         destinations = [source.with_name(fused_name(source.name)) for source in sources]
     by_destination: dict[Path, list[Path]] = {}
     for source, destination in zip(sources, destinations):
-        by_destination.setdefault(destination.resolve(), []).append(source)
+        by_destination.setdefault(_resolved(destination), []).append(source)
     clashes = [f"{', '.join(map(str, group))}" for group in by_destination.values() if len(group) > 1]
     if clashes:
         raise UsageError(
             f"several models would be written to the same file ({'; '.join(clashes)}): "
             "optimize them in separate runs or into separate -o folders"
         )
-    inputs = {source.resolve(): source for source in sources}
+    inputs = {_resolved(source): source for source in sources}
     for source, destination in zip(sources, destinations):
-        if destination.resolve() in inputs:
+        if _resolved(destination) in inputs:
             raise UsageError(
                 f"{source} would be written to {destination}, which is one of the input models; "
                 "choose another -o folder"
@@ -356,19 +371,23 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
 def check_folder(path: Path) -> None:
     """Refuse early a path that cannot be written: an existing ancestor of it is not a folder."""
     folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
+    try:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        is_folder = folder.is_dir()
+    except OSError as error:  # a folder on the way that may not be searched, a name too long
+        raise OutputPathError(f"{path}: cannot write there ({error.strerror or error})") from error
+    if not is_folder:
         raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
 
 
 def check_destination(source: Path, destination: Path, force: bool) -> None:
+    check_folder(destination)
     try:
-        check_folder(destination)
         exists = destination.exists()
-    except OSError as error:  # a folder on the way that may not be searched
+    except OSError as error:  # a folder on the way that may not be searched, a name too long
         raise OutputPathError(f"{destination}: cannot write there ({error.strerror or error})") from error
-    if exists and destination.resolve() == source.resolve():
+    if exists and _resolved(destination) == _resolved(source):
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
     if exists and not force:
         raise UsageError(f"{destination} already exists; pass --force to replace it")
@@ -597,7 +616,7 @@ def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
     else:
         how = f"ended with exit code {exitcode} before reporting"
     error = f"the worker process optimizing {job.source} {how}"
-    entry = report_module.file_entry(job.source) if job.source.is_file() else None
+    entry = report_module.regular_file_entry(job.source)
     report = report_module.envelope("optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None)
     return Outcome(str(job.source), EXIT_INTERNAL, report, messages=[f"fuser: error: {error}"], error=error)
 

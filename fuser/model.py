@@ -287,19 +287,26 @@ def read_model(path: Path) -> ModelProto:
     return model
 
 
+def require_model_file(path: Path) -> None:
+    """Refuse, as an InputError, a model path that names nothing, a folder, or what the system
+    will not look at (a folder on the way that may not be searched, a name too long, a loop of
+    links)."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the name
+        raise InputError(f"{path}: cannot read ({getattr(error, 'strerror', None) or error})") from error
+    if stat.S_ISDIR(status.st_mode):
+        raise InputError(f"{path}: is a directory, not an ONNX model")
+
+
 def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[int], tuple | None, Validation]:
     """The parsed model, the offsets of the weights read in place that stated their
     data_location (TensorStore's stated_default), the identity of the file they were read in
     place from (None when none were), and its check, under way (fuser/validation.py; in a child
     process if `apart` and that pays)."""
-    try:
-        status = path.stat()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except OSError as error:  # a folder on the way that may not be searched
-        raise InputError(f"{path}: cannot read ({error.strerror or error})") from error
-    if stat.S_ISDIR(status.st_mode):
-        raise InputError(f"{path}: is a directory, not an ONNX model")
+    require_model_file(path)
     try:
         with open(path, "rb") as handle:
             status = os.fstat(handle.fileno())

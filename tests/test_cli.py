@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import jsonschema
 import onnx
@@ -16,6 +18,7 @@ import pytest
 from fuser.report import REPORT_SCHEMA, file_entry, file_entry_soon
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models")
+MODELS_PATH = Path(MODELS)
 
 
 def fuser_cli(*args, cwd=None):
@@ -168,6 +171,26 @@ def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
     assert failed.returncode == 2
     report = json.loads(report_path.read_text())
     assert report["input"]["sha256"] == hashlib.sha256(b"not a model").hexdigest() and report["output"] is None
+
+
+def test_check_reads_a_pipe_once(tmp_path):
+    # The report names a pipe without reading it again: that would wait for a writer for ever.
+    data = (MODELS_PATH / "mlp.onnx").read_bytes()
+    pipe = tmp_path / "pipe.onnx"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_bytes, args=(data,))
+    writer.start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "fuser.cli", "check", str(pipe), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        writer.join()
+    assert result.returncode == 1, result.stderr  # matmul-add-gemm is left to do
+    assert json.loads(result.stdout)["input"] is None
 
 
 def test_a_file_that_cannot_be_read_has_no_entry(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from onnx import helper
 
 import fuser
+from fuser.errors import InputError
 from tests.helpers import in_process_cli, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,15 +246,52 @@ def test_unusable_settings_and_paths_exit_2_with_one_line(cli, tmp_path, args, m
     _assert_clean_failure(result, tmp_path, before, message)
 
 
-@pytest.mark.parametrize("command", ["optimize", "check"])
-def test_a_model_path_the_system_refuses_is_the_inputs_fault(cli, tmp_path, command):
+@pytest.mark.parametrize(
+    "command, arguments",
+    [("optimize", ["-o", "out.onnx"]), ("optimize", []), ("optimize", ["m.onnx", "-o", "out"]), ("check", [])],
+)
+def test_a_model_path_the_system_refuses_is_the_inputs_fault(cli, tmp_path, command, arguments):
     # A name longer than a file name may be (the same goes for a folder on the way that may not
-    # be searched): the system's own error, not fuser's crash.
+    # be searched): the system's own error, not fuser's crash, and the input's, not the output
+    # named after it.
     _symbolic_model(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    arguments = ["-o", "out.onnx"] if command == "optimize" else []
     result = cli(tmp_path, command, "m" * 300 + ".onnx", *arguments)
+    if "out" in arguments:  # several models: each its own line, the worst exit code
+        assert result.returncode == 2 and "cannot read (File name too long)" in result.stderr
+        assert "Traceback" not in result.stderr and (tmp_path / "out" / "m.onnx").exists()
+        return
     _assert_clean_failure(result, tmp_path, before, "cannot read (File name too long)")
+
+
+@pytest.mark.parametrize("command", ["optimize", "check"])
+def test_a_loop_of_links_is_the_inputs_fault(cli, tmp_path, command):
+    (tmp_path / "a.onnx").symlink_to(tmp_path / "b.onnx")
+    (tmp_path / "b.onnx").symlink_to(tmp_path / "a.onnx")
+    result = cli(tmp_path, command, "a.onnx")
+    assert result.returncode == 2 and "a.onnx: cannot read (Too many levels of symbolic links)" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--report", "r" * 300 + "/report.json"],
+        ["m.onnx", "--report", "r" * 300 + "/report.json"],
+        ["m.onnx", "other.onnx", "-o", "o" * 300],
+    ],
+)
+def test_an_output_path_the_system_refuses_is_a_usage_error(cli, tmp_path, arguments):
+    model = _symbolic_model(tmp_path)
+    shutil.copy(model, tmp_path / "other.onnx")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", *(["m.onnx"] if arguments[0].startswith("--") else []), *arguments)
+    _assert_clean_failure(result, tmp_path, before, "(File name too long)")
+
+
+def test_a_name_with_a_nul_is_the_callers_input_error(tmp_path):
+    with pytest.raises(InputError, match="cannot read"):
+        fuser.optimize(str(tmp_path / "m\0.onnx"))
 
 
 @pytest.mark.parametrize("width", [16, 160])  # a weight left out of the skeleton: 1 KiB, and over SKELETON_BYTES
