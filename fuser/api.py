@@ -268,6 +268,12 @@ def optimize(
             evidence={"original": handed_out(original), "optimized": handed_out(optimized), "report": report},
         )
 
+    except BaseException as error:
+        if not isinstance(error, Exception):
+            # Interrupted (Ctrl-C, a worker told to end): the process ends, and onnxruntime's start
+            # of the original's session, which nothing can cut short, is not waited for.
+            prepared = None
+        raise
     finally:
         if prepared is not None:
             prepared.discard()  # the thread is done by now, unless an error cut the run short

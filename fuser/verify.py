@@ -1370,8 +1370,10 @@ class PreparedChecker:
         self._checker: Checker | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()
+        # A daemon: a run cut short (Ctrl-C) does not wait at its end for onnxruntime to finish
+        # starting a session nobody will use (the optimize caller waits for it otherwise).
         self._thread = threading.Thread(
-            target=self._build, args=(original, options, base_dir), name="fuser-check-original"
+            target=self._build, args=(original, options, base_dir), name="fuser-check-original", daemon=True
         )
         self._thread.start()
         self._copied.wait()

@@ -529,6 +529,26 @@ def one_node(op_type: str, domain: str = "") -> onnx.ModelProto:
     )
 
 
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_run_does_not_wait_for_the_originals_side(held_original, monkeypatch, interruption):
+    """Ctrl-C (or a worker told to end) during the rewrite ends the run at once: onnxruntime's
+    start of the original's session cannot be cut short, and nothing will use it."""
+    import threading
+
+    from fuser.engine import Engine
+
+    def interrupted(self, apply=True):
+        raise interruption()
+
+    monkeypatch.setattr(Engine, "run", interrupted)
+    with pytest.raises(interruption):
+        fuser.optimize(one_node("Relu"))
+    beside = [t for t in threading.enumerate() if t.name == "fuser-check-original"]
+    assert beside and beside[0].is_alive() and beside[0].daemon  # still held: not waited for
+    held_original.set()
+    beside[0].join()
+
+
 def test_a_candidates_session_starts_beside_the_original_while_its_side_is_built(held_original):
     from fuser.verify import PreparedChecker
 
