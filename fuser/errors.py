@@ -11,6 +11,8 @@ Exit-code contract shared by every command:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 EXIT_OK = 0
 EXIT_WORK_FOUND = 1
 EXIT_USAGE = 2
@@ -40,6 +42,11 @@ class OutputPathError(UsageError, OSError):
     """The output cannot be written where asked (its folder is a file, a full or read-only disk).
 
     Also an OSError, so callers of Model.save that catch OSError keep working."""
+
+    @classmethod
+    def refused(cls, where: str | Path, error: OSError) -> OutputPathError:
+        """The system refused to write at `where`, or to look there: its own words say why."""
+        return cls(f"{where}: cannot write there ({error.strerror or error})")
 
 
 class UnsafePathError(InputError):

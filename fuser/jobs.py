@@ -339,7 +339,7 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
         try:
             exists, is_folder = folder.exists(), folder.is_dir()
         except OSError as error:  # a folder on the way that may not be searched, a name too long
-            raise OutputPathError(f"-o {output}: cannot write there ({error.strerror or error})") from error
+            raise OutputPathError.refused(f"-o {output}", error) from error
         if exists and not is_folder:
             raise UsageError(f"-o {output}: with several models -o names a folder, and {output} is a file")
         if not exists and folder.suffix == ".onnx":
@@ -376,7 +376,7 @@ def check_folder(path: Path) -> None:
             folder = folder.parent
         is_folder = folder.is_dir()
     except OSError as error:  # a folder on the way that may not be searched, a name too long
-        raise OutputPathError(f"{path}: cannot write there ({error.strerror or error})") from error
+        raise OutputPathError.refused(path, error) from error
     if not is_folder:
         raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
 
@@ -386,7 +386,7 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
     try:
         exists = destination.exists()
     except OSError as error:  # a folder on the way that may not be searched, a name too long
-        raise OutputPathError(f"{destination}: cannot write there ({error.strerror or error})") from error
+        raise OutputPathError.refused(destination, error) from error
     if exists and _resolved(destination) == _resolved(source):
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
     if exists and not force:

@@ -684,7 +684,7 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise OutputPathError(f"{path}: cannot write there ({error.strerror or error})") from error
+        raise OutputPathError.refused(path, error) from error
     try:
         os.fchmod(handle, 0o666 & ~_umask())
         with os.fdopen(handle, "wb") as stream:
