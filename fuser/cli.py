@@ -23,6 +23,7 @@ from fuser.config import default_map
 from fuser.context import NCHWC_CHOICES, resolve_nchwc_block
 from fuser.errors import (
     EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
     EXIT_MISMATCH,
     EXIT_OK,
     EXIT_USAGE,
@@ -841,9 +842,13 @@ def _command(argv: list[str] | None) -> int:
     except click.ClickException as error:
         click.echo(f"fuser: error: {error.format_message()} (see fuser --help)", err=True)
         code = EXIT_USAGE
-    except click.exceptions.Abort:
-        click.echo("fuser: aborted", err=True)
-        code = EXIT_USAGE
+    except click.exceptions.Abort as abort:
+        if isinstance(abort.__cause__, KeyboardInterrupt):
+            click.echo("fuser: interrupted", err=True)
+            code = EXIT_INTERRUPTED
+        else:
+            click.echo("fuser: aborted", err=True)
+            code = EXIT_USAGE
     return code if isinstance(code, int) else EXIT_OK
 
 

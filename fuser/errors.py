@@ -18,6 +18,7 @@ EXIT_WORK_FOUND = 1
 EXIT_USAGE = 2
 EXIT_MISMATCH = 3
 EXIT_INTERNAL = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what shells and CI runners report for a command Ctrl-C ended
 
 
 class FuserError(Exception):
