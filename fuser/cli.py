@@ -106,6 +106,11 @@ def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
     return ranges
 
 
+def _shows_json(report_path: str | None, fmt: str) -> bool:
+    """Whether the run's report goes out as JSON, the one form that carries the files' digests."""
+    return bool(report_path) or fmt == "json"
+
+
 def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> None:
     paths = ([Path(report_path)] if report_path else []) + list(also)
     # Serialized only when written or shown: a large model's report takes a noticeable while.
@@ -373,6 +378,7 @@ def optimize(
                 fix_shapes=fix_shapes,
                 verbose=verbose,
                 debug=ctx.debug,
+                digests=_shows_json(report_path, fmt),
             )
             for source, destination in zip(sources, destinations)
         ]
@@ -618,7 +624,8 @@ def check(
                 "check",
                 "work-found" if found else "fully-fused",
                 code,
-                input=report_module.regular_file_entry(source),  # a pipe was read by the load
+                # A pipe was read by the load.
+                input=report_module.regular_file_entry(source, digest=_shows_json(report_path, fmt)),
                 target=target,
                 nchwc_block=block,
                 opportunities=[o.to_dict() for o in found],

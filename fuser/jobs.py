@@ -80,6 +80,9 @@ class OptimizeJob:
     verbose: bool = False
     debug: bool = False
     threads: int = 0  # of the check's onnxruntime sessions; 0: onnxruntime's default (every core)
+    # The report's sha256 of the input and the output, which only a JSON report shows: reading and
+    # hashing a 500 MB model takes 0.5 s, a quarter of GPT-2's run, for a report no one reads.
+    digests: bool = True
 
 
 @dataclass
@@ -155,7 +158,8 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         # Returned while onnx's check of a large model may still run beside the rewrite: whatever
         # fails, a model the check refuses is said to be one (_refused).
         loaded = Model.load(source, progress=progress, validated=False)
-        hashing = report_module.file_entry_soon(source)  # after the load, which forks only a process of one thread
+        if job.digests:  # after the load, which forks only a process of one thread
+            hashing = report_module.file_entry_soon(source)
         load_seconds = time.perf_counter() - loading
         size_before = size_on_disk(source, loaded)
         options = options_for(loaded.interface(), job.options, job.from_config)
@@ -197,8 +201,8 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         body = result.to_dict()
         sizes = (size_before, sum(path.stat().st_size for path in written))
         body.update(
-            input=hashing(),
-            output=report_module.file_entry(destination),
+            input=_input_entry(source, hashing, digest=job.digests),
+            output=report_module.regular_file_entry(destination, digest=job.digests),
             size_before=sizes[0],
             size_after=sizes[1],
         )
@@ -234,9 +238,10 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
 
 
-def _input_entry(source: Path, hashing: Callable[[], dict | None] | None) -> dict | None:
-    """The report's entry of the input, even when it cannot be read as a model."""
-    return hashing() if hashing is not None else report_module.regular_file_entry(source)
+def _input_entry(source: Path, hashing: Callable[[], dict | None] | None, digest: bool = True) -> dict | None:
+    """The report's entry of the input, even when it cannot be read as a model: the one `hashing`
+    worked out, if it was started, else with its digest if `digest` (an error's report has it)."""
+    return hashing() if hashing is not None else report_module.regular_file_entry(source, digest=digest)
 
 
 def _refused(model: Model | None, error: Exception) -> Exception:

@@ -173,6 +173,29 @@ def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
     assert report["input"]["sha256"] == hashlib.sha256(b"not a model").hexdigest() and report["output"] is None
 
 
+def test_digests_are_worked_out_only_for_a_json_report(tmp_path, monkeypatch, capsys):
+    # Reading and hashing a 500 MB model takes 0.5 s: only a JSON report shows the digests.
+    from fuser import cli
+    from fuser import report as report_module
+
+    hashed = []
+    real = report_module.file_entry
+    monkeypatch.setattr(report_module, "file_entry", lambda path: hashed.append(Path(path).name) or real(path))
+    model = MODELS_PATH / "mlp.onnx"
+    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "a.onnx"), "-q"]) == 0
+    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "b.onnx"), "--format", "markdown"]) == 0
+    assert cli._command(["check", str(model), "--exit-zero", "--format", "markdown"]) == 0
+    assert hashed == []
+    shown = capsys.readouterr().out
+    assert str(model) in shown and str(tmp_path / "b.onnx") in shown  # Markdown still names the files
+    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "c.onnx"), "--format", "json"]) == 0
+    assert sorted(hashed) == ["c.onnx", "mlp.onnx"]
+    report = json.loads(capsys.readouterr().out)
+    assert report["output"]["sha256"] == hashlib.sha256((tmp_path / "c.onnx").read_bytes()).hexdigest()
+    assert cli._command(["check", str(model), "--report", str(tmp_path / "r.json")]) == 1
+    assert sorted(hashed) == ["c.onnx", "mlp.onnx", "mlp.onnx"]
+
+
 def test_check_reads_a_pipe_once(tmp_path):
     # The report names a pipe without reading it again: that would wait for a writer for ever.
     data = (MODELS_PATH / "mlp.onnx").read_bytes()
