@@ -188,6 +188,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         )
         progress("write", 0, None)
         writing = time.perf_counter()
+        digests: dict[Path, str] | None = {} if job.digests else None
         written = write_model(
             optimized,
             destination,
@@ -195,6 +196,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
             external_data=external_data,
             progress=progress,
             tensors=loaded.tensors,
+            digests=digests,
         )
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
         result.output_path = str(destination)
@@ -202,7 +204,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         sizes = (size_before, sum(path.stat().st_size for path in written))
         body.update(
             input=_input_entry(source, hashing, digest=job.digests),
-            output=report_module.regular_file_entry(destination, digest=job.digests),
+            output=_output_entry(destination, digests),
             size_before=sizes[0],
             size_after=sizes[1],
         )
@@ -242,6 +244,14 @@ def _input_entry(source: Path, hashing: Callable[[], dict | None] | None, digest
     """The report's entry of the input, even when it cannot be read as a model: the one `hashing`
     worked out, if it was started, else with its digest if `digest` (an error's report has it)."""
     return hashing() if hashing is not None else report_module.regular_file_entry(source, digest=digest)
+
+
+def _output_entry(destination: Path, digests: dict[Path, str] | None) -> dict | None:
+    """The report's entry of the output: with the digest its write worked out, if asked for one."""
+    if digests is None:
+        return report_module.regular_file_entry(destination, digest=False)
+    digest = digests.get(Path(destination))
+    return report_module.file_entry(destination) if digest is None else {"path": str(destination), "sha256": digest}
 
 
 def _refused(model: Model | None, error: Exception) -> Exception:

@@ -176,11 +176,19 @@ def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
 def test_digests_are_worked_out_only_for_a_json_report(tmp_path, monkeypatch, capsys):
     # Reading and hashing a 500 MB model takes 0.5 s: only a JSON report shows the digests.
     from fuser import cli
+    from fuser import model as model_module
     from fuser import report as report_module
 
     hashed = []
     real = report_module.file_entry
     monkeypatch.setattr(report_module, "file_entry", lambda path: hashed.append(Path(path).name) or real(path))
+
+    class Digesting(model_module._DigestingFile):  # the output's digest, worked out as it is written
+        def hexdigest(self):
+            hashed.append("while writing")
+            return super().hexdigest()
+
+    monkeypatch.setattr(model_module, "_DigestingFile", Digesting)
     model = MODELS_PATH / "mlp.onnx"
     assert cli._command(["optimize", str(model), "-o", str(tmp_path / "a.onnx"), "-q"]) == 0
     assert cli._command(["optimize", str(model), "-o", str(tmp_path / "b.onnx"), "--format", "markdown"]) == 0
@@ -189,11 +197,11 @@ def test_digests_are_worked_out_only_for_a_json_report(tmp_path, monkeypatch, ca
     shown = capsys.readouterr().out
     assert str(model) in shown and str(tmp_path / "b.onnx") in shown  # Markdown still names the files
     assert cli._command(["optimize", str(model), "-o", str(tmp_path / "c.onnx"), "--format", "json"]) == 0
-    assert sorted(hashed) == ["c.onnx", "mlp.onnx"]
+    assert sorted(hashed) == ["mlp.onnx", "while writing"]
     report = json.loads(capsys.readouterr().out)
     assert report["output"]["sha256"] == hashlib.sha256((tmp_path / "c.onnx").read_bytes()).hexdigest()
     assert cli._command(["check", str(model), "--report", str(tmp_path / "r.json")]) == 1
-    assert sorted(hashed) == ["c.onnx", "mlp.onnx", "mlp.onnx"]
+    assert sorted(hashed) == ["mlp.onnx", "mlp.onnx", "while writing"]
 
 
 def test_check_reads_a_pipe_once(tmp_path):

@@ -7,7 +7,11 @@ protobuf writes, the check still catches a wrong weight when weights are fed as 
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
+import threading
+import time
 
 import numpy as np
 import onnx
@@ -16,6 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
+from fuser import model as model_module
+from fuser.errors import OutputPathError
 from fuser.graph import SKELETON_BYTES, add_weightless, weightless_model
 from fuser.model import Model, _write_streaming, write_model
 from fuser.testing import make_model
@@ -379,6 +385,50 @@ def test_parts_write_the_bytes_of_the_whole_model(tmp_path, build, external_data
         assert a.read_bytes().replace(b"apart", b"whole") == w.read_bytes()
     assert list(parts.proto.graph.initializer) == []
     assert parts.joined() == model.to_proto()
+
+
+@pytest.mark.parametrize("build", [mlp, _if_model])
+@pytest.mark.parametrize("external_data", ["never", "always"])
+def test_the_digest_worked_out_beside_the_write_is_the_written_files(tmp_path, build, external_data):
+    # Each write path: streamed inline, streamed with a data file, and a whole copy (weights in a body).
+    digests = {}
+    model = Model(build())
+    written = write_model(
+        model.parts(), tmp_path / "m.onnx", source_dir=None, external_data=external_data, digests=digests
+    )
+    assert list(digests) == [tmp_path / "m.onnx"]  # the model file's: what a report names
+    assert digests[tmp_path / "m.onnx"] == hashlib.sha256(written[0].read_bytes()).hexdigest()
+
+
+def test_a_digest_of_a_file_larger_than_a_write_follows_every_write(tmp_path, monkeypatch):
+    # Writes past the buffer and reads in several chunks, a read per write and several per one.
+    monkeypatch.setattr(model_module, "WRITE_BUFFER", 1 << 10)
+    monkeypatch.setattr(model_module, "DIGEST_CHUNK", 3 << 10)
+    pieces = [bytes([i]) * size for i, size in enumerate((10, 5000, 1, 70_000, 1023, 1024, 1025, 0, 9))]
+    digests = {}
+    model_module._write_atomically(tmp_path / "f.bin", lambda stream: [stream.write(p) for p in pieces], digests)
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(pieces)
+    assert digests == {tmp_path / "f.bin": hashlib.sha256(b"".join(pieces)).hexdigest()}
+
+
+def test_a_write_that_fails_stops_its_digest_and_leaves_nothing(tmp_path):
+    open_before = set(os.listdir("/proc/self/fd"))
+
+    def fail(stream):
+        stream.write(b"x" * (3 << 20))
+        stream.flush()
+        time.sleep(0.5)  # the digest's thread catches up and waits for more, which never comes
+        raise OSError(28, "No space left on device")
+
+    digests = {}
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        model_module._write_atomically(tmp_path / "f.onnx", fail, digests)
+    assert digests == {} and list(tmp_path.iterdir()) == []
+    followers = [t for t in threading.enumerate() if t.name == "fuser-digest"]
+    for thread in followers:
+        thread.join(timeout=60)  # it stops at its next look, without reading the rest
+    assert not any(t.is_alive() for t in followers)
+    assert set(os.listdir("/proc/self/fd")) <= open_before  # its descriptor is closed too
 
 
 def test_parts_hold_the_graphs_own_nodes_until_the_model_is_asked_for():
