@@ -471,10 +471,9 @@ def write_model(
             offset += length
             ticker.tick()
 
-    if outside:
-        _write_atomically(data_path, write_data)
     emitted = _LazyList(main, pointers)
-    _write_atomically(path, lambda stream: _write_streaming(proto, emitted, stream, ticker, nodes=nodes), digests)
+    model_file = (path, lambda stream: _write_streaming(proto, emitted, stream, ticker, nodes=nodes))
+    _write_files([(data_path, write_data), model_file] if outside else [model_file], digests)
     return [path, data_path] if outside else [path]
 
 
@@ -532,9 +531,8 @@ def _write_copy(
             _point_to(tensor, data_path.name, offset, len(raw))
             offset += len(raw)
 
-    if outside:
-        _write_atomically(data_path, write_data)
-    _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)), digests)
+    model_file = (path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)))
+    _write_files([(data_path, write_data), model_file] if outside else [model_file], digests)
     return [path, data_path] if outside else [path]
 
 
@@ -691,21 +689,56 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object], digests:
     The file gets the permissions any tool's new file gets (0666 minus the umask), not mkstemp's 0600.
     `digests`, if given, gets the file's SHA-256 under `path`.
     """
+    _write_files([(path, write)], digests)
+
+
+def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digests: dict[Path, str] | None) -> None:
+    """Write each of `files` (path, write) through a temporary file beside it, in order, and put
+    them in place only once all are written: a write that fails or is interrupted leaves the files
+    that were there as they were (a model's new data file is not left beside its old model file).
+    `digests`, if given, gets the SHA-256 of the last, the model file."""
+    written: list[tuple[str, Path]] = []
+    digest = None
+    try:
+        for index, (path, write) in enumerate(files):
+            temporary, digest = _write_temporary(path, write, digests is not None and index == len(files) - 1)
+            written.append((temporary, path))
+        for position, (temporary, path) in enumerate(written):
+            try:
+                os.replace(temporary, path)
+            except OSError as error:
+                raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
+            written[position] = ("", path)  # in place: nothing to remove
+    except BaseException:
+        for temporary, _ in written:
+            if temporary:
+                _remove(temporary)
+        raise
+    if digest is not None:
+        digests[files[-1][0]] = digest
+
+
+def _write_temporary(path: Path, write: Callable[[IO[bytes]], object], digest: bool) -> tuple[str, str | None]:
+    """A temporary file beside `path` holding what `write` writes, synced to disk; its name, and
+    with `digest` its SHA-256 (None if that could not be worked out)."""
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
         raise OutputPathError.refused(path, error) from error
     try:
         os.fchmod(handle, 0o666 & ~_umask())
-        raw = _DigestingFile(handle) if digests is not None else io.FileIO(handle, "wb")
-        with io.BufferedWriter(raw, buffer_size=WRITE_BUFFER) as stream:
+        raw = _DigestingFile(handle) if digest else io.FileIO(handle, "wb")
+        try:
+            stream = io.BufferedWriter(raw, buffer_size=WRITE_BUFFER)
+        except BaseException:
+            raw.close()
+            raise
+        with stream:
             write(stream)
             stream.flush()
             os.fsync(stream.fileno())
-            digest = raw.hexdigest() if digests is not None else None
-        if digest is not None:
-            digests[path] = digest
-        os.replace(temporary, path)
+            found = raw.hexdigest() if digest else None
+        return temporary, found
     except OSError as error:
         _remove(temporary)
         raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
@@ -788,7 +821,7 @@ class _DigestingFile(io.RawIOBase):
                     offset += len(chunk)
                 if finished or self._abandoned:
                     return
-        except OSError:
+        except Exception:  # noqa: BLE001 - whatever stopped it, what it read is not the file
             self._failed = True
         finally:
             os.close(self._reader)

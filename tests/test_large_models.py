@@ -431,6 +431,34 @@ def test_a_write_that_fails_stops_its_digest_and_leaves_nothing(tmp_path):
     assert set(os.listdir("/proc/self/fd")) <= open_before  # its descriptor is closed too
 
 
+def test_a_digest_its_thread_could_not_finish_is_not_given(tmp_path, monkeypatch):
+    def fail(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(model_module.os, "pread", fail)
+    digests = {}
+    model_module._write_atomically(tmp_path / "f.bin", lambda stream: stream.write(b"abc" * 1000), digests)
+    assert digests == {}  # the caller reads the file instead (jobs._output_entry)
+    assert (tmp_path / "f.bin").read_bytes() == b"abc" * 1000
+
+
+def test_a_failed_write_leaves_the_model_and_its_data_file_as_they_were(tmp_path, monkeypatch):
+    path = tmp_path / "m.onnx"
+    write_model(mlp(), path, source_dir=None, external_data="always")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["m.onnx", "m.onnx.data"]
+    changed = mlp()
+    changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
+
+    def disk_full(*args, **kwargs):  # the model file's write fails after the data file's is done
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_module, "_write_streaming", disk_full)
+    with pytest.raises(OutputPathError, match="No space left on device"):
+        write_model(changed, path, source_dir=None, external_data="always")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no new data beside the old model
+
+
 def test_parts_hold_the_graphs_own_nodes_until_the_model_is_asked_for():
     model = Model(_if_model())
     parts = model.parts()
