@@ -8,10 +8,12 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -43,6 +45,7 @@ Exit codes (every command):
   2  bad usage or unusable input (missing file, not ONNX, invalid model)
   3  the numerics check failed
   4  internal error in fuser or a rule (please report it)
+  130  interrupted (Ctrl-C): the process ends by SIGINT
 With several models, the worst model's code.
 """
 
@@ -814,7 +817,7 @@ def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line as a function (sys.argv's arguments when `argv` is None): it ends by
     raising SystemExit with the exit code, which the caller may catch."""
-    sys.exit(_command(argv))
+    sys.exit(run(argv))
 
 
 # onnxruntime's opt-out of its telemetry, read as it is first imported (onnxruntime 1.29 and later).
@@ -834,13 +837,26 @@ def program() -> None:
     # an event queue in the home folder, and warn at every start where they cannot write there
     # (a CI container's user). The command opts out, unless the environment says otherwise.
     os.environ.setdefault(ORT_TELEMETRY_SWITCH, "1")
-    code = _command(None)
+    end(run(None))
+
+
+def end(code: int) -> NoReturn:
+    """End the process with `code`: at once when it ends with the `fuser` program (see program),
+    and after an interruption (EXIT_INTERRUPTED) by SIGINT itself, as a program Ctrl-C stopped
+    ends: a shell running fuser in a loop then stops the loop as well (an exit code of 130 would
+    not), and reports 130."""
+    if code == EXIT_INTERRUPTED and os.name == "posix" and not _watched():
+        _run_exit_handlers()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     if _ends_process:
         _exit_at_once(code)
     sys.exit(code)
 
 
-def _command(argv: list[str] | None) -> int:
+def run(argv: list[str] | None) -> int:
+    """The command line (sys.argv's arguments when `argv` is None), run in this process: its
+    errors told on stderr as the command tells them; returns the exit code."""
     argv = _debug_first(list(sys.argv[1:] if argv is None else argv))
     try:
         code = cli.main(args=argv, prog_name="fuser", standalone_mode=False)
@@ -862,15 +878,24 @@ def _command(argv: list[str] | None) -> int:
 def _exit_at_once(code: int) -> None:
     """End the process now, with its exit handlers run and its output flushed, without freeing
     what it made or tearing its modules down."""
-    atexit._run_exitfuncs()  # what other code asked to run at the end, as the interpreter would
+    if not _run_exit_handlers():
+        code = code or 120
+    os._exit(code)
+
+
+def _run_exit_handlers() -> bool:
+    """Run what other code asked to run at the end, as the interpreter would, and flush the
+    output; False when output was lost (a full disk, a stream closed), as Python's own end says."""
+    atexit._run_exitfuncs()
+    flushed = True
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BrokenPipeError:  # the reader went away (`| head`): what it left unread is not lost to it
             pass
-        except (OSError, ValueError):  # output lost (a full disk), or a stream closed: as Python's own end says
-            code = code or 120
-    os._exit(code)
+        except (OSError, ValueError):
+            flushed = False
+    return flushed
 
 
 def _watched() -> bool:

@@ -12,23 +12,22 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fuser.cli import cli
+    from fuser.cli import run
+    from fuser.errors import EXIT_INTERRUPTED
 
     argv = list(sys.argv[1:] if argv is None else argv)
     models = [a for a in argv if a.endswith(".onnx")]
     options = [a for a in argv if not a.endswith(".onnx")]
     worst = 0
     for model in models:
-        try:
-            code = cli.main(args=["check", model, *options], prog_name="fuser", standalone_mode=False)
-        except SystemExit as done:  # --help and --version exit this way
-            code = done.code
-        except Exception as error:  # noqa: BLE001 - click's usage errors: say them the way fuser does
-            print(f"fuser: error: {error}", file=sys.stderr)
-            code = 2
-        worst = max(worst, code if isinstance(code, int) else 0)
+        code = run(["check", model, *options])
+        if code == EXIT_INTERRUPTED:  # Ctrl-C stops the hook, not only this model's check
+            return code
+        worst = max(worst, code)
     return worst
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fuser.cli import end
+
+    end(main())

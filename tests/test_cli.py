@@ -190,17 +190,17 @@ def test_digests_are_worked_out_only_for_a_json_report(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(model_module, "_DigestingFile", Digesting)
     model = MODELS_PATH / "mlp.onnx"
-    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "a.onnx"), "-q"]) == 0
-    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "b.onnx"), "--format", "markdown"]) == 0
-    assert cli._command(["check", str(model), "--exit-zero", "--format", "markdown"]) == 0
+    assert cli.run(["optimize", str(model), "-o", str(tmp_path / "a.onnx"), "-q"]) == 0
+    assert cli.run(["optimize", str(model), "-o", str(tmp_path / "b.onnx"), "--format", "markdown"]) == 0
+    assert cli.run(["check", str(model), "--exit-zero", "--format", "markdown"]) == 0
     assert hashed == []
     shown = capsys.readouterr().out
     assert str(model) in shown and str(tmp_path / "b.onnx") in shown  # Markdown still names the files
-    assert cli._command(["optimize", str(model), "-o", str(tmp_path / "c.onnx"), "--format", "json"]) == 0
+    assert cli.run(["optimize", str(model), "-o", str(tmp_path / "c.onnx"), "--format", "json"]) == 0
     assert sorted(hashed) == ["mlp.onnx", "while writing"]
     report = json.loads(capsys.readouterr().out)
     assert report["output"]["sha256"] == hashlib.sha256((tmp_path / "c.onnx").read_bytes()).hexdigest()
-    assert cli._command(["check", str(model), "--report", str(tmp_path / "r.json")]) == 1
+    assert cli.run(["check", str(model), "--report", str(tmp_path / "r.json")]) == 1
     assert sorted(hashed) == ["mlp.onnx", "mlp.onnx", "while writing"]
 
 

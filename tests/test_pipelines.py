@@ -730,6 +730,32 @@ def slow_sin(m, b):
 """
 
 
+def test_ctrl_c_stops_the_pre_commit_hook_at_the_model_it_checks(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "slow_rules.py").write_text(SLOW_RULES)
+    for name in ("a", "b"):
+        onnx.save(unary_model("Sin"), tmp_path / f"{name}.onnx")
+    command = [sys.executable, "-m", "fuser.precommit", "--rules", "slow_rules.py", "a.onnx", "b.onnx"]
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in the test below
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("worker-*.pid")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    # The hook ends: b.onnx is not checked after a's was interrupted, and nothing says "error".
+    assert process.returncode == -signal.SIGINT and stderr.strip().splitlines() == ["fuser: interrupted"]
+    assert len(list(tmp_path.glob("worker-*.pid"))) == 1
+
+
 @pytest.mark.parametrize("names", [("a",), ("a", "b")], ids=["one-model", "two-workers"])
 def test_ctrl_c_ends_every_worker_writes_nothing_and_exits_130(tmp_path, names):
     import signal
@@ -767,8 +793,9 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_exits_130(tmp_path, names):
     assert len(workers) == len(names)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the whole process group
     _, stderr = process.communicate(timeout=60)
-    # 128 + SIGINT, as a shell reports a command Ctrl-C ended; the usage code would blame the command line.
-    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "fuser: interrupted"
+    # Ended by SIGINT itself, as a program Ctrl-C stopped ends: a shell stops its loop too and
+    # reports 130; the usage code, 2, would blame the command line.
+    assert process.returncode == -signal.SIGINT and stderr.strip().splitlines()[-1] == "fuser: interrupted"
     assert list((tmp_path / "out").iterdir()) == []
     for pid in workers:
         if pid == process.pid:
