@@ -730,54 +730,18 @@ def slow_sin(m, b):
 """
 
 
-def test_ctrl_c_stops_the_pre_commit_hook_at_the_model_it_checks(tmp_path):
-    import signal
-    import time
-
-    (tmp_path / "slow_rules.py").write_text(SLOW_RULES)
-    for name in ("a", "b"):
-        onnx.save(unary_model("Sin"), tmp_path / f"{name}.onnx")
-    command = [sys.executable, "-m", "fuser.precommit", "--rules", "slow_rules.py", "a.onnx", "b.onnx"]
-    process = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in the test below
-    )
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("worker-*.pid")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    # The hook ends: b.onnx is not checked after a's was interrupted, and nothing says "error".
-    assert process.returncode == -signal.SIGINT and stderr.strip().splitlines() == ["fuser: interrupted"]
-    assert len(list(tmp_path.glob("worker-*.pid"))) == 1
-
-
-@pytest.mark.parametrize("names", [("a",), ("a", "b")], ids=["one-model", "two-workers"])
-def test_ctrl_c_ends_every_worker_writes_nothing_and_exits_130(tmp_path, names):
+def _interrupted(tmp_path, names, command, started):
+    """Run `command` in `tmp_path` on models of `names` under SLOW_RULES, send it Ctrl-C once
+    `started` of them are being worked on, and give (exit status, stderr, the pids of the
+    worker processes that worked on them, besides the command's own)."""
     import signal
     import time
 
     (tmp_path / "slow_rules.py").write_text(SLOW_RULES)
     for name in names:
         onnx.save(unary_model("Sin"), tmp_path / f"{name}.onnx")
-    command = [
-        sys.executable,
-        "-m",
-        "fuser.cli",
-        "optimize",
-        *[f"{name}.onnx" for name in names],
-        "-o",
-        "out" if len(names) > 1 else "out/a.onnx",
-        "--rules",
-        "slow_rules.py",
-    ]
-    (tmp_path / "out").mkdir()
     process = subprocess.Popen(
-        command,
+        [sys.executable, "-m", *command, "--rules", "slow_rules.py"],
         cwd=tmp_path,
         stderr=subprocess.PIPE,
         text=True,
@@ -787,18 +751,37 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_exits_130(tmp_path, names):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("worker-*.pid"))) < len(names) and time.monotonic() < deadline:
+    while len(list(tmp_path.glob("worker-*.pid"))) < started and time.monotonic() < deadline:
         time.sleep(0.1)
     workers = [int(p.stem.split("-")[1]) for p in tmp_path.glob("worker-*.pid")]
-    assert len(workers) == len(names)
+    assert len(workers) == started
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the whole process group
     _, stderr = process.communicate(timeout=60)
+    return process.returncode, stderr, [pid for pid in workers if pid != process.pid]
+
+
+def test_ctrl_c_stops_the_pre_commit_hook_at_the_model_it_checks(tmp_path):
+    import signal
+
+    command = ["fuser.precommit", "a.onnx", "b.onnx"]
+    status, stderr, _ = _interrupted(tmp_path, ("a", "b"), command, started=1)
+    # The hook ends: b.onnx is not checked after a's was interrupted, and nothing says "error".
+    assert status == -signal.SIGINT and stderr.strip().splitlines() == ["fuser: interrupted"]
+    assert len(list(tmp_path.glob("worker-*.pid"))) == 1
+
+
+@pytest.mark.parametrize("names", [("a",), ("a", "b")], ids=["one-model", "two-workers"])
+def test_ctrl_c_ends_every_worker_writes_nothing_and_ends_by_sigint(tmp_path, names):
+    import signal
+
+    (tmp_path / "out").mkdir()
+    output = "out" if len(names) > 1 else "out/a.onnx"
+    command = ["fuser.cli", "optimize", *[f"{name}.onnx" for name in names], "-o", output]
+    status, stderr, workers = _interrupted(tmp_path, names, command, started=len(names))
     # Ended by SIGINT itself, as a program Ctrl-C stopped ends: a shell stops its loop too and
     # reports 130; the usage code, 2, would blame the command line.
-    assert process.returncode == -signal.SIGINT and stderr.strip().splitlines()[-1] == "fuser: interrupted"
+    assert status == -signal.SIGINT and stderr.strip().splitlines()[-1] == "fuser: interrupted"
     assert list((tmp_path / "out").iterdir()) == []
     for pid in workers:
-        if pid == process.pid:
-            continue
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
