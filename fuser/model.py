@@ -762,15 +762,16 @@ class _DigestingFile(io.RawIOBase):
     def __init__(self, handle: int) -> None:
         super().__init__()
         self._file = io.FileIO(handle, "wb")
-        self._reader = os.dup(handle)  # mkstemp's descriptor can read
+        self._reader = -1
         self._written = 0
         self._finished = False  # no more writes: the thread reads what is there and stops
         self._abandoned = False  # the writing failed: the thread stops at once
         self._changed = threading.Condition()
         self._digest = hashlib.sha256()
         self._failed = False
-        self._thread = threading.Thread(target=self._follow, name="fuser-digest", daemon=True)
-        self._thread.start()
+        # Started by the first write, made inside the writer's `with`: whatever interrupts the
+        # writing then closes this file, which stops the thread.
+        self._thread: threading.Thread | None = None
 
     def writable(self) -> bool:
         return True
@@ -779,6 +780,8 @@ class _DigestingFile(io.RawIOBase):
         return self._file.fileno()
 
     def write(self, data) -> int:
+        if self._thread is None:
+            self._start()
         count = self._file.write(data)
         with self._changed:
             self._written += count
@@ -789,7 +792,8 @@ class _DigestingFile(io.RawIOBase):
         """The digest of all that was written, once the writing is over; None if the thread could
         not read it back (the caller reads the file instead)."""
         self._finish()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return None if self._failed else self._digest.hexdigest()
 
     def close(self) -> None:
@@ -799,6 +803,16 @@ class _DigestingFile(io.RawIOBase):
                 self._finish()
             self._file.close()
         super().close()
+
+    def _start(self) -> None:
+        self._reader = os.dup(self._file.fileno())  # mkstemp's descriptor can read
+        try:
+            self._thread = threading.Thread(target=self._follow, name="fuser-digest", daemon=True)
+            self._thread.start()
+        except BaseException:
+            if self._thread is None or not self._thread.is_alive():
+                os.close(self._reader)
+            raise
 
     def _finish(self) -> None:
         with self._changed:

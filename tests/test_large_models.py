@@ -411,6 +411,12 @@ def test_a_digest_of_a_file_larger_than_a_write_follows_every_write(tmp_path, mo
     assert digests == {tmp_path / "f.bin": hashlib.sha256(b"".join(pieces)).hexdigest()}
 
 
+def test_an_empty_file_has_the_digest_of_nothing(tmp_path):
+    digests = {}
+    model_module._write_atomically(tmp_path / "f.bin", lambda stream: None, digests)
+    assert digests == {tmp_path / "f.bin": hashlib.sha256(b"").hexdigest()}
+
+
 def test_a_write_that_fails_stops_its_digest_and_leaves_nothing(tmp_path):
     open_before = set(os.listdir("/proc/self/fd"))
 
