@@ -400,6 +400,9 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
     try:
         outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
+    except KeyboardInterrupt:
+        _report_interrupted("optimize", [_interrupted_entry("optimize", job.source)], report_path, fmt, several=False)
+        raise
     finally:
         if terminal is not None:
             terminal.close()
@@ -423,12 +426,12 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
     _say(f"fuser: {len(planned)} models, {workers} at a time", quiet)
     terminal = _terminal_progress(quiet)
     say = terminal.echo if terminal is not None else (lambda line: click.echo(line, err=True))
-    finished = 0
+    finished_outcomes: list[jobs_module.Outcome] = []
 
     def show(outcome: jobs_module.Outcome) -> None:
         """One line as each model finishes (its traceback first under --debug; its summary with -v)."""
-        nonlocal finished
-        finished += 1
+        finished_outcomes.append(outcome)
+        finished = len(finished_outcomes)
         lines = [*outcome.messages[:-1], outcome.line()] if outcome.error is not None else [outcome.line()]
         if verbose and outcome.error is None:
             lines += [f"  {line}" for line in outcome.summary[:-1]]
@@ -442,6 +445,12 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         if terminal is not None:
             terminal("models", 0, len(planned))
         outcomes = jobs_module.run_jobs(planned, workers, show)
+    except KeyboardInterrupt:
+        done = {outcome.source: outcome.report for outcome in finished_outcomes}
+        reports = [done.get(str(job.source)) or _interrupted_entry("optimize", job.source) for job in planned]
+        seconds = time.perf_counter() - started
+        _report_interrupted("optimize", reports, report_path, fmt, several=True, jobs=workers, seconds=seconds)
+        raise
     finally:
         if terminal is not None:
             terminal.close()
@@ -466,6 +475,28 @@ def _make_folder(folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"-o {folder}: cannot create the folder ({error.strerror or error})") from error
+
+
+def _interrupted_entry(command: str, source: Path) -> dict:
+    """The report of a model whose work Ctrl-C stopped. It names the model in its message rather
+    than in an input entry, whose digest would mean reading the whole file after the user asked
+    the run to stop."""
+    return report_module.envelope(
+        command, "error", EXIT_INTERRUPTED, error=f"{source}: interrupted before it was done; nothing written for it"
+    )
+
+
+def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
+    """Write the report of a run Ctrl-C stopped, when one was asked for: the models done before,
+    and the others as interrupted. Without it, a report an earlier run left at the path would
+    stay there and be read as this run's."""
+    if not (report_path or fmt in ("json", "markdown")):
+        return
+    combined = report_module.batch_envelope(command, reports, **fields) if several else reports[0]
+    try:
+        _emit_report(combined, report_path, fmt)
+    except (OSError, FuserError):
+        pass  # the run ends as interrupted all the same; its exit status says so
 
 
 def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt) -> int:
@@ -601,45 +632,50 @@ def check(
         block = resolve_nchwc_block(nchwc_block)
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
-    reports = []
-    for source in sources:
-        try:
-            result = api.find_opportunities(
-                source,
-                target=target,
-                enable=enable,
-                disable=disable,
-                rule_files=rule_files,
-                opset=opset,
-                nchwc_block=block,
+    reports: list[dict] = []
+    try:
+        for source in sources:
+            try:
+                result = api.find_opportunities(
+                    source,
+                    target=target,
+                    enable=enable,
+                    disable=disable,
+                    rule_files=rule_files,
+                    opset=opset,
+                    nchwc_block=block,
+                )
+            except Exception as error:  # noqa: BLE001
+                if not several:
+                    return _fail_with_report("check", error, ctx.debug, report_path, fmt)
+                code = _fail(error, ctx.debug)
+                entry = report_module.regular_file_entry(source)
+                reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
+                continue
+            found = result.opportunities
+            code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
+            reports.append(
+                report_module.envelope(
+                    "check",
+                    "work-found" if found else "fully-fused",
+                    code,
+                    # A pipe was read by the load.
+                    input=report_module.regular_file_entry(source, digest=_shows_json(report_path, fmt)),
+                    target=target,
+                    nchwc_block=block,
+                    opportunities=[o.to_dict() for o in found],
+                    skipped_rules=result.skipped_rules,
+                )
             )
-        except Exception as error:  # noqa: BLE001
-            if not several:
-                return _fail_with_report("check", error, ctx.debug, report_path, fmt)
-            code = _fail(error, ctx.debug)
-            entry = report_module.regular_file_entry(source)
-            reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
-            continue
-        found = result.opportunities
-        code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
-        reports.append(
-            report_module.envelope(
-                "check",
-                "work-found" if found else "fully-fused",
-                code,
-                # A pipe was read by the load.
-                input=report_module.regular_file_entry(source, digest=_shows_json(report_path, fmt)),
-                target=target,
-                nchwc_block=block,
-                opportunities=[o.to_dict() for o in found],
-                skipped_rules=result.skipped_rules,
-            )
-        )
-        if fmt == "text" and not quiet:
-            for item in found:
-                _say(f"{source}: {item.rule} [{item.scope}] {', '.join(item.nodes)}")
-            name = f"{source}: " if several else ""
-            _say(f"{name}{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
+            if fmt == "text" and not quiet:
+                for item in found:
+                    _say(f"{source}: {item.rule} [{item.scope}] {', '.join(item.nodes)}")
+                name = f"{source}: " if several else ""
+                _say(f"{name}{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
+    except KeyboardInterrupt:
+        rest = [_interrupted_entry("check", source) for source in sources[len(reports) :]]
+        _report_interrupted("check", reports + rest, report_path, fmt, several)
+        raise
     try:
         combined = report_module.batch_envelope("check", reports) if several else reports[0]
         _emit_report(combined, report_path, fmt)
@@ -698,6 +734,12 @@ def compare(
                 )
             _say("\n".join(o.rounding_text() for o in verdict.rounded), quiet=not verdict.rounded)
         return code
+    except KeyboardInterrupt:
+        entry = report_module.envelope(
+            "compare", "error", EXIT_INTERRUPTED, error=f"{first} against {second}: interrupted before it was done"
+        )
+        _report_interrupted("compare", [entry], report_path, fmt, several=False)
+        raise
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("compare", error, ctx.debug, report_path, fmt)
 

@@ -173,6 +173,24 @@ def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
     assert report["input"]["sha256"] == hashlib.sha256(b"not a model").hexdigest() and report["output"] is None
 
 
+def test_an_interrupted_compare_replaces_an_earlier_report(tmp_path, monkeypatch, capsys):
+    # Ctrl-C during the comparison: the report at the path says so, rather than an earlier run's.
+    from fuser import cli, verify
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify.Checker, "check", interrupted)
+    report_path = tmp_path / "r.json"
+    report_path.write_text(json.dumps({"verdict": "match", "exit_code": 0}))
+    model = str(MODELS_PATH / "mlp.onnx")
+    assert cli.run(["compare", model, model, "--report", str(report_path)]) == 130
+    report = json.loads(report_path.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert (report["command"], report["verdict"], report["exit_code"]) == ("compare", "error", 130)
+    assert capsys.readouterr().err.strip() == "fuser: interrupted"
+
+
 def test_digests_are_worked_out_only_for_a_json_report(tmp_path, monkeypatch, capsys):
     # Reading and hashing a 500 MB model takes 0.5 s: only a JSON report shows the digests.
     from fuser import cli

@@ -8,6 +8,7 @@ the progress tests start real `python -m fuser.cli` processes, one under a pseud
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import pty
@@ -730,19 +731,23 @@ def slow_sin(m, b):
 """
 
 
-def _interrupted(tmp_path, names, command, started):
+def _interrupted(tmp_path, names, command, started, quick=()):
     """Run `command` in `tmp_path` on models of `names` under SLOW_RULES, send it Ctrl-C once
     `started` of them are being worked on, and give (exit status, stderr, the pids of the
-    worker processes that worked on them, besides the command's own)."""
+    worker processes that worked on them, besides the command's own); its stdout is left in
+    stdout.txt. The models of `quick`,
+    among `names`, hold nothing the slow rule matches."""
     import signal
     import time
 
     (tmp_path / "slow_rules.py").write_text(SLOW_RULES)
     for name in names:
-        onnx.save(unary_model("Sin"), tmp_path / f"{name}.onnx")
+        onnx.save(unary_model("Cos" if name in quick else "Sin"), tmp_path / f"{name}.onnx")
+    stdout = (tmp_path / "stdout.txt").open("w")  # what the run prints there, for the test to read
     process = subprocess.Popen(
         [sys.executable, "-m", *command, "--rules", "slow_rules.py"],
         cwd=tmp_path,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -757,6 +762,7 @@ def _interrupted(tmp_path, names, command, started):
     assert len(workers) == started
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the whole process group
     _, stderr = process.communicate(timeout=60)
+    stdout.close()
     return process.returncode, stderr, [pid for pid in workers if pid != process.pid]
 
 
@@ -776,7 +782,9 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_ends_by_sigint(tmp_path, na
 
     (tmp_path / "out").mkdir()
     output = "out" if len(names) > 1 else "out/a.onnx"
-    command = ["fuser.cli", "optimize", *[f"{name}.onnx" for name in names], "-o", output]
+    stale = {"verdict": "optimized", "exit_code": 0}  # an earlier run's report at the same path
+    (tmp_path / "r.json").write_text(json.dumps(stale))
+    command = ["fuser.cli", "optimize", *[f"{name}.onnx" for name in names], "-o", output, "--report", "r.json"]
     status, stderr, workers = _interrupted(tmp_path, names, command, started=len(names))
     # Ended by SIGINT itself, as a program Ctrl-C stopped ends: a shell stops its loop too and
     # reports 130; the usage code, 2, would blame the command line.
@@ -785,3 +793,41 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_ends_by_sigint(tmp_path, na
     for pid in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    # The report says the run was interrupted, in place of the earlier run's.
+    report = validated(tmp_path / "r.json")
+    assert (report["verdict"], report["exit_code"]) == ("error", 130)
+    entries = report["models"] if len(names) > 1 else [report]
+    assert [(m["verdict"], m["exit_code"]) for m in entries] == [("error", 130)] * len(names)
+    assert [m["error"].split(":")[0] for m in entries] == [f"{name}.onnx" for name in names]
+
+
+def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
+    import signal
+
+    command = ["fuser.cli", "optimize", "a.onnx", "b.onnx", "-o", "out", "-j", "1", "--report", "r.json"]
+    status, _, _ = _interrupted(tmp_path, ("a", "b"), command, started=1, quick=("a",))
+    assert status == -signal.SIGINT
+    report = validated(tmp_path / "r.json")
+    first, second = report["models"]
+    # a.onnx was written before the interruption, with its digests; b.onnx was not.
+    assert (first["verdict"], first["exit_code"]) == ("unchanged", 0)
+    assert first["output"]["sha256"] == hashlib.sha256((tmp_path / "out" / "a.onnx").read_bytes()).hexdigest()
+    assert (second["verdict"], second["exit_code"], "input" in second) == ("error", 130, False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.onnx"]
+    assert (report["verdict"], report["exit_code"], report["error"]) == ("error", 130, "1 of 2 models failed")
+
+
+@pytest.mark.parametrize("fmt", ["report", "json"])
+def test_an_interrupted_check_reports_the_models_it_did_not_finish(tmp_path, fmt):
+    import signal
+
+    shown = ["--report", "r.json"] if fmt == "report" else ["--format", "json"]
+    command = ["fuser.cli", "check", "a.onnx", "b.onnx", "c.onnx", *shown]
+    status, _, _ = _interrupted(tmp_path, ("a", "b", "c"), command, started=1, quick=("a",))
+    assert status == -signal.SIGINT
+    report = validated(tmp_path / ("r.json" if fmt == "report" else "stdout.txt"))
+    assert [(m["verdict"], m["exit_code"]) for m in report["models"]] == [
+        ("fully-fused", 0),
+        ("error", 130),
+        ("error", 130),
+    ]
