@@ -401,7 +401,8 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     try:
         outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
     except KeyboardInterrupt:
-        _report_interrupted("optimize", [_interrupted_entry("optimize", job.source)], report_path, fmt, several=False)
+        entry = _interrupted_entry("optimize", job.source, _shows_json(report_path, fmt))
+        _report_interrupted("optimize", [entry], report_path, fmt, several=False)
         raise
     finally:
         if terminal is not None:
@@ -447,7 +448,10 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         outcomes = jobs_module.run_jobs(planned, workers, show)
     except KeyboardInterrupt:
         done = {outcome.source: outcome.report for outcome in finished_outcomes}
-        reports = [done.get(str(job.source)) or _interrupted_entry("optimize", job.source) for job in planned]
+        shows_json = _shows_json(report_path, fmt)
+        reports = [
+            done.get(str(job.source)) or _interrupted_entry("optimize", job.source, shows_json) for job in planned
+        ]
         seconds = time.perf_counter() - started
         _report_interrupted("optimize", reports, report_path, fmt, several=True, jobs=workers, seconds=seconds)
         raise
@@ -477,13 +481,13 @@ def _make_folder(folder: Path) -> None:
         raise UsageError(f"-o {folder}: cannot create the folder ({error.strerror or error})") from error
 
 
-def _interrupted_entry(command: str, source: Path) -> dict:
-    """The report of a model whose work Ctrl-C stopped. It names the model in its message rather
-    than in an input entry, whose digest would mean reading the whole file after the user asked
-    the run to stop."""
-    return report_module.envelope(
-        command, "error", EXIT_INTERRUPTED, error=f"{source}: interrupted before it was done; nothing written for it"
-    )
+def _interrupted_entry(command: str, source: Path, shows_json: bool) -> dict:
+    """The report of a model whose work Ctrl-C stopped. A JSON report names the model in the
+    message alone: its input entry would carry the file's digest, which means reading the whole
+    file after the user asked the run to stop. Markdown names files without digests."""
+    fields = {} if shows_json else {"input": {"path": str(source)}}
+    error = f"{source}: interrupted before it was done; nothing written for it"
+    return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=error, **fields)
 
 
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
@@ -673,7 +677,8 @@ def check(
                 name = f"{source}: " if several else ""
                 _say(f"{name}{len(found)} fusion opportunit{'y' if len(found) == 1 else 'ies'}")
     except KeyboardInterrupt:
-        rest = [_interrupted_entry("check", source) for source in sources[len(reports) :]]
+        shows_json = _shows_json(report_path, fmt)
+        rest = [_interrupted_entry("check", source, shows_json) for source in sources[len(reports) :]]
         _report_interrupted("check", reports + rest, report_path, fmt, several)
         raise
     try:

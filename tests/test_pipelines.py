@@ -817,14 +817,22 @@ def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
     assert (report["verdict"], report["exit_code"], report["error"]) == ("error", 130, "1 of 2 models failed")
 
 
-@pytest.mark.parametrize("fmt", ["report", "json"])
+@pytest.mark.parametrize("fmt", ["report", "json", "markdown"])
 def test_an_interrupted_check_reports_the_models_it_did_not_finish(tmp_path, fmt):
     import signal
 
-    shown = ["--report", "r.json"] if fmt == "report" else ["--format", "json"]
+    shown = ["--report", "r.json"] if fmt == "report" else ["--format", fmt]
     command = ["fuser.cli", "check", "a.onnx", "b.onnx", "c.onnx", *shown]
     status, _, _ = _interrupted(tmp_path, ("a", "b", "c"), command, started=1, quick=("a",))
     assert status == -signal.SIGINT
+    if fmt == "markdown":  # the models are named, without digests
+        rows = [line for line in (tmp_path / "stdout.txt").read_text().splitlines() if line.startswith("| `")]
+        assert [row.split(" | ")[:3] for row in rows] == [
+            ["| `a.onnx`", "fully-fused", "0"],
+            ["| `b.onnx`", "error", "130"],
+            ["| `c.onnx`", "error", "130"],
+        ]
+        return
     report = validated(tmp_path / ("r.json" if fmt == "report" else "stdout.txt"))
     assert [(m["verdict"], m["exit_code"]) for m in report["models"]] == [
         ("fully-fused", 0),
