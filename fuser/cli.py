@@ -357,7 +357,7 @@ def optimize(
     try:
         sources, several = jobs_module.expand_models(models)
         destinations = jobs_module.plan_outputs(sources, output, several)
-        _check_report_path(report_path, *sources, *destinations)
+        _claim_report_path(report_path, *sources, *destinations)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         from_config = _from_config()
         planned = [
@@ -399,14 +399,15 @@ def optimize(
 def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
     try:
-        outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
+        try:
+            outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
+        finally:
+            if terminal is not None:
+                terminal.close()
     except KeyboardInterrupt:
         entry = _interrupted_entry("optimize", job.source, _shows_json(report_path, fmt))
         _report_interrupted("optimize", [entry], report_path, fmt, several=False)
         raise
-    finally:
-        if terminal is not None:
-            terminal.close()
     for message in outcome.messages:
         click.echo(message, err=True)
     if outcome.error is None or outcome.report["verdict"] == "mismatch" or report_path or fmt == "json":
@@ -443,9 +444,13 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
             terminal("models", finished, len(planned))
 
     try:
-        if terminal is not None:
-            terminal("models", 0, len(planned))
-        outcomes = jobs_module.run_jobs(planned, workers, show)
+        try:
+            if terminal is not None:
+                terminal("models", 0, len(planned))
+            outcomes = jobs_module.run_jobs(planned, workers, show)
+        finally:
+            if terminal is not None:
+                terminal.close()
     except KeyboardInterrupt:
         done = {outcome.source: outcome.report for outcome in finished_outcomes}
         shows_json = _shows_json(report_path, fmt)
@@ -455,9 +460,6 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         seconds = time.perf_counter() - started
         _report_interrupted("optimize", reports, report_path, fmt, several=True, jobs=workers, seconds=seconds)
         raise
-    finally:
-        if terminal is not None:
-            terminal.close()
     code = max(outcome.code for outcome in outcomes)
     failed = sum(outcome.error is not None for outcome in outcomes)
     elapsed = time.perf_counter() - started
@@ -481,26 +483,30 @@ def _make_folder(folder: Path) -> None:
         raise UsageError(f"-o {folder}: cannot create the folder ({error.strerror or error})") from error
 
 
-def _interrupted_entry(command: str, source: Path, shows_json: bool) -> dict:
-    """The report of a model whose work Ctrl-C stopped. A JSON report names the model in the
-    message alone: its input entry would carry the file's digest, which means reading the whole
-    file after the user asked the run to stop. Markdown names files without digests."""
-    fields = {} if shows_json else {"input": {"path": str(source)}}
-    error = f"{source}: interrupted before it was done; nothing written for it"
-    return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=error, **fields)
+INTERRUPTED = "interrupted (Ctrl-C) before it was done"
+
+
+def _interrupted_entry(command: str, source: Path, digest: bool) -> dict:
+    """The report of a model whose work Ctrl-C stopped: named by its input entry, as every
+    model's report is (with its digest in a JSON report, as for any error)."""
+    entry = report_module.regular_file_entry(source, digest=digest)
+    return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
 
 
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
-    """Write the report of a run Ctrl-C stopped, when one was asked for: the models done before,
-    and the others as interrupted. Without it, a report an earlier run left at the path would
-    stay there and be read as this run's."""
-    if not (report_path or fmt in ("json", "markdown")):
+    """Write the report of a run Ctrl-C stopped where a report of a run that failed would be
+    written: the models done before, and the others as interrupted."""
+    if not (report_path or fmt == "json" or (several and fmt == "markdown")):
         return
-    combined = report_module.batch_envelope(command, reports, **fields) if several else reports[0]
+    combined = reports[0]
+    if several:
+        combined = report_module.batch_envelope(command, reports, **fields)
+        unfinished = sum(r["exit_code"] == EXIT_INTERRUPTED for r in reports)
+        combined["error"] = f"{INTERRUPTED}: {unfinished} of {len(reports)} models not done"
     try:
         _emit_report(combined, report_path, fmt)
-    except (OSError, FuserError):
-        pass  # the run ends as interrupted all the same; its exit status says so
+    except (OSError, FuserError) as error:
+        _fail(error, debug=False)  # the run still ends as interrupted
 
 
 def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt) -> int:
@@ -599,8 +605,10 @@ class ReportPathError(UsageError):
     """The report path is unusable, so the error report must not be written there either."""
 
 
-def _check_report_path(report_path: str | None, *models: Path) -> None:
-    """The report never lands on a model: `--report model.onnx` would destroy it."""
+def _claim_report_path(report_path: str | None, *models: Path) -> None:
+    """Make sure the report never lands on a model (`--report model.onnx` would destroy it), and
+    remove a report an earlier run left at the path: a run that ends before it writes its own
+    (killed, or stopped while writing it) must not leave that one to be read as its own."""
     if report_path is None:
         return
     try:
@@ -611,6 +619,11 @@ def _check_report_path(report_path: str | None, *models: Path) -> None:
     for model in models:
         if target == model.resolve():
             raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
+    try:
+        if target.is_file():
+            Path(report_path).unlink()
+    except OSError:
+        pass  # writing the report will say what is wrong with the path
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -631,7 +644,7 @@ def check(
     """
     try:
         sources, several = jobs_module.expand_models(models)
-        _check_report_path(report_path, *sources)
+        _claim_report_path(report_path, *sources)
         disable = _disable_list(enable, disable)
         block = resolve_nchwc_block(nchwc_block)
     except Exception as error:  # noqa: BLE001
@@ -704,7 +717,7 @@ def compare(
     from fuser.verify import Checker
 
     try:
-        _check_report_path(report_path, Path(first), Path(second))
+        _claim_report_path(report_path, Path(first), Path(second))
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         options = jobs_module.options_for(a.interface(), options, _from_config())
@@ -740,8 +753,14 @@ def compare(
             _say("\n".join(o.rounding_text() for o in verdict.rounded), quiet=not verdict.rounded)
         return code
     except KeyboardInterrupt:
+        digest = _shows_json(report_path, fmt)
         entry = report_module.envelope(
-            "compare", "error", EXIT_INTERRUPTED, error=f"{first} against {second}: interrupted before it was done"
+            "compare",
+            "error",
+            EXIT_INTERRUPTED,
+            error=f"{first} against {second}: {INTERRUPTED}",
+            input=report_module.regular_file_entry(first, digest=digest),
+            output=report_module.regular_file_entry(second, digest=digest),
         )
         _report_interrupted("compare", [entry], report_path, fmt, several=False)
         raise
@@ -936,6 +955,8 @@ def _run_exit_handlers() -> bool:
     atexit._run_exitfuncs()
     flushed = True
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # closed when the process started (`>&-`)
+            continue
         try:
             stream.flush()
         except BrokenPipeError:  # the reader went away (`| head`): what it left unread is not lost to it

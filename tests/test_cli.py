@@ -173,6 +173,17 @@ def test_reports_name_the_input_and_output_by_their_digests(resnet, tmp_path):
     assert report["input"]["sha256"] == hashlib.sha256(b"not a model").hexdigest() and report["output"] is None
 
 
+def test_a_run_with_its_output_closed_ends_as_it_would_otherwise(tmp_path):
+    # `fuser ... >&-`: Python starts without sys.stdout, and the end has nothing to flush there.
+    model = MODELS_PATH / "mlp.onnx"
+    command = [sys.executable, "-m", "fuser", "optimize", str(model), "-o", str(tmp_path / "out.onnx"), "-q"]
+    result = subprocess.run(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1)
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (tmp_path / "out.onnx").is_file()
+
+
 def test_an_interrupted_compare_replaces_an_earlier_report(tmp_path, monkeypatch, capsys):
     # Ctrl-C during the comparison: the report at the path says so, rather than an earlier run's.
     from fuser import cli, verify
@@ -188,6 +199,7 @@ def test_an_interrupted_compare_replaces_an_earlier_report(tmp_path, monkeypatch
     report = json.loads(report_path.read_text())
     jsonschema.validate(report, REPORT_SCHEMA)
     assert (report["command"], report["verdict"], report["exit_code"]) == ("compare", "error", 130)
+    assert report["input"]["path"] == report["output"]["path"] == model
     assert capsys.readouterr().err.strip() == "fuser: interrupted"
 
 

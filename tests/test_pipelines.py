@@ -731,12 +731,12 @@ def slow_sin(m, b):
 """
 
 
-def _interrupted(tmp_path, names, command, started, quick=()):
+def _interrupted(tmp_path, names, command, started, quick=(), stop=None):
     """Run `command` in `tmp_path` on models of `names` under SLOW_RULES, send it Ctrl-C once
     `started` of them are being worked on, and give (exit status, stderr, the pids of the
     worker processes that worked on them, besides the command's own); its stdout is left in
     stdout.txt. The models of `quick`,
-    among `names`, hold nothing the slow rule matches."""
+    among `names`, hold nothing the slow rule matches. `stop`: another signal to send."""
     import signal
     import time
 
@@ -760,7 +760,7 @@ def _interrupted(tmp_path, names, command, started, quick=()):
         time.sleep(0.1)
     workers = [int(p.stem.split("-")[1]) for p in tmp_path.glob("worker-*.pid")]
     assert len(workers) == started
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the whole process group
+    os.killpg(process.pid, stop or signal.SIGINT)  # what Ctrl-C sends: to the whole process group
     _, stderr = process.communicate(timeout=60)
     stdout.close()
     return process.returncode, stderr, [pid for pid in workers if pid != process.pid]
@@ -798,7 +798,9 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_ends_by_sigint(tmp_path, na
     assert (report["verdict"], report["exit_code"]) == ("error", 130)
     entries = report["models"] if len(names) > 1 else [report]
     assert [(m["verdict"], m["exit_code"]) for m in entries] == [("error", 130)] * len(names)
-    assert [m["error"].split(":")[0] for m in entries] == [f"{name}.onnx" for name in names]
+    assert [m["input"]["path"] for m in entries] == [f"{name}.onnx" for name in names]
+    digests = [hashlib.sha256((tmp_path / f"{name}.onnx").read_bytes()).hexdigest() for name in names]
+    assert [m["input"]["sha256"] for m in entries] == digests
 
 
 def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
@@ -812,20 +814,36 @@ def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
     # a.onnx was written before the interruption, with its digests; b.onnx was not.
     assert (first["verdict"], first["exit_code"]) == ("unchanged", 0)
     assert first["output"]["sha256"] == hashlib.sha256((tmp_path / "out" / "a.onnx").read_bytes()).hexdigest()
-    assert (second["verdict"], second["exit_code"], "input" in second) == ("error", 130, False)
+    assert (second["verdict"], second["exit_code"], second["input"]["path"]) == ("error", 130, "b.onnx")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.onnx"]
-    assert (report["verdict"], report["exit_code"], report["error"]) == ("error", 130, "1 of 2 models failed")
+    assert (report["verdict"], report["exit_code"]) == ("error", 130)
+    assert report["error"] == "interrupted (Ctrl-C) before it was done: 1 of 2 models not done"
 
 
-@pytest.mark.parametrize("fmt", ["report", "json", "markdown"])
+def test_a_killed_run_leaves_no_earlier_report_behind(tmp_path):
+    # Killed, a run writes no report: the one an earlier run left at the path is gone from the start.
+    import signal
+
+    (tmp_path / "r.json").write_text(json.dumps({"verdict": "optimized", "exit_code": 0}))
+    command = ["fuser.cli", "optimize", "a.onnx", "-o", "out.onnx", "--report", "r.json"]
+    status, _, _ = _interrupted(tmp_path, ("a",), command, started=1, stop=signal.SIGKILL)
+    assert status == -signal.SIGKILL and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["report", "json", "markdown", "markdown-and-report"])
 def test_an_interrupted_check_reports_the_models_it_did_not_finish(tmp_path, fmt):
     import signal
 
-    shown = ["--report", "r.json"] if fmt == "report" else ["--format", fmt]
+    shown = {
+        "report": ["--report", "r.json"],
+        "json": ["--format", "json"],
+        "markdown": ["--format", "markdown"],
+        "markdown-and-report": ["--format", "markdown", "--report", "r.json"],
+    }[fmt]
     command = ["fuser.cli", "check", "a.onnx", "b.onnx", "c.onnx", *shown]
     status, _, _ = _interrupted(tmp_path, ("a", "b", "c"), command, started=1, quick=("a",))
     assert status == -signal.SIGINT
-    if fmt == "markdown":  # the models are named, without digests
+    if fmt.startswith("markdown"):  # the models are named
         rows = [line for line in (tmp_path / "stdout.txt").read_text().splitlines() if line.startswith("| `")]
         assert [row.split(" | ")[:3] for row in rows] == [
             ["| `a.onnx`", "fully-fused", "0"],
