@@ -127,8 +127,17 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 
 
 def write_text_atomically(path: Path, text: str) -> None:
+    data = (text + "\n").encode()
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # /dev/stdout, a pipe, a link the user made: written through, never replaced by a file
+        try:
+            with open(path, "wb") as stream:
+                stream.write(data)
+        except OSError as error:
+            raise ReportPathError(f"{path}: cannot write there ({error.strerror or error})") from error
+        return
     try:
-        write_bytes_atomically(path, (text + "\n").encode())
+        write_bytes_atomically(path, data)
     except FuserError as error:
         raise ReportPathError(str(error)) from error
 
@@ -357,7 +366,8 @@ def optimize(
     try:
         sources, several = jobs_module.expand_models(models)
         destinations = jobs_module.plan_outputs(sources, output, several)
-        _claim_report_path(report_path, *sources, *destinations)
+        reads = (*rule_files, *([inputs_path] if inputs_path else []))
+        _claim_report_path(report_path, *sources, *destinations, reads=reads)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         from_config = _from_config()
         planned = [
@@ -605,25 +615,33 @@ class ReportPathError(UsageError):
     """The report path is unusable, so the error report must not be written there either."""
 
 
-def _claim_report_path(report_path: str | None, *models: Path) -> None:
-    """Make sure the report never lands on a model (`--report model.onnx` would destroy it), and
-    remove a report an earlier run left at the path: a run that ends before it writes its own
-    (killed, or stopped while writing it) must not leave that one to be read as its own."""
+def _claim_report_path(report_path: str | None, *models: Path, reads: tuple = ()) -> None:
+    """Make sure the report never lands on a model or on another file the run `reads` (its
+    --inputs, its --rules): `--report model.onnx` would destroy it. Then remove a report an
+    earlier run left at the path: a run that ends before it writes its own (killed, or stopped
+    while writing it) must not leave that one to be read as its own. Only a fuser report is
+    removed; anything else there is left to the report's write, as it always was."""
     if report_path is None:
         return
+    path = Path(report_path)
     try:
-        jobs_module.check_folder(Path(report_path))
+        jobs_module.check_folder(path)
+        target = path.resolve()
     except UsageError as error:
         raise ReportPathError(f"--report {error}") from error
-    target = Path(report_path).resolve()
+    except (OSError, RuntimeError) as error:  # a loop of symbolic links
+        raise ReportPathError(f"--report {report_path}: cannot follow the path ({error})") from error
     for model in models:
-        if target == model.resolve():
+        if target == Path(model).resolve():
             raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
-    try:
-        if target.is_file():
-            Path(report_path).unlink()
-    except OSError:
-        pass  # writing the report will say what is wrong with the path
+    for name in reads:
+        if target == Path(name).resolve():
+            raise ReportPathError(f"--report {report_path} names a file this run reads; choose another report path")
+    if report_module.is_report_file(path):
+        try:
+            path.unlink()
+        except OSError:
+            pass  # writing the report will say what is wrong with the path
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -644,7 +662,7 @@ def check(
     """
     try:
         sources, several = jobs_module.expand_models(models)
-        _claim_report_path(report_path, *sources)
+        _claim_report_path(report_path, *sources, reads=rule_files)
         disable = _disable_list(enable, disable)
         block = resolve_nchwc_block(nchwc_block)
     except Exception as error:  # noqa: BLE001
@@ -717,7 +735,7 @@ def compare(
     from fuser.verify import Checker
 
     try:
-        _claim_report_path(report_path, Path(first), Path(second))
+        _claim_report_path(report_path, Path(first), Path(second), reads=(inputs_path,) if inputs_path else ())
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         options = jobs_module.options_for(a.interface(), options, _from_config())

@@ -370,6 +370,19 @@ def file_entry(path: str | Path | None) -> dict | None:
     return {"path": str(path), "sha256": digest.hexdigest()}
 
 
+def is_report_file(path: Path) -> bool:
+    """Whether `path` is a regular file (not a link) holding a fuser report, by its first bytes:
+    what `dumps` writes starts with the schema version."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        with open(path, "rb") as stream:
+            head = stream.read(64)
+    except OSError:
+        return False
+    return head.replace(b" ", b"").replace(b"\n", b"").startswith(b'{"schema_version":')
+
+
 def regular_file_entry(path: str | Path, digest: bool = True) -> dict | None:
     """file_entry(path) for a regular file; None for anything else (a pipe is read once, by the
     load) and for a path that cannot be read, which whatever reads it reports. Without `digest`,

@@ -187,13 +187,14 @@ def test_a_run_with_its_output_closed_ends_as_it_would_otherwise(tmp_path):
 def test_an_interrupted_compare_replaces_an_earlier_report(tmp_path, monkeypatch, capsys):
     # Ctrl-C during the comparison: the report at the path says so, rather than an earlier run's.
     from fuser import cli, verify
+    from fuser import report as report_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(verify.Checker, "check", interrupted)
     report_path = tmp_path / "r.json"
-    report_path.write_text(json.dumps({"verdict": "match", "exit_code": 0}))
+    report_path.write_text(report_module.dumps(report_module.envelope("compare", "match", 0)))
     model = str(MODELS_PATH / "mlp.onnx")
     assert cli.run(["compare", model, model, "--report", str(report_path)]) == 130
     report = json.loads(report_path.read_text())

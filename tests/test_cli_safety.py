@@ -54,6 +54,44 @@ def test_report_never_overwrites_the_output_model(cli, sample):
     assert not (sample.parent / "out.onnx").exists()
 
 
+@pytest.mark.parametrize("read", ["inputs", "rules"])
+def test_report_never_overwrites_a_file_the_run_reads(cli, sample, read):
+    np.savez(sample.parent / "in.npz", image=np.zeros((1, 3, 32, 32), np.float32))
+    (sample.parent / "r.py").write_text(NEGATING_RULE)
+    name, option = {"inputs": ("in.npz", "--inputs"), "rules": ("r.py", "--rules")}[read]
+    before = (sample.parent / name).read_bytes()
+    for command in (["optimize", sample.name, "-o", "out.onnx"], ["check", sample.name]):
+        if read == "inputs" and command[0] == "check":
+            continue
+        result = cli(sample.parent, *command, option, name, "--report", name)
+        assert result.returncode == 2 and "names a file this run reads" in result.stderr
+        assert (sample.parent / name).read_bytes() == before
+
+
+def test_a_report_path_that_is_a_link_or_a_pipe_is_written_through(cli, sample, tmp_path):
+    import os
+    import threading
+
+    # A link is followed, as a shell's `>` follows it: the file it names gets the report.
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "latest.json").symlink_to(tmp_path / "reports" / "run.json")
+    assert cli(sample.parent, "check", sample.name, "--exit-zero", "--report", "latest.json").returncode == 0
+    assert (tmp_path / "latest.json").is_symlink()
+    assert json.loads((tmp_path / "reports" / "run.json").read_text())["command"] == "check"
+    # A named pipe stays one, and its reader gets the report.
+    os.mkfifo(tmp_path / "pipe")
+    heard = []
+    reader = threading.Thread(target=lambda: heard.append((tmp_path / "pipe").read_text()))
+    reader.start()
+    assert cli(sample.parent, "check", sample.name, "--exit-zero", "--report", "pipe").returncode == 0
+    reader.join(timeout=60)
+    assert json.loads(heard[0])["command"] == "check" and (tmp_path / "pipe").is_fifo()
+    # A link to itself is a usage error, not fuser's.
+    (tmp_path / "loop.json").symlink_to(tmp_path / "loop.json")
+    result = cli(sample.parent, "check", sample.name, "--report", "loop.json")
+    assert result.returncode == 2 and "cannot follow the path" in result.stderr
+
+
 @pytest.mark.parametrize("args", [["optimize"], ["optimize", "x.onnx", "--target", "tpu"], ["no-such-command"]])
 def test_usage_errors_are_one_line(cli, tmp_path, args):
     result = cli(tmp_path, *args)

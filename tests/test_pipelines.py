@@ -782,8 +782,7 @@ def test_ctrl_c_ends_every_worker_writes_nothing_and_ends_by_sigint(tmp_path, na
 
     (tmp_path / "out").mkdir()
     output = "out" if len(names) > 1 else "out/a.onnx"
-    stale = {"verdict": "optimized", "exit_code": 0}  # an earlier run's report at the same path
-    (tmp_path / "r.json").write_text(json.dumps(stale))
+    (tmp_path / "r.json").write_text(_earlier_report())  # at the same path
     command = ["fuser.cli", "optimize", *[f"{name}.onnx" for name in names], "-o", output, "--report", "r.json"]
     status, stderr, workers = _interrupted(tmp_path, names, command, started=len(names))
     # Ended by SIGINT itself, as a program Ctrl-C stopped ends: a shell stops its loop too and
@@ -820,14 +819,27 @@ def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
     assert report["error"] == "interrupted (Ctrl-C) before it was done: 1 of 2 models not done"
 
 
+def _earlier_report() -> str:
+    from fuser import report
+
+    return report.dumps(report.envelope("optimize", "optimized", 0))
+
+
 def test_a_killed_run_leaves_no_earlier_report_behind(tmp_path):
-    # Killed, a run writes no report: the one an earlier run left at the path is gone from the start.
+    # Killed, a run writes no report: the one an earlier run left at the path is gone from the
+    # start. A file there that is no fuser report is left to the report's write.
     import signal
 
-    (tmp_path / "r.json").write_text(json.dumps({"verdict": "optimized", "exit_code": 0}))
-    command = ["fuser.cli", "optimize", "a.onnx", "-o", "out.onnx", "--report", "r.json"]
-    status, _, _ = _interrupted(tmp_path, ("a",), command, started=1, stop=signal.SIGKILL)
-    assert status == -signal.SIGKILL and not (tmp_path / "r.json").exists()
+    (tmp_path / "r.json").write_text(_earlier_report())
+    (tmp_path / "notes.json").write_text('{"mine": true}')
+    for path in ("r.json", "notes.json"):
+        command = ["fuser.cli", "optimize", "a.onnx", "-o", "out.onnx", "--force", "--report", path]
+        status, _, _ = _interrupted(tmp_path, ("a",), command, started=1, stop=signal.SIGKILL)
+        assert status == -signal.SIGKILL
+        for pid_file in tmp_path.glob("worker-*.pid"):
+            pid_file.unlink()
+    assert not (tmp_path / "r.json").exists()
+    assert (tmp_path / "notes.json").read_text() == '{"mine": true}'
 
 
 @pytest.mark.parametrize("fmt", ["report", "json", "markdown", "markdown-and-report"])
