@@ -45,7 +45,7 @@ Exit codes (every command):
   2  bad usage or unusable input (missing file, not ONNX, invalid model)
   3  the numerics check failed
   4  internal error in fuser or a rule (please report it)
-  130  interrupted (Ctrl-C): the process ends by SIGINT
+  130  interrupted (Ctrl-C, or SIGTERM): the process ends by that signal
 With several models, the worst model's code.
 """
 
@@ -493,18 +493,18 @@ def _make_folder(folder: Path) -> None:
         raise UsageError(f"-o {folder}: cannot create the folder ({error.strerror or error})") from error
 
 
-INTERRUPTED = "interrupted (Ctrl-C) before it was done"
+INTERRUPTED = "interrupted before it was done"
 
 
 def _interrupted_entry(command: str, source: Path, digest: bool) -> dict:
-    """The report of a model whose work Ctrl-C stopped: named by its input entry, as every
+    """The report of a model whose work Ctrl-C (or SIGTERM) stopped: named by its input entry, as every
     model's report is (with its digest in a JSON report, as for any error)."""
     entry = report_module.regular_file_entry(source, digest=digest)
     return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
 
 
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
-    """Write the report of a run Ctrl-C stopped where a report of a run that failed would be
+    """Write the report of a run Ctrl-C (or SIGTERM) stopped where a report of a run that failed would be
     written: the models done before, and the others as interrupted."""
     if not (report_path or fmt == "json" or (several and fmt == "markdown")):
         return
@@ -921,18 +921,40 @@ def program() -> None:
     # an event queue in the home folder, and warn at every start where they cannot write there
     # (a CI container's user). The command opts out, unless the environment says otherwise.
     os.environ.setdefault(ORT_TELEMETRY_SWITCH, "1")
+    stop_on_sigterm()
     end(run(None))
+
+
+# The signal that stopped the run early, Ctrl-C's SIGINT or a supervisor's SIGTERM: the process
+# ends by it (end), as a program that signal stopped ends.
+_stopped_by = signal.SIGINT
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (a CI job's timeout or cancellation, `kill`) stop the run as Ctrl-C does: the
+    workers end, nothing half-written stays, the report says the run was interrupted, and the
+    process ends by SIGTERM. Python's own SIGTERM ends the process at once, leaving the workers
+    of `-j` running, and writing their models, after it."""
+    if os.name != "posix":
+        return
+
+    def stop(number, frame) -> None:
+        global _stopped_by
+        _stopped_by = signal.Signals(number)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def end(code: int) -> NoReturn:
     """End the process with `code`: at once when it ends with the `fuser` program (see program),
-    and after an interruption (EXIT_INTERRUPTED) by SIGINT itself, as a program Ctrl-C stopped
-    ends: a shell running fuser in a loop then stops the loop as well (an exit code of 130 would
-    not), and reports 130."""
+    and after an interruption (EXIT_INTERRUPTED) by the signal that stopped it (SIGINT, or
+    SIGTERM), as a program that signal stopped ends: a shell running fuser in a loop then stops
+    the loop as well (an exit code of 130 would not), and reports 130 (143)."""
     if code == EXIT_INTERRUPTED and os.name == "posix" and not _watched():
         _run_exit_handlers()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.signal(_stopped_by, signal.SIG_DFL)
+        os.kill(os.getpid(), _stopped_by)
     if _ends_process:
         _exit_at_once(code)
     sys.exit(code)
@@ -951,7 +973,7 @@ def run(argv: list[str] | None) -> int:
         code = EXIT_USAGE
     except click.exceptions.Abort as abort:
         if isinstance(abort.__cause__, KeyboardInterrupt):
-            click.echo("fuser: interrupted", err=True)
+            click.echo("fuser: interrupted" if _stopped_by == signal.SIGINT else "fuser: terminated", err=True)
             code = EXIT_INTERRUPTED
         else:
             click.echo("fuser: aborted", err=True)

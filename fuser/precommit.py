@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fuser.cli import end
+    from fuser.cli import end, stop_on_sigterm
 
+    stop_on_sigterm()
     end(main())

@@ -731,12 +731,13 @@ def slow_sin(m, b):
 """
 
 
-def _interrupted(tmp_path, names, command, started, quick=(), stop=None):
+def _interrupted(tmp_path, names, command, started, quick=(), stop=None, group=True):
     """Run `command` in `tmp_path` on models of `names` under SLOW_RULES, send it Ctrl-C once
     `started` of them are being worked on, and give (exit status, stderr, the pids of the
     worker processes that worked on them, besides the command's own); its stdout is left in
     stdout.txt. The models of `quick`,
-    among `names`, hold nothing the slow rule matches. `stop`: another signal to send."""
+    among `names`, hold nothing the slow rule matches. `stop`: another signal to send, to the
+    command alone unless `group`."""
     import signal
     import time
 
@@ -760,7 +761,10 @@ def _interrupted(tmp_path, names, command, started, quick=(), stop=None):
         time.sleep(0.1)
     workers = [int(p.stem.split("-")[1]) for p in tmp_path.glob("worker-*.pid")]
     assert len(workers) == started
-    os.killpg(process.pid, stop or signal.SIGINT)  # what Ctrl-C sends: to the whole process group
+    if group:
+        os.killpg(process.pid, stop or signal.SIGINT)  # what Ctrl-C sends: to the whole process group
+    else:
+        os.kill(process.pid, stop)
     _, stderr = process.communicate(timeout=60)
     stdout.close()
     return process.returncode, stderr, [pid for pid in workers if pid != process.pid]
@@ -816,7 +820,26 @@ def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
     assert (second["verdict"], second["exit_code"], second["input"]["path"]) == ("error", 130, "b.onnx")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.onnx"]
     assert (report["verdict"], report["exit_code"]) == ("error", 130)
-    assert report["error"] == "interrupted (Ctrl-C) before it was done: 1 of 2 models not done"
+    assert report["error"] == "interrupted before it was done: 1 of 2 models not done"
+
+
+@pytest.mark.parametrize("names", [("a",), ("a", "b")], ids=["one-model", "two-workers"])
+def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, names):
+    # A CI job's timeout or `kill` sends SIGTERM to fuser alone: its workers must not go on
+    # without it, and write their models after it ended.
+    import signal
+
+    (tmp_path / "out").mkdir()
+    output = "out" if len(names) > 1 else "out/a.onnx"
+    command = ["fuser.cli", "optimize", *[f"{name}.onnx" for name in names], "-o", output, "--report", "r.json"]
+    status, stderr, workers = _interrupted(tmp_path, names, command, len(names), stop=signal.SIGTERM, group=False)
+    assert status == -signal.SIGTERM and stderr.strip().splitlines()[-1] == "fuser: terminated"
+    assert list((tmp_path / "out").iterdir()) == []
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    report = validated(tmp_path / "r.json")
+    assert (report["verdict"], report["exit_code"]) == ("error", 130)
 
 
 def _earlier_report() -> str:
