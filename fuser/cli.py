@@ -497,14 +497,14 @@ INTERRUPTED = "interrupted before it was done"
 
 
 def _interrupted_entry(command: str, source: Path, digest: bool) -> dict:
-    """The report of a model whose work Ctrl-C (or SIGTERM) stopped: named by its input entry, as every
-    model's report is (with its digest in a JSON report, as for any error)."""
+    """The report of a model whose work Ctrl-C (or SIGTERM) stopped: named by its input entry,
+    as every model's report is (with its digest in a JSON report, as for any error)."""
     entry = report_module.regular_file_entry(source, digest=digest)
     return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
 
 
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
-    """Write the report of a run Ctrl-C (or SIGTERM) stopped where a report of a run that failed would be
+    """Write the report of a run Ctrl-C (or SIGTERM) stopped where a failed run's report would be
     written: the models done before, and the others as interrupted."""
     if not (report_path or fmt == "json" or (several and fmt == "markdown")):
         return
