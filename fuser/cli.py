@@ -515,6 +515,8 @@ def _report_interrupted(command: str, reports: list[dict], report_path, fmt, sev
         combined["error"] = f"{INTERRUPTED}: {unfinished} of {len(reports)} models not done"
     try:
         _emit_report(combined, report_path, fmt)
+    except KeyboardInterrupt:
+        pass  # interrupted again: the run ends without its report (an earlier run's is gone already)
     except (OSError, FuserError) as error:
         _fail(error, debug=False)  # the run still ends as interrupted
 
@@ -941,6 +943,9 @@ def stop_on_sigterm() -> None:
     def stop(number, frame) -> None:
         global _stopped_by
         _stopped_by = signal.Signals(number)
+        # A second SIGTERM ends at once a run whose cleanup native code holds up (a long
+        # onnxruntime call); Python runs this handler only between its own instructions.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)

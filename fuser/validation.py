@@ -112,11 +112,14 @@ class Validation:
 
     def _collect(self) -> tuple[str, object, Exception | None]:
         pid, outcome = self._child
-        self._child = None
         try:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
             status = -1
+        except BaseException:  # interrupted while waiting (SIGTERM to this process alone): the child goes too
+            self.close()
+            raise
+        self._child = None
         with outcome:
             outcome.seek(0)
             payload = outcome.read() if status == 0 else b""

@@ -64,6 +64,26 @@ def test_a_check_in_a_child_gives_the_types_a_check_here_gives(apart, name):
     assert beside.take_types() is None  # given once
 
 
+def test_an_interruption_while_waiting_for_the_child_ends_the_child_too(apart, monkeypatch):
+    # SIGTERM to fuser alone reaches the wait, not the child: the child must not run on alone.
+    beside = Validation(onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx"), "m.onnx")
+    pid = beside._child[0]
+    real_wait = os.waitpid
+    waits = []
+
+    def interrupted_once(*args):
+        waits.append(args)
+        if len(waits) == 1:
+            raise KeyboardInterrupt
+        return real_wait(*args)
+
+    monkeypatch.setattr(validation.os, "waitpid", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        beside.verdict()
+    with pytest.raises(ChildProcessError):  # killed and reaped
+        real_wait(pid, os.WNOHANG)
+
+
 def test_the_names_sent_back_are_the_graphs_own_strings(apart):
     """The table from the child holds the names the graph interned, not copies of them."""
     loaded = Model.load(SAMPLES / "mlp.onnx", validated=False)
