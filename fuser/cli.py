@@ -506,7 +506,7 @@ def _interrupted_entry(command: str, source: Path, digest: bool) -> dict:
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:
     """Write the report of a run Ctrl-C (or SIGTERM) stopped where a failed run's report would be
     written: the models done before, and the others as interrupted."""
-    if not (report_path or fmt == "json" or (several and fmt == "markdown")):
+    if not (_shows_json(report_path, fmt) or (several and fmt == "markdown")):
         return
     combined = reports[0]
     if several:
