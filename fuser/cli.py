@@ -33,7 +33,7 @@ from fuser.errors import (
     FuserError,
     UsageError,
 )
-from fuser.model import EXTERNAL_DATA_MODES, Model, write_bytes_atomically
+from fuser.model import EXTERNAL_DATA_MODES, Model, external_data_path, write_bytes_atomically
 from fuser.progress import UNITS
 from fuser.registry import all_rules, select
 from fuser.verify import CheckOptions, load_inputs
@@ -367,7 +367,7 @@ def optimize(
         sources, several = jobs_module.expand_models(models)
         destinations = jobs_module.plan_outputs(sources, output, several)
         reads = (*rule_files, *([inputs_path] if inputs_path else []))
-        _claim_report_path(report_path, *sources, *destinations, reads=reads)
+        _claim_report_path(report_path, tuple(sources), tuple(destinations), reads=reads)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         from_config = _from_config()
         planned = [
@@ -617,12 +617,15 @@ class ReportPathError(UsageError):
     """The report path is unusable, so the error report must not be written there either."""
 
 
-def _claim_report_path(report_path: str | None, *models: Path, reads: tuple = ()) -> None:
-    """Make sure the report never lands on a model or on another file the run `reads` (its
-    --inputs, its --rules): `--report model.onnx` would destroy it. Then remove a report an
-    earlier run left at the path: a run that ends before it writes its own (killed, or stopped
-    while writing it) must not leave that one to be read as its own. Only a fuser report is
-    removed; anything else there is left to the report's write, as it always was."""
+def _claim_report_path(
+    report_path: str | None, inputs: tuple[Path, ...], outputs: tuple[Path, ...] = (), reads: tuple = ()
+) -> None:
+    """Make sure the report never lands on a file the run reads or writes: a model, its external
+    data, its --inputs or --rules (`--report model.onnx` would destroy it; `--report out.onnx.data`
+    would leave the written model without its weights). Then remove a report an earlier run left
+    at the path: a run that ends before it writes its own (killed, or stopped while writing it)
+    must not leave that one to be read as its own. Only a fuser report is removed; anything else
+    there is left to the report's write, as it always was."""
     if report_path is None:
         return
     path = Path(report_path)
@@ -633,9 +636,15 @@ def _claim_report_path(report_path: str | None, *models: Path, reads: tuple = ()
         raise ReportPathError(f"--report {error}") from error
     except (OSError, RuntimeError) as error:  # a loop of symbolic links
         raise ReportPathError(f"--report {report_path}: cannot follow the path ({error})") from error
-    for model in models:
+    for model in (*inputs, *outputs):
         if target == Path(model).resolve():
             raise ReportPathError(f"--report {report_path} names a model file; choose another report path")
+    for output in outputs:
+        if target == external_data_path(Path(output)).resolve():
+            raise ReportPathError(
+                f"--report {report_path} names the file {output} keeps its weights in when written with "
+                "external data; choose another report path"
+            )
     for name in reads:
         if target == Path(name).resolve():
             raise ReportPathError(f"--report {report_path} names a file this run reads; choose another report path")
@@ -644,6 +653,14 @@ def _claim_report_path(report_path: str | None, *models: Path, reads: tuple = ()
             path.unlink()
         except OSError:
             pass  # writing the report will say what is wrong with the path
+    elif target.is_file():
+        # Only a file that exists can be a model's external data; the models are scanned for
+        # the files they name only then (a report path is seldom anything but a report).
+        for model in inputs:
+            if target in jobs_module.external_data_files(Path(model)):
+                raise ReportPathError(
+                    f"--report {report_path} names the external data of {model}; choose another report path"
+                )
 
 
 @cli.command(epilog=EXIT_CODES_HELP)
@@ -664,7 +681,7 @@ def check(
     """
     try:
         sources, several = jobs_module.expand_models(models)
-        _claim_report_path(report_path, *sources, reads=rule_files)
+        _claim_report_path(report_path, tuple(sources), reads=rule_files)
         disable = _disable_list(enable, disable)
         block = resolve_nchwc_block(nchwc_block)
     except Exception as error:  # noqa: BLE001
@@ -737,7 +754,7 @@ def compare(
     from fuser.verify import Checker
 
     try:
-        _claim_report_path(report_path, Path(first), Path(second), reads=(inputs_path,) if inputs_path else ())
+        _claim_report_path(report_path, (Path(first), Path(second)), reads=(inputs_path,) if inputs_path else ())
         a, b = Model.load(first), Model.load(second)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
         options = jobs_module.options_for(a.interface(), options, _from_config())

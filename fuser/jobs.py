@@ -529,6 +529,16 @@ def model_census(source: Path) -> tuple[Census, bool] | None:
     return census, census.ir_version < 4 or not found_as_external_data(source)
 
 
+def external_data_files(source: Path) -> set[Path]:
+    """The files the model file names as its external data, resolved (none if it cannot be read
+    as a model: its load will say why)."""
+    counted = model_census(source)
+    if counted is None:
+        return set()
+    folder = os.path.realpath(source.parent)
+    return {Path(os.path.realpath(os.path.join(folder, location))) for location in counted[0].locations}
+
+
 def available_cores() -> int:
     try:
         cores = len(os.sched_getaffinity(0))

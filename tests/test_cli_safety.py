@@ -68,6 +68,34 @@ def test_report_never_overwrites_a_file_the_run_reads(cli, sample, read):
         assert (sample.parent / name).read_bytes() == before
 
 
+def test_report_never_overwrites_the_weights_an_output_is_written_with(cli, sample):
+    arguments = ["-o", "out.onnx", "--external-data", "always", "--no-check", "--report", "out.onnx.data"]
+    result = cli(sample.parent, "optimize", sample.name, *arguments)
+    assert result.returncode == 2 and "keeps its weights in" in result.stderr
+    assert not (sample.parent / "out.onnx").exists() and not (sample.parent / "out.onnx.data").exists()
+
+
+@pytest.mark.parametrize("command", ["optimize", "check", "compare"])
+def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, command):
+    folder = sample.parent
+    model = onnx.load(sample)
+    onnx.save(model, folder / "ext.onnx", save_as_external_data=True, location="weights.bin", size_threshold=0)
+    before = (folder / "weights.bin").read_bytes()
+    arguments = {
+        "optimize": ["optimize", "ext.onnx", "-o", "out.onnx"],
+        "check": ["check", "ext.onnx", sample.name],
+        "compare": ["compare", sample.name, "ext.onnx"],
+    }[command]
+    result = cli(folder, *arguments, "--report", "weights.bin")
+    assert result.returncode == 2 and "names the external data of ext.onnx" in result.stderr
+    assert (folder / "weights.bin").read_bytes() == before
+    assert not (folder / "out.onnx").exists()
+    # A file no model names is the report's to replace, as before.
+    (folder / "other.bin").write_bytes(b"\0" * 8)
+    assert cli(folder, *arguments, "--report", "other.bin").returncode in (0, 1)
+    assert json.loads((folder / "other.bin").read_text())["command"] == command
+
+
 def test_a_report_path_that_is_a_link_or_a_pipe_is_written_through(cli, sample, tmp_path):
     import os
     import threading
