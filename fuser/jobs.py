@@ -408,6 +408,11 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
         raise UsageError(f"{destination} already exists; pass --force to replace it")
     if exists and destination.is_dir():
         raise UsageError(f"{destination} is a directory")
+    if exists and _resolved(destination) in external_data_files(source):
+        raise UsageError(
+            f"{destination}: refusing to overwrite the input's external data ({source} reads its weights from it); "
+            "choose another -o"
+        )
 
 
 def size_on_disk(path: Path, model: Model) -> int:

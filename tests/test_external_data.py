@@ -158,6 +158,15 @@ def test_the_output_may_not_take_the_inputs_data_file(cli, folders):
     assert snapshot(source.parent) == before
 
 
+def test_the_output_may_not_replace_the_inputs_data_file_even_with_force(cli, folders):
+    source, _, elsewhere = folders
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", source.parent / "m.weights", "--force")
+    assert result.returncode == 2 and "refusing to overwrite the input's external data" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert snapshot(source.parent) == before
+
+
 def test_locations_escaping_the_models_folder_are_still_refused(cli, folders):
     source, target, elsewhere = folders
     model = onnx.load(source, load_external_data=False)
