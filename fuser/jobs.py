@@ -9,6 +9,7 @@ worker when memory runs out, is that model's failure, reported as such; the othe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -20,6 +21,7 @@ import pkgutil
 import signal
 import stat
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -596,9 +598,10 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
                 index, job = waiting.pop(0)
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_work, args=(job, sender), name=f"fuser {job.source.name}")
-                process.start()
+                with _stops_held():  # a Ctrl-C or SIGTERM now is taken once the worker is known, to be ended
+                    process.start()
+                    running[index] = (job, process, receiver)
                 sender.close()  # the worker holds the only sending end: its death closes the pipe
-                running[index] = (job, process, receiver)
             ready = set(wait([r for _, _, r in running.values()] + [p.sentinel for _, p, _ in running.values()]))
             for index, (job, process, receiver) in list(running.items()):
                 if receiver not in ready and process.sentinel not in ready:
@@ -622,6 +625,35 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
         for _, process, _ in running.values():
             process.join()
     return outcomes
+
+
+# The signals that stop a run (fuser.cli.stop_on_sigterm makes SIGTERM one).
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _stops_held():
+    """Hold Ctrl-C and SIGTERM back until the block ends: one that lands while a worker starts
+    would stop the run before the worker is listed among those to end, and it would run on,
+    writing its model after fuser has gone. Held, the signal is taken as the block ends.
+
+    Held by Python's handlers, which run in the main thread, not by the thread's signal mask: the
+    system hands a signal to any thread that does not block it (numpy's own threads)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; it is the one a signal stops anyway
+        return
+    held: list[int] = []
+    previous = {number: signal.getsignal(number) for number in STOPPING_SIGNALS}
+    previous = {number: handler for number, handler in previous.items() if handler is not None}
+    for number in previous:
+        signal.signal(number, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if held:
+            signal.raise_signal(held[0])  # to the handler it would have met
 
 
 def _work(job: OptimizeJob, sender) -> None:

@@ -878,3 +878,35 @@ def test_an_interrupted_check_reports_the_models_it_did_not_finish(tmp_path, fmt
         ("error", 130),
         ("error", 130),
     ]
+
+
+def test_a_stop_that_lands_as_a_worker_starts_still_ends_that_worker(tmp_path, monkeypatch):
+    # SIGTERM sent to fuser itself the moment a worker has started, before run_jobs knows of it:
+    # held back until it does, the signal stops the run and the worker with it.
+    import multiprocessing.process
+    import signal
+
+    from fuser import cli
+
+    started = []
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_then_terminate(process):
+        start(process)
+        started.append(process)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_terminate)
+    destination = tmp_path / "out.onnx"
+    job = jobs.OptimizeJob(source=MODELS / "resnet_small.onnx", destination=destination)
+    monkeypatch.setattr(cli, "_stopped_by", cli._stopped_by)  # what the handler sets
+    previous = signal.getsignal(signal.SIGTERM)
+    cli.stop_on_sigterm()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            jobs.run_jobs([job], 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    started[0].join(timeout=60)
+    assert started[0].exitcode is not None and started[0].exitcode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
