@@ -128,8 +128,14 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 
 def write_text_atomically(path: Path, text: str) -> None:
     data = (text + "\n").encode()
+    if path.is_symlink():
+        # A link the user made is followed, as a shell's `>` follows it: the file it names is
+        # replaced as any report is, the link kept.
+        target = Path(os.path.realpath(path))
+        if target.is_file():
+            path = target
     if path.is_symlink() or (path.exists() and not path.is_file()):
-        # /dev/stdout, a pipe, a link the user made: written through, never replaced by a file
+        # /dev/stdout, a pipe, a link to one or to nothing yet: written through, never replaced by a file
         try:
             with open(path, "wb") as stream:
                 stream.write(data)

@@ -106,6 +106,10 @@ def test_a_report_path_that_is_a_link_or_a_pipe_is_written_through(cli, sample, 
     assert cli(sample.parent, "check", sample.name, "--exit-zero", "--report", "latest.json").returncode == 0
     assert (tmp_path / "latest.json").is_symlink()
     assert json.loads((tmp_path / "reports" / "run.json").read_text())["command"] == "check"
+    # The file it names is then replaced whole, as any report is (a new file, not rewritten in place).
+    first = (tmp_path / "reports" / "run.json").stat().st_ino
+    assert cli(sample.parent, "check", sample.name, "--exit-zero", "--report", "latest.json").returncode == 0
+    assert (tmp_path / "latest.json").is_symlink() and (tmp_path / "reports" / "run.json").stat().st_ino != first
     # A named pipe stays one, and its reader gets the report.
     os.mkfifo(tmp_path / "pipe")
     heard = []
