@@ -163,7 +163,9 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         if job.digests:  # after the load, which forks only a process of one thread
             hashing = report_module.file_entry_soon(source)
         load_seconds = time.perf_counter() - loading
-        size_before = size_on_disk(source, loaded)
+        read = files_read(source, loaded)
+        refuse_to_write_over(destination, source, read)
+        size_before = sum(_size(f) for f in read)
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
@@ -410,22 +412,26 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
         raise UsageError(f"{destination} already exists; pass --force to replace it")
     if exists and destination.is_dir():
         raise UsageError(f"{destination} is a directory")
-    if exists and _resolved(destination) in external_data_files(source):
-        raise UsageError(
-            f"{destination}: refusing to overwrite the input's external data ({source} reads its weights from it); "
-            "choose another -o"
-        )
 
 
-def size_on_disk(path: Path, model: Model) -> int:
-    """The model file plus the external data files it references (each counted once)."""
+def files_read(path: Path, model: Model) -> set[Path]:
+    """The model file and the external data files it references, resolved."""
     files = {path.resolve()}
     files |= {
         model.tensors.resolve(external_data_fields(t).get("location", ""))
         for t in model.initializers()
         if uses_external_data(t)
     }
-    return sum(_size(f) for f in files)
+    return files
+
+
+def refuse_to_write_over(destination: Path, source: Path, read: set[Path]) -> None:
+    """The output must never replace a file the input reads (--force or not): its external data."""
+    if _resolved(destination) in read:
+        raise UsageError(
+            f"{destination}: refusing to overwrite the input's external data ({source} reads its weights from it); "
+            "choose another -o"
+        )
 
 
 def _size(path: Path) -> int:
