@@ -33,7 +33,7 @@ from fuser.errors import (
     FuserError,
     UsageError,
 )
-from fuser.model import EXTERNAL_DATA_MODES, Model, external_data_path, write_bytes_atomically
+from fuser.model import EXTERNAL_DATA_MODES, Model, external_data_files, external_data_path, write_bytes_atomically
 from fuser.progress import UNITS
 from fuser.registry import all_rules, select
 from fuser.verify import CheckOptions, load_inputs
@@ -663,7 +663,7 @@ def _claim_report_path(
         # Only a file that exists can be a model's external data; the models are scanned for
         # the files they name only then (a report path is seldom anything but a report).
         for model in inputs:
-            if target in jobs_module.external_data_files(Path(model)):
+            if target in external_data_files(Path(model)):
                 raise ReportPathError(
                     f"--report {report_path} names the external data of {model}; choose another report path"
                 )

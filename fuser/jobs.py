@@ -419,7 +419,7 @@ def files_read(path: Path, model: Model) -> set[Path]:
     files = {path.resolve()}
     files |= {
         model.tensors.resolve(external_data_fields(t).get("location", ""))
-        for t in model.initializers()
+        for t in model.stored_tensors()
         if uses_external_data(t)
     }
     return files
@@ -542,16 +542,6 @@ def model_census(source: Path) -> tuple[Census, bool] | None:
     return census, census.ir_version < 4 or not found_as_external_data(source)
 
 
-def external_data_files(source: Path) -> set[Path]:
-    """The files the model file names as its external data, resolved (none if it cannot be read
-    as a model: its load will say why)."""
-    counted = model_census(source)
-    if counted is None:
-        return set()
-    folder = os.path.realpath(source.parent)
-    return {Path(os.path.realpath(os.path.join(folder, location))) for location in counted[0].locations}
-
-
 def available_cores() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -649,8 +639,10 @@ def _stops_held():
         yield  # only the main thread may set handlers; it is the one a signal stops anyway
         return
     held: list[int] = []
+    # Only what Python handles is held: a signal ignored stays so (a fork server started now
+    # must inherit that), and one whose default ends the process would end it just the same.
     previous = {number: signal.getsignal(number) for number in STOPPING_SIGNALS}
-    previous = {number: handler for number, handler in previous.items() if handler is not None}
+    previous = {number: handler for number, handler in previous.items() if callable(handler)}
     for number in previous:
         signal.signal(number, lambda number, frame: held.append(number))
     try:

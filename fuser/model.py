@@ -14,7 +14,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -22,11 +22,12 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
-from fuser.errors import FuserError, InputError, OutputPathError, UsageError
+from fuser.errors import FuserError, InputError, OutputPathError, UnsafePathError, UsageError
 from fuser.graph import (
     Graph,
     ModelParts,
     Names,
+    NodeInfo,
     all_graph_protos,
     as_proto,
     copy_fields_except,
@@ -166,11 +167,21 @@ class Model:
         if initializers:
             for tensor in self.initializers():
                 self.tensors.check(tensor)
+        for node, tensor in self._constant_values():
+            self.tensors.check(tensor, f"the value of Constant node '{node.name}'")
+
+    def _constant_values(self) -> Iterator[tuple[NodeInfo, TensorProto]]:
         for g in self.graph.all_graphs():
             for node in map(g.node, g.nodes_of_type("Constant")):
                 for attribute in node.proto.attribute:
                     if attribute.name == "value" and attribute.HasField("t"):
-                        self.tensors.check(attribute.t, f"the value of Constant node '{node.name}'")
+                        yield node, attribute.t
+
+    def stored_tensors(self) -> Iterator[TensorProto]:
+        """The tensors the model stores, where external data may hold them: its initializers and
+        its Constant values, in every graph."""
+        yield from self.initializers()
+        yield from (tensor for _, tensor in self._constant_values())
 
     def to_proto(self, weights: bool = True, in_place: bool = False) -> ModelProto:
         """The model as ONNX; weights=False gives its skeleton (Graph.to_proto). Weights read in
@@ -341,6 +352,34 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
     return model, stated, identity, Validation(model, path, apart=apart)
+
+
+def external_data_files(path: Path) -> set[Path]:
+    """The files the model file at `path` keeps tensors in (its initializers and Constant values,
+    in every graph), resolved; none when it cannot be read as a model (its load will say why).
+    Read without its large inline weights (read_in_place), and not checked."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            model, _ = _parse(path, mapped, in_place=True)
+    except (OSError, ValueError, InputError):
+        return set()
+    store = TensorStore(path.parent, model_file=path)
+    files = set()
+    for graph in all_graph_protos(model.graph):
+        constant_values = (
+            attribute.t
+            for node in graph.node
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+            for attribute in node.attribute
+            if attribute.name == "value" and attribute.HasField("t")
+        )
+        for tensor in (*graph.initializer, *constant_values):
+            if uses_external_data(tensor):
+                try:
+                    files.add(store.resolve(external_data_fields(tensor).get("location", "")))
+                except UnsafePathError:
+                    continue  # a location the load refuses: nothing is read from it
+    return files
 
 
 def found_as_external_data(path: Path) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import external_data_helper, helper
 
 import fuser
 from fuser.errors import InputError
@@ -75,11 +75,30 @@ def test_report_never_overwrites_the_weights_an_output_is_written_with(cli, samp
     assert not (sample.parent / "out.onnx").exists() and not (sample.parent / "out.onnx.data").exists()
 
 
-@pytest.mark.parametrize("command", ["optimize", "check", "compare"])
-def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, command):
-    folder = sample.parent
+def _with_weights_in(folder: Path, sample: Path, holder: str) -> None:
+    """ext.onnx: the sample with its weights in weights.bin, held by its initializers, by a
+    Constant node, or by initializers in a file with a field onnx does not know (which the
+    model's own readers step over)."""
     model = onnx.load(sample)
+    if holder == "constant":
+        weight = next(t for t in model.graph.initializer if t.name == "block2.conv2.weight")
+        model.graph.initializer.remove(weight)
+        model.graph.node.insert(0, helper.make_node("Constant", [], [weight.name], value=weight, name="cst"))
+        external_data_helper.set_external_data(model.graph.node[0].attribute[0].t, location="weights.bin")
+        external_data_helper.write_external_data_tensors(model, str(folder))
+        onnx.save(model, folder / "ext.onnx")
+        return
     onnx.save(model, folder / "ext.onnx", save_as_external_data=True, location="weights.bin", size_threshold=0)
+    if holder == "unknown field":
+        group = bytes([0x9B, 0x06, 0x9C, 0x06])  # an empty group, field 99: start and end tags
+        (folder / "ext.onnx").write_bytes((folder / "ext.onnx").read_bytes() + group)
+
+
+@pytest.mark.parametrize("holder", ["initializers", "constant", "unknown field"])
+@pytest.mark.parametrize("command", ["optimize", "check", "compare"])
+def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, command, holder):
+    folder = sample.parent
+    _with_weights_in(folder, sample, holder)
     before = (folder / "weights.bin").read_bytes()
     arguments = {
         "optimize": ["optimize", "ext.onnx", "-o", "out.onnx"],
@@ -94,6 +113,16 @@ def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, c
     (folder / "other.bin").write_bytes(b"\0" * 8)
     assert cli(folder, *arguments, "--report", "other.bin").returncode in (0, 1)
     assert json.loads((folder / "other.bin").read_text())["command"] == command
+
+
+@pytest.mark.parametrize("holder", ["initializers", "constant", "unknown field"])
+def test_the_output_never_replaces_the_external_data_an_input_reads(cli, sample, holder):
+    folder = sample.parent
+    _with_weights_in(folder, sample, holder)
+    before = (folder / "weights.bin").read_bytes()
+    result = cli(folder, "optimize", "ext.onnx", "-o", "weights.bin", "--force")
+    assert result.returncode == 2 and "refusing to overwrite the input's external data" in result.stderr
+    assert (folder / "weights.bin").read_bytes() == before
 
 
 def test_a_report_path_that_is_a_link_or_a_pipe_is_written_through(cli, sample, tmp_path):

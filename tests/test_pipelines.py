@@ -910,3 +910,17 @@ def test_a_stop_that_lands_as_a_worker_starts_still_ends_that_worker(tmp_path, m
     started[0].join(timeout=60)
     assert started[0].exitcode is not None and started[0].exitcode != 0
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_holding_stops_leaves_a_signal_the_run_ignores_ignored():
+    # A run started with Ctrl-C ignored (`nohup`, a background job) must not take it while a
+    # worker starts: the fork server started then inherits what the signal's handler is.
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with jobs._stops_held():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
