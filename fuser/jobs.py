@@ -16,6 +16,8 @@ import glob
 import importlib
 import mmap
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pkgutil
 import signal
@@ -584,6 +586,7 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
     """Optimize every job, at most `workers` at a time, each in a process of its own; `done` hears
     of each model as it finishes. Outcomes come back in the order of `jobs`."""
     context = _process_context()
+    _start_fork_server(context)
     threads = max(1, available_cores() // workers)  # the workers share the cores out
     waiting = [(index, dataclasses.replace(job, threads=threads)) for index, job in enumerate(jobs)]
     running: dict[int, tuple] = {}
@@ -679,6 +682,21 @@ def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
     entry = report_module.regular_file_entry(job.source)
     report = report_module.envelope("optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None)
     return Outcome(str(job.source), EXIT_INTERNAL, report, messages=[f"fuser: error: {error}"], error=error)
+
+
+def _start_fork_server(context) -> None:
+    """Start the fork server with Ctrl-C held back from it: it takes a second or more importing
+    onnxruntime and the rules, and a Ctrl-C to the process group meanwhile printed its traceback
+    below fuser's own message (once those are in, it ignores Ctrl-C, and so do the workers).
+    The resource tracker comes first: starting it lets Ctrl-C through again."""
+    if context.get_start_method() != "forkserver" or not hasattr(signal, "pthread_sigmask"):
+        return
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _process_context():

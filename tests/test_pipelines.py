@@ -924,3 +924,29 @@ def test_holding_stops_leaves_a_signal_the_run_ignores_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the fork server's signal mask in /proc")
+def test_the_fork_server_imports_with_ctrl_c_held_back():
+    # Its imports take a second or more; a Ctrl-C to the process group meanwhile printed its
+    # traceback below fuser's own "interrupted". Started in a process of its own, so that the
+    # fork server is new.
+    script = """
+import os
+from fuser import jobs
+jobs._start_fork_server(jobs._process_context())
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        status = open(f"/proc/{pid}/status").read()
+        command = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if f"PPid:\\t{os.getpid()}\\n" in status and b"forkserver" in command:
+        blocked = next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+        print(int(blocked.split()[1], 16))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=MODELS.parent, timeout=300
+    )
+    masks = [int(line) for line in result.stdout.split()]
+    assert len(masks) == 1 and masks[0] & (1 << (2 - 1))  # SIGINT is signal 2
