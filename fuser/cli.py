@@ -129,15 +129,12 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
 def write_text_atomically(path: Path, text: str) -> None:
     data = (text + "\n").encode()
     if path.is_symlink():
-        # A link the user made is followed, as a shell's `>` follows it: the file it names is
-        # replaced as any report is, the link kept.
-        target = Path(os.path.realpath(path))
-        if target.is_file():
-            path = target
+        path = _linked_file(path) or path
     if path.is_symlink() or (path.exists() and not path.is_file()):
-        # /dev/stdout, a pipe, a link to one or to nothing yet: written through, never replaced by a file
+        # /dev/stdout, a pipe, a link to one or to nothing yet: written through, never replaced by a
+        # file; appended to, as stdout may be open on a log (`>> log`) that opening it anew would empty
         try:
-            with open(path, "wb") as stream:
+            with open(path, "ab") as stream:
                 stream.write(data)
         except OSError as error:
             raise ReportPathError(f"{path}: cannot write there ({error.strerror or error})") from error
@@ -146,6 +143,28 @@ def write_text_atomically(path: Path, text: str) -> None:
         write_bytes_atomically(path, data)
     except FuserError as error:
         raise ReportPathError(str(error)) from error
+
+
+MAX_LINKS = 40  # as the system follows at most
+
+
+def _linked_file(path: Path) -> Path | None:
+    """The regular file a link the user made names, to be replaced as any report is (the link
+    kept), as a shell's `>` follows a link; None for a link to anything else or to nothing yet,
+    and for one that passes through /proc: /dev/stdout, /dev/fd/N stand for a stream fuser was
+    handed, which may be open on a file (a log appended to) and is written through."""
+    current = path
+    try:
+        for _ in range(MAX_LINKS):
+            if os.path.realpath(current.parent).startswith("/proc/"):
+                return None
+            if not current.is_symlink():
+                return current if current.is_file() else None
+            link = Path(os.readlink(current))
+            current = link if link.is_absolute() else current.parent / link
+    except OSError:
+        pass
+    return None
 
 
 rule_options = [

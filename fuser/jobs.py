@@ -171,7 +171,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
-            refuse_input_data_file(external_data_path(destination), loaded.initializers(), loaded.tensors)
+            refuse_input_data_file(external_data_path(destination), loaded.stored_tensors(), loaded.tensors)
             check_destination(source, external_data_path(destination), job.force)
             external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
         optimized, result = api.optimize(

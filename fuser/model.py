@@ -355,31 +355,43 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
 
 
 def external_data_files(path: Path) -> set[Path]:
-    """The files the model file at `path` keeps tensors in (its initializers and Constant values,
-    in every graph), resolved; none when it cannot be read as a model (its load will say why).
+    """The files the model file at `path` names as external data of any tensor it holds (an
+    initializer, a node's attribute, a sparse tensor's parts, in every graph), as onnxruntime
+    would find them: beside the path given, links followed, wherever they lead (fuser's own load
+    refuses some of them; onnxruntime reads them). None when `path` is not a regular file that
+    parses as a model (its load will say why; a pipe's bytes are that load's to read).
     Read without its large inline weights (read_in_place), and not checked."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # asked before opening: a pipe opened once is spent
+            return set()
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             model, _ = _parse(path, mapped, in_place=True)
     except (OSError, ValueError, InputError):
         return set()
-    store = TensorStore(path.parent, model_file=path)
+    folder = os.path.dirname(os.path.abspath(path))
     files = set()
-    for graph in all_graph_protos(model.graph):
-        constant_values = (
-            attribute.t
-            for node in graph.node
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
-            for attribute in node.attribute
-            if attribute.name == "value" and attribute.HasField("t")
-        )
-        for tensor in (*graph.initializer, *constant_values):
-            if uses_external_data(tensor):
-                try:
-                    files.add(store.resolve(external_data_fields(tensor).get("location", "")))
-                except UnsafePathError:
-                    continue  # a location the load refuses: nothing is read from it
+    for tensor in _held_tensors(model.graph):
+        if uses_external_data(tensor):
+            location = external_data_fields(tensor).get("location", "")
+            if location and "\0" not in location:
+                files.add(Path(os.path.realpath(os.path.join(folder, location))))
     return files
+
+
+def _held_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every tensor stored in `graph` and the graphs nested in it."""
+    for nested in all_graph_protos(graph):
+        yield from nested.initializer
+        for sparse in nested.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+        for node in nested.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+                single = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
+                for sparse in (*single, *attribute.sparse_tensors):
+                    yield from (sparse.values, sparse.indices)
 
 
 def found_as_external_data(path: Path) -> bool:

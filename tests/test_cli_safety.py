@@ -4,8 +4,11 @@ mismatches on external-data models still exit 3, rewrites inside If bodies are c
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from onnx import external_data_helper, helper
 
 import fuser
 from fuser.errors import InputError
-from tests.helpers import in_process_cli, make_model
+from tests.helpers import fuser_cli, in_process_cli, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NEGATING_RULE = '''
@@ -115,6 +118,21 @@ def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, c
     assert json.loads((folder / "other.bin").read_text())["command"] == command
 
 
+def test_the_data_file_of_the_output_is_never_one_a_constant_of_the_input_is_read_from(cli, sample):
+    folder = sample.parent
+    model = onnx.load(sample)
+    weight = next(t for t in model.graph.initializer if t.name == "block2.conv2.weight")
+    model.graph.initializer.remove(weight)
+    model.graph.node.insert(0, helper.make_node("Constant", [], [weight.name], value=weight, name="cst"))
+    external_data_helper.set_external_data(model.graph.node[0].attribute[0].t, location="out.onnx.data")
+    external_data_helper.write_external_data_tensors(model, str(folder))
+    onnx.save(model, folder / "m.onnx")
+    before = (folder / "out.onnx.data").read_bytes()
+    result = cli(folder, "optimize", "m.onnx", "-o", "out.onnx", "--force", "--external-data", "always")
+    assert result.returncode == 2 and "the input's own data file" in result.stderr
+    assert (folder / "out.onnx.data").read_bytes() == before
+
+
 @pytest.mark.parametrize("holder", ["initializers", "constant", "unknown field"])
 def test_the_output_never_replaces_the_external_data_an_input_reads(cli, sample, holder):
     folder = sample.parent
@@ -123,6 +141,60 @@ def test_the_output_never_replaces_the_external_data_an_input_reads(cli, sample,
     result = cli(folder, "optimize", "ext.onnx", "-o", "weights.bin", "--force")
     assert result.returncode == 2 and "refusing to overwrite the input's external data" in result.stderr
     assert (folder / "weights.bin").read_bytes() == before
+
+
+def test_report_at_external_data_reached_through_links_as_in_a_hub_cache(cli, sample, tmp_path):
+    # snapshots/rev/model.onnx and model.onnx_data are links into blobs/, as Hugging Face's cache
+    # lays them out: onnxruntime reads the weights through the link (fuser's own load refuses it).
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    onnx.save(onnx.load(sample), blobs / "aaa", save_as_external_data=True, location="bbb", size_threshold=0)
+    (snapshot / "model.onnx").symlink_to("../../blobs/aaa")
+    (snapshot / "model.onnx_data").symlink_to("../../blobs/bbb")
+    model = onnx.load(blobs / "aaa", load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "model.onnx_data"
+    onnx.save(model, blobs / "aaa")
+    before = (blobs / "bbb").read_bytes()
+    for report in ("model.onnx_data", "../../blobs/bbb"):
+        result = cli(snapshot, "check", "model.onnx", "--report", report)
+        assert result.returncode == 2 and "names the external data of model.onnx" in result.stderr
+        assert (blobs / "bbb").read_bytes() == before
+
+
+def test_a_model_read_from_a_pipe_is_not_spent_by_the_report_path_check(sample, tmp_path):
+    # The report path names a file that exists: the models are looked at for their external
+    # data, but a pipe must be left to the load, which reads it once.
+    os.mkfifo(tmp_path / "p.onnx")
+    (tmp_path / "existing.txt").write_text("earlier")
+    writer = subprocess.Popen(f"cat {sample} > p.onnx", shell=True, cwd=tmp_path)
+    result = fuser_cli("check", "p.onnx", "-q", "--report", "existing.txt", cwd=tmp_path)
+    writer.wait(timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert json.loads((tmp_path / "existing.txt").read_text())["command"] == "check"
+
+
+def test_report_to_dev_stdout_appends_to_where_stdout_goes(sample, tmp_path):
+    # /dev/stdout is a link, through /proc, to the file stdout was opened on: written through, the
+    # log appended to, not replaced by a file holding the report alone.
+    log = tmp_path / "app.log"
+    log.write_text("earlier line\n")
+    with open(log, "a") as stream:
+        done = subprocess.run(
+            [sys.executable, "-m", "fuser", "check", sample, "-q", "--report", "/dev/stdout"],
+            stdout=stream,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    text = log.read_text()
+    assert text.startswith("earlier line\n")
+    assert json.loads(text.removeprefix("earlier line\n"))["command"] == "check"
 
 
 def test_a_report_path_that_is_a_link_or_a_pipe_is_written_through(cli, sample, tmp_path):
