@@ -78,8 +78,8 @@ def test_report_never_overwrites_the_weights_an_output_is_written_with(cli, samp
     assert not (sample.parent / "out.onnx").exists() and not (sample.parent / "out.onnx.data").exists()
 
 
-def _with_weights_in(folder: Path, sample: Path, holder: str) -> None:
-    """ext.onnx: the sample with its weights in weights.bin, held by its initializers, by a
+def _with_weights_in(folder: Path, sample: Path, holder: str, location: str = "weights.bin") -> None:
+    """ext.onnx: the sample with its weights in `location`, held by its initializers, by a
     Constant node, or by initializers in a file with a field onnx does not know (which the
     model's own readers step over)."""
     model = onnx.load(sample)
@@ -87,11 +87,11 @@ def _with_weights_in(folder: Path, sample: Path, holder: str) -> None:
         weight = next(t for t in model.graph.initializer if t.name == "block2.conv2.weight")
         model.graph.initializer.remove(weight)
         model.graph.node.insert(0, helper.make_node("Constant", [], [weight.name], value=weight, name="cst"))
-        external_data_helper.set_external_data(model.graph.node[0].attribute[0].t, location="weights.bin")
+        external_data_helper.set_external_data(model.graph.node[0].attribute[0].t, location=location)
         external_data_helper.write_external_data_tensors(model, str(folder))
         onnx.save(model, folder / "ext.onnx")
         return
-    onnx.save(model, folder / "ext.onnx", save_as_external_data=True, location="weights.bin", size_threshold=0)
+    onnx.save(model, folder / "ext.onnx", save_as_external_data=True, location=location, size_threshold=0)
     if holder == "unknown field":
         group = bytes([0x9B, 0x06, 0x9C, 0x06])  # an empty group, field 99: start and end tags
         (folder / "ext.onnx").write_bytes((folder / "ext.onnx").read_bytes() + group)
@@ -118,17 +118,12 @@ def test_report_never_overwrites_the_external_data_an_input_reads(cli, sample, c
     assert json.loads((folder / "other.bin").read_text())["command"] == command
 
 
-def test_the_data_file_of_the_output_is_never_one_a_constant_of_the_input_is_read_from(cli, sample):
+@pytest.mark.parametrize("holder", ["initializers", "constant"])
+def test_the_data_file_of_the_output_is_never_one_the_input_reads(cli, sample, holder):
     folder = sample.parent
-    model = onnx.load(sample)
-    weight = next(t for t in model.graph.initializer if t.name == "block2.conv2.weight")
-    model.graph.initializer.remove(weight)
-    model.graph.node.insert(0, helper.make_node("Constant", [], [weight.name], value=weight, name="cst"))
-    external_data_helper.set_external_data(model.graph.node[0].attribute[0].t, location="out.onnx.data")
-    external_data_helper.write_external_data_tensors(model, str(folder))
-    onnx.save(model, folder / "m.onnx")
+    _with_weights_in(folder, sample, holder, location="out.onnx.data")
     before = (folder / "out.onnx.data").read_bytes()
-    result = cli(folder, "optimize", "m.onnx", "-o", "out.onnx", "--force", "--external-data", "always")
+    result = cli(folder, "optimize", "ext.onnx", "-o", "out.onnx", "--force", "--external-data", "always")
     assert result.returncode == 2 and "the input's own data file" in result.stderr
     assert (folder / "out.onnx.data").read_bytes() == before
 
