@@ -22,7 +22,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
-from fuser.errors import FuserError, InputError, OutputPathError, UnsafePathError, UsageError
+from fuser.errors import FuserError, InputError, OutputPathError, UsageError
 from fuser.graph import (
     Graph,
     ModelParts,
@@ -358,8 +358,8 @@ def external_data_files(path: Path) -> set[Path]:
     """The files the model file at `path` names as external data of any tensor it holds (an
     initializer, a node's attribute, a sparse tensor's parts, in every graph), as onnxruntime
     would find them: beside the path given, links followed, wherever they lead (fuser's own load
-    refuses some of them; onnxruntime reads them). None when `path` is not a regular file that
-    parses as a model (its load will say why; a pipe's bytes are that load's to read).
+    refuses some of them; onnxruntime reads them). No files when `path` is not a regular file that
+    parses as a model: its load will say why (a pipe's bytes are that load's to read).
     Read without its large inline weights (read_in_place), and not checked."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # asked before opening: a pipe opened once is spent
