@@ -946,7 +946,7 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         print(int(blocked.split()[1], 16))
 """
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=MODELS.parent, timeout=300
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=MODELS.parent, timeout=300, check=True
     )
     masks = [int(line) for line in result.stdout.split()]
     assert len(masks) == 1 and masks[0] & (1 << (2 - 1))  # SIGINT is signal 2
