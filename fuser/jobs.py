@@ -48,7 +48,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.progress import STAGES, Progress, silent
-from fuser.tensors import TensorStore, external_data_fields, names_a_file_inside, uses_external_data
+from fuser.tensors import TensorStore, names_a_file_inside
 from fuser.verify import CheckOptions, check_names, input_names
 from fuser.wire import Census
 from fuser.wire import census as wire_census
@@ -171,7 +171,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
-            refuse_input_data_file(external_data_path(destination), loaded.stored_tensors(), loaded.tensors)
+            refuse_input_data_file(external_data_path(destination), read)
             check_destination(source, external_data_path(destination), job.force)
             external_data = "always"  # weights the input kept outside stay outside, whatever the rewrites made
         optimized, result = api.optimize(
@@ -417,14 +417,8 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
 
 
 def files_read(path: Path, model: Model) -> set[Path]:
-    """The model file and the external data files it references, resolved."""
-    files = {path.resolve()}
-    files |= {
-        model.tensors.resolve(external_data_fields(t).get("location", ""))
-        for t in model.stored_tensors()
-        if uses_external_data(t)
-    }
-    return files
+    """The model file and the files it read its data from, resolved."""
+    return {path.resolve()} | model.data_files()
 
 
 def refuse_to_write_over(destination: Path, source: Path, read: set[Path]) -> None:

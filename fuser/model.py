@@ -14,7 +14,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -82,6 +82,7 @@ class Model:
         self.names = Names()
         self.tensors = tensors if tensors is not None else TensorStore(base_dir)
         # Weights read in place from the model's own file were inline in it, and stay so when written.
+        self.attribute_data_files: frozenset[Path] = frozenset()  # Model.load's _inline_attribute_data
         self.had_external_data = any(
             self.tensors.kept_outside(t) for g in all_graph_protos(proto.graph) for t in g.initializer
         )
@@ -106,7 +107,7 @@ class Model:
         this makes sure that nothing comes of a model the check refuses but that refusal."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        proto, stated, identity, validation = _read_model(path)
+        proto, stated, identity, validation, attribute_data = _read_model(path)
         # The folder resolved: weights are read from it later, whatever the working directory is by then.
         folder = path.parent.resolve()
         try:
@@ -123,6 +124,7 @@ class Model:
                 validation.verdict()  # an invalid model is said to be one, not what building its graph tripped on
                 raise
             model._validation = model._types_source = validation
+            model.attribute_data_files = attribute_data
             if validated:
                 model.validate()
         except BaseException:
@@ -182,6 +184,11 @@ class Model:
         its Constant values, in every graph."""
         yield from self.initializers()
         yield from (tensor for _, tensor in self._constant_values())
+
+    def data_files(self) -> set[Path]:
+        """The files beside the model its data is read from: the external data of the tensors it
+        stores, and the files its attribute tensors were read from when it was loaded."""
+        return external_files(self.stored_tensors(), self.tensors) | self.attribute_data_files
 
     def to_proto(self, weights: bool = True, in_place: bool = False) -> ModelProto:
         """The model as ONNX; weights=False gives its skeleton (Graph.to_proto). Weights read in
@@ -296,7 +303,7 @@ def _most_frequent_first(counts: dict[str, int]) -> dict[str, int]:
 def read_model(path: Path) -> ModelProto:
     """Parse and validate an ONNX file, turning every failure into a one-line InputError. Its
     large weights stay in the file, read in place (TensorStore.in_model_file)."""
-    model, _, _, validation = _read_model(path, apart=False)
+    model, _, _, validation, _ = _read_model(path, apart=False)
     validation.verdict()
     return model
 
@@ -315,11 +322,14 @@ def require_model_file(path: Path) -> None:
         raise InputError(f"{path}: is a directory, not an ONNX model")
 
 
-def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[int], tuple | None, Validation]:
+def _read_model(
+    path: Path, apart: bool = True
+) -> tuple[ModelProto, frozenset[int], tuple | None, Validation, frozenset[Path]]:
     """The parsed model, the offsets of the weights read in place that stated their
     data_location (TensorStore's stated_default), the identity of the file they were read in
-    place from (None when none were), and its check, under way (fuser/validation.py; in a child
-    process if `apart` and that pays)."""
+    place from (None when none were), its check, under way (fuser/validation.py; in a child
+    process if `apart` and that pays), and the files its attribute tensors were read from
+    (_inline_attribute_data)."""
     require_model_file(path)
     try:
         with open(path, "rb") as handle:
@@ -335,6 +345,7 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
                 identity = file_identity(status)
                 with mapped:
                     model, stated = _parse(path, mapped, in_place=True)
+                    names_data_files = mapped.find(_EXTERNAL_LOCATION_ENTRY) >= 0
             else:
                 # A pipe, a link into another folder, or an unmappable file: its weights could not
                 # be read again from beside the model later, so they are read now.
@@ -342,6 +353,7 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
                 if not data:
                     raise InputError(f"{path}: file is empty, not an ONNX model")
                 model, stated = _parse(path, data, in_place=False)
+                names_data_files = data.find(_EXTERNAL_LOCATION_ENTRY) >= 0
                 del data
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from error
@@ -351,7 +363,40 @@ def _read_model(path: Path, apart: bool = True) -> tuple[ModelProto, frozenset[i
     for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
-    return model, stated, identity, Validation(model, path, apart=apart)
+    attribute_data = _inline_attribute_data(model, store) if names_data_files else frozenset()
+    return model, stated, identity, Validation(model, path, apart=apart), attribute_data
+
+
+# How a TensorProto's external_data names its file (key "location"), in protobuf's bytes: a file
+# without it holds no tensor whose data is elsewhere, and its nodes need no look.
+_EXTERNAL_LOCATION_ENTRY = b"\x0a\x08location"
+
+
+def _inline_attribute_data(model: ModelProto, store: TensorStore) -> frozenset[Path]:
+    """Read into the model the external data of every tensor its nodes hold as attributes (a
+    Constant's value, a ConstantOfShape's fill, a custom op's table: small, as a rule).
+
+    Only initializers are read lazily from beside the model and written out again by fuser.
+    Left as references, these were read by onnx's checker and by onnxruntime's check session
+    against the working directory (a model loaded from elsewhere was refused as invalid), and
+    were written unchanged into the output, naming a file beside it that does not exist.
+    Returns the files read."""
+    files = set()
+    for graph in all_graph_protos(model.graph):
+        for node in graph.node:
+            if not node.attribute:
+                continue
+            for attribute in node.attribute:
+                for tensor in _attribute_tensors(attribute):
+                    if uses_external_data(tensor):
+                        label = f"the {attribute.name} of {node.op_type} node '{node.name}'"
+                        store.check(tensor, label)
+                        files.add(store.data_file(tensor)[0])
+                        raw = store.raw_bytes(tensor)
+                        del tensor.external_data[:]
+                        tensor.ClearField("data_location")
+                        tensor.raw_data = raw
+    return frozenset(files)
 
 
 def external_data_files(path: Path) -> set[Path]:
@@ -386,12 +431,17 @@ def _held_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
             yield from (sparse.values, sparse.indices)
         for node in nested.node:
             for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
-                single = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
-                for sparse in (*single, *attribute.sparse_tensors):
-                    yield from (sparse.values, sparse.indices)
+                yield from _attribute_tensors(attribute)
+
+
+def _attribute_tensors(attribute: onnx.AttributeProto) -> Iterator[TensorProto]:
+    """The tensors an attribute holds: its tensor or tensors, and the parts of its sparse ones."""
+    if attribute.HasField("t"):
+        yield attribute.t
+    yield from attribute.tensors
+    single = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
+    for sparse in (*single, *attribute.sparse_tensors):
+        yield from (sparse.values, sparse.indices)
 
 
 def found_as_external_data(path: Path) -> bool:
@@ -512,7 +562,7 @@ def write_model(
         )
         return [path]
     data_path = external_data_path(path)
-    refuse_input_data_file(data_path, list(main), store)
+    refuse_input_data_file(data_path, external_files(main, store))
     outside = [
         index
         for index, tensor in enumerate(main)
@@ -575,7 +625,7 @@ def _write_copy(
         _write_atomically(path, lambda stream: stream.write(model_copy.SerializeToString(deterministic=True)), digests)
         return [path]
     data_path = external_data_path(path)
-    refuse_input_data_file(data_path, tensors, store)
+    refuse_input_data_file(data_path, external_files(tensors, store))
     outside = [
         t
         for t in tensors
@@ -699,12 +749,14 @@ def _pointer(tensor: TensorProto, location: str, offset: int, length: int) -> Te
 _DATA_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "raw_data", "string_data")
 
 
-def refuse_input_data_file(data_path: Path, tensors, store: TensorStore) -> None:
+def external_files(tensors: Iterable[TensorProto], store: TensorStore) -> set[Path]:
+    """The files `tensors` keep their data in, resolved as `store` reads them."""
+    return {store.resolve(external_data_fields(t).get("location", "")) for t in tensors if uses_external_data(t)}
+
+
+def refuse_input_data_file(data_path: Path, input_files: set[Path]) -> None:
     """The output's data file must never be one the input reads its weights from."""
-    inputs_files = {
-        store.resolve(external_data_fields(t).get("location", "")) for t in tensors if uses_external_data(t)
-    }
-    if data_path.resolve() in inputs_files:
+    if data_path.resolve() in input_files:
         raise UsageError(
             f"{data_path.with_suffix('')}: its weights would go to {data_path.name}, which is the input's own data "
             "file; choose another output name"

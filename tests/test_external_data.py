@@ -239,3 +239,100 @@ def test_a_location_with_a_nul_byte_is_an_input_error(cli, folders):
     result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
     assert result.returncode == 2 and "holds a NUL byte" in result.stderr, result.stderr
     assert list(target.iterdir()) == []
+
+
+def held_in_attributes() -> onnx.ModelProto:
+    """y = (x + ConstantOfShape(Shape(x))) * k, with the fill and the Constant's value tensors
+    that a model saved with convert_attribute=True keeps in external data."""
+    fill = onnx.numpy_helper.from_array(np.array([1.5], np.float32))
+    k = onnx.numpy_helper.from_array(np.arange(1, 7, dtype=np.float32).reshape(2, 3))
+    return make_model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=fill),
+            helper.make_node("Constant", [], ["k"], value=k),
+            helper.make_node("Add", ["x", "filled"], ["sum"]),
+            helper.make_node("Mul", ["sum", "k"], ["y"]),
+        ],
+        [("x", np.float32, ["rows", 3])],
+        [("y", np.float32, ["rows", 3])],
+        {},
+    )
+
+
+def attribute_locations(path: Path) -> set[str]:
+    model = onnx.load(path, load_external_data=False)
+    return {
+        e.value
+        for n in model.graph.node
+        for a in n.attribute
+        if a.HasField("t")
+        for e in a.t.external_data
+        if e.key == "location"
+    }
+
+
+@pytest.fixture
+def attribute_data(tmp_path):
+    """(a model whose attribute tensors are in 'attrs.bin' beside it, an output folder, an unrelated working folder)."""
+    source, target, elsewhere = tmp_path / "in", tmp_path / "out", tmp_path / "cwd"
+    for folder in (source, target, elsewhere):
+        folder.mkdir()
+    onnx.save(
+        held_in_attributes(),
+        source / "m.onnx",
+        save_as_external_data=True,
+        location="attrs.bin",
+        size_threshold=0,
+        convert_attribute=True,
+    )
+    assert attribute_locations(source / "m.onnx") == {"attrs.bin"}
+    return source / "m.onnx", target, elsewhere
+
+
+def test_attribute_tensors_in_external_data_are_read_from_beside_the_model(cli, attribute_data):
+    # Left as references, onnx's checker read them against the working folder (the model was
+    # refused as invalid) and the output named an attrs.bin beside it that does not exist.
+    source, target, elsewhere = attribute_data
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 0, result.stderr
+    assert "numerics check: passed" in result.stderr
+    assert attribute_locations(target / "fused.onnx") == set() and locations(target / "fused.onnx") == set()
+    assert snapshot(source.parent) == before and list(elsewhere.iterdir()) == []
+    os.rename(source.parent, source.parent.with_name("moved"))  # the output needs nothing of the input's
+    x = np.random.default_rng(2).standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(run(onnx.load(target / "fused.onnx"), {"x": x})[0], run(held_in_attributes(), {"x": x})[0])
+
+
+def test_check_and_compare_read_attribute_data_from_beside_the_model(cli, attribute_data):
+    source, target, elsewhere = attribute_data
+    checked = cli(elsewhere, "check", source)  # exit 1: it finds what optimize would fuse
+    assert checked.returncode == 1 and "2 fusion opportunities" in checked.stderr, checked.stderr
+    assert cli(elsewhere, "optimize", source, "-o", target / "fused.onnx").returncode == 0
+    compared = cli(elsewhere, "compare", source, target / "fused.onnx")
+    assert compared.returncode == 0, compared.stderr
+
+
+def test_the_output_may_not_replace_a_file_attribute_data_was_read_from(cli, attribute_data):
+    source, _, elsewhere = attribute_data
+    before = snapshot(source.parent)
+    result = cli(elsewhere, "optimize", source, "-o", source.parent / "attrs.bin", "--force")
+    assert result.returncode == 2 and "refusing to overwrite the input's external data" in result.stderr
+    assert snapshot(source.parent) == before
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda data: data.write_bytes(data.read_bytes()[:-4]), "does not hold the"),
+        (lambda data: data.unlink(), "does not exist beside the model"),
+    ],
+    ids=["truncated", "missing"],
+)
+def test_attribute_data_that_is_not_there_is_the_inputs_fault(cli, attribute_data, damage, said):
+    source, target, elsewhere = attribute_data
+    damage(source.parent / "attrs.bin")
+    result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert said in result.stderr and list(target.iterdir()) == []
