@@ -31,6 +31,7 @@ from fuser.graph import (
     all_graph_protos,
     as_proto,
     copy_fields_except,
+    nested_graph_protos,
     opset_versions,
 )
 from fuser.match import InferredTypes
@@ -82,10 +83,11 @@ class Model:
         self.names = Names()
         self.tensors = tensors if tensors is not None else TensorStore(base_dir)
         # Weights read in place from the model's own file were inline in it, and stay so when written.
-        self.attribute_data_files: frozenset[Path] = frozenset()  # Model.load's _inline_attribute_data
         self.had_external_data = any(
             self.tensors.kept_outside(t) for g in all_graph_protos(proto.graph) for t in g.initializer
         )
+        # External-data files read into memory when the model was loaded (_place_external_data).
+        self.files_read_in: frozenset[Path] = frozenset()
         self.graph = Graph(
             proto.graph,
             names=self.names,
@@ -107,7 +109,7 @@ class Model:
         this makes sure that nothing comes of a model the check refuses but that refusal."""
         path = Path(path)
         # read_model has checked the initializers before anything could read them
-        proto, stated, identity, validation, attribute_data = _read_model(path)
+        proto, stated, identity, validation, read_in = _read_model(path)
         # The folder resolved: weights are read from it later, whatever the working directory is by then.
         folder = path.parent.resolve()
         try:
@@ -124,7 +126,7 @@ class Model:
                 validation.verdict()  # an invalid model is said to be one, not what building its graph tripped on
                 raise
             model._validation = model._types_source = validation
-            model.attribute_data_files = attribute_data
+            model.files_read_in = read_in
             if validated:
                 model.validate()
         except BaseException:
@@ -187,8 +189,8 @@ class Model:
 
     def data_files(self) -> set[Path]:
         """The files beside the model its data is read from: the external data of the tensors it
-        stores, and the files its attribute tensors were read from when it was loaded."""
-        return external_files(self.stored_tensors(), self.tensors) | self.attribute_data_files
+        stores, and the files it read into memory when it was loaded (_place_external_data)."""
+        return external_files(self.stored_tensors(), self.tensors) | self.files_read_in
 
     def to_proto(self, weights: bool = True, in_place: bool = False) -> ModelProto:
         """The model as ONNX; weights=False gives its skeleton (Graph.to_proto). Weights read in
@@ -275,6 +277,8 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
+        if writes_external_data(self, external_data):  # write_model looks at the initializers' files only
+            refuse_input_data_file(external_data_path(Path(path)), set(self.files_read_in))
         own = self.tensors.model_file
         if own is not None and own.exists() and Path(path).exists() and os.path.samefile(path, own):
             self._read_in(self.graph.initializers())  # over the file they are read from: into memory first
@@ -328,8 +332,8 @@ def _read_model(
     """The parsed model, the offsets of the weights read in place that stated their
     data_location (TensorStore's stated_default), the identity of the file they were read in
     place from (None when none were), its check, under way (fuser/validation.py; in a child
-    process if `apart` and that pays), and the files its attribute tensors were read from
-    (_inline_attribute_data)."""
+    process if `apart` and that pays), and the external-data files read into memory
+    (_place_external_data)."""
     require_model_file(path)
     try:
         with open(path, "rb") as handle:
@@ -344,16 +348,14 @@ def _read_model(
             if mapped is not None:
                 identity = file_identity(status)
                 with mapped:
-                    model, stated = _parse(path, mapped, in_place=True)
-                    names_data_files = mapped.find(_EXTERNAL_LOCATION_ENTRY) >= 0
+                    model, stated, locations = _parse(path, mapped, in_place=True)
             else:
                 # A pipe, a link into another folder, or an unmappable file: its weights could not
                 # be read again from beside the model later, so they are read now.
                 data = handle.read()
                 if not data:
                     raise InputError(f"{path}: file is empty, not an ONNX model")
-                model, stated = _parse(path, data, in_place=False)
-                names_data_files = data.find(_EXTERNAL_LOCATION_ENTRY) >= 0
+                model, stated, locations = _parse(path, data, in_place=False)
                 del data
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from error
@@ -363,40 +365,82 @@ def _read_model(
     for graph in all_graph_protos(model.graph):
         for tensor in graph.initializer:
             store.check(tensor)  # refuse unsafe external-data paths before anything reads them
-    attribute_data = _inline_attribute_data(model, store) if names_data_files else frozenset()
-    return model, stated, identity, Validation(model, path, apart=apart), attribute_data
+    # Every tensor whose data is elsewhere names its file once: more names than the main graph's
+    # initializers kept outside means others are (a model saved with convert_attribute=True).
+    elsewhere = locations > 0 and locations > _kept_outside_by_main_graph(model.graph)
+    read_in = _place_external_data(model, store) if elsewhere else frozenset()
+    return model, stated, identity, Validation(model, path, apart=apart), read_in
 
 
-# How a TensorProto's external_data names its file (key "location"), in protobuf's bytes: a file
-# without it holds no tensor whose data is elsewhere, and its nodes need no look.
-_EXTERNAL_LOCATION_ENTRY = b"\x0a\x08location"
+def _kept_outside_by_main_graph(graph: onnx.GraphProto) -> int:
+    """How many initializers (and parts of sparse ones) of the main graph keep their data elsewhere."""
+    count = sum(1 for tensor in graph.initializer if uses_external_data(tensor))
+    return count + sum(uses_external_data(s.values) + uses_external_data(s.indices) for s in graph.sparse_initializer)
 
 
-def _inline_attribute_data(model: ModelProto, store: TensorStore) -> frozenset[Path]:
-    """Read into the model the external data of every tensor its nodes hold as attributes (a
-    Constant's value, a ConstantOfShape's fill, a custom op's table: small, as a rule).
+def _place_external_data(model: ModelProto, store: TensorStore) -> frozenset[Path]:
+    """Give the tensors with external data that are not main-graph initializers a place fuser
+    reads from beside the model; returns the files read into memory.
 
-    Only initializers are read lazily from beside the model and written out again by fuser.
-    Left as references, these were read by onnx's checker and by onnxruntime's check session
-    against the working directory (a model loaded from elsewhere was refused as invalid), and
-    were written unchanged into the output, naming a file beside it that does not exist.
-    Returns the files read."""
+    fuser reads external data lazily, checks it, and writes it out again only for the main
+    graph's initializers. Left as references, the others (held by nodes as attributes, or
+    initializers of If/Loop/Scan bodies) were read by onnx's checker against the working
+    directory (a model loaded from elsewhere was refused as invalid), and a node's were written
+    unchanged, naming a file beside the output that does not exist. So a main-graph Constant
+    whose value is elsewhere becomes an initializer of its name, still read lazily (a 2 GB one
+    stays out of memory, out of the check's model and of the skeleton onnx's checker reads);
+    every other such tensor (a ConstantOfShape's fill, a custom op's table, a body's weights:
+    small, as a rule) is read in now."""
     files = set()
-    for graph in all_graph_protos(model.graph):
-        for node in graph.node:
-            if not node.attribute:
-                continue
+    main = model.graph
+    taken = {t.name for t in main.initializer} | {o.name for o in main.output}
+    for graph in all_graph_protos(main):
+        if graph is main:
+            continue
+        for tensor in (*graph.initializer, *(p for s in graph.sparse_initializer for p in (s.values, s.indices))):
+            if uses_external_data(tensor):
+                store.check(tensor)
+                files.add(store.data_file(tensor)[0])
+                _inline(tensor, store.raw_bytes(tensor), states_location=False)
+    graphs = [(graph, graph.node) for graph in all_graph_protos(main)]
+    for function in model.functions:
+        graphs.append((None, function.node))
+        graphs.extend((None, graph.node) for graph in nested_graph_protos(function.node))
+    for graph, nodes in graphs:
+        moved = []
+        for index, node in enumerate(nodes):
             for attribute in node.attribute:
                 for tensor in _attribute_tensors(attribute):
-                    if uses_external_data(tensor):
-                        label = f"the {attribute.name} of {node.op_type} node '{node.name}'"
-                        store.check(tensor, label)
-                        files.add(store.data_file(tensor)[0])
-                        raw = store.raw_bytes(tensor)
-                        del tensor.external_data[:]
-                        tensor.ClearField("data_location")
-                        tensor.raw_data = raw
+                    if not uses_external_data(tensor):
+                        continue
+                    store.check(tensor, f"the {attribute.name} of {node.op_type} node '{node.name}'")
+                    if graph is main and model.ir_version >= 4 and _constant_output(node, taken):
+                        moved.append(index)
+                        continue
+                    files.add(store.data_file(tensor)[0])
+                    _inline(tensor, store.raw_bytes(tensor), states_location=False)
+        for index in reversed(moved):  # a Constant node has one attribute, so at most one entry each
+            node = nodes[index]
+            weight = main.initializer.add()
+            weight.CopyFrom(node.attribute[0].t)
+            weight.name = node.output[0]
+            taken.add(weight.name)
+            del nodes[index]
     return frozenset(files)
+
+
+def _constant_output(node: onnx.NodeProto, taken: set[str]) -> bool:
+    """Whether `node` is a Constant of a `value` tensor whose output can be an initializer of its
+    name (no initializer or graph output has that name)."""
+    return (
+        node.op_type == "Constant"
+        and node.domain in ("", "ai.onnx")
+        and len(node.attribute) == 1
+        and node.attribute[0].name == "value"
+        and len(node.output) == 1
+        and bool(node.output[0])
+        and node.output[0] not in taken
+    )
 
 
 def external_data_files(path: Path) -> set[Path]:
@@ -410,12 +454,12 @@ def external_data_files(path: Path) -> set[Path]:
         if not stat.S_ISREG(os.stat(path).st_mode):  # asked before opening: a pipe opened once is spent
             return set()
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            model, _ = _parse(path, mapped, in_place=True)
+            model, _, _ = _parse(path, mapped, in_place=True)
     except (OSError, ValueError, InputError):
         return set()
     folder = os.path.dirname(os.path.abspath(path))
     files = set()
-    for tensor in _held_tensors(model.graph):
+    for tensor in _held_tensors(model):
         if uses_external_data(tensor):
             location = external_data_fields(tensor).get("location", "")
             if location and "\0" not in location:
@@ -423,13 +467,17 @@ def external_data_files(path: Path) -> set[Path]:
     return files
 
 
-def _held_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
-    """Every tensor stored in `graph` and the graphs nested in it."""
-    for nested in all_graph_protos(graph):
+def _held_tensors(model: ModelProto) -> Iterator[TensorProto]:
+    """Every tensor stored in `model`: in its graph, the graphs nested in it, and its functions."""
+    for nested in all_graph_protos(model.graph):
         yield from nested.initializer
         for sparse in nested.sparse_initializer:
             yield from (sparse.values, sparse.indices)
         for node in nested.node:
+            for attribute in node.attribute:
+                yield from _attribute_tensors(attribute)
+    for function in model.functions:
+        for node in (*function.node, *(n for g in nested_graph_protos(function.node) for n in g.node)):
             for attribute in node.attribute:
                 yield from _attribute_tensors(attribute)
 
@@ -453,20 +501,39 @@ def found_as_external_data(path: Path) -> bool:
     )
 
 
-def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int]]:
+def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int], int]:
     """The ModelProto in `data` (the file's bytes, or a memory map of them); with `in_place`, its
-    large weights left in the file (read_in_place): a memory-mapped file's are never read in."""
+    large weights left in the file (read_in_place): a memory-mapped file's are never read in.
+    With it, the offsets of those that stated their data_location, and how many times the bytes
+    parsed name an external-data file (the weights left in the file are not looked through)."""
     view = memoryview(data)
     try:
         referenced = read_in_place(view, path.name) if in_place and len(view) > IN_PLACE_BYTES else None
+        parsed = data if referenced is None else referenced[0]
         model = ModelProto()
         try:
-            model.ParseFromString(view if referenced is None else referenced[0])
+            model.ParseFromString(view if referenced is None else parsed)
         except (DecodeError, RuntimeError, ValueError) as error:
             raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
-        return model, (frozenset() if referenced is None else referenced[1])
+        stated = frozenset() if referenced is None else referenced[1]
+        return model, stated, _occurrences(parsed, _EXTERNAL_LOCATION_ENTRY)
     finally:
         view.release()
+
+
+# How a TensorProto's external_data names its file (the key "location"), in protobuf's bytes.
+_EXTERNAL_LOCATION_ENTRY = b"\x0a\x08location"
+
+
+def _occurrences(buffer, pattern: bytes) -> int:
+    """How many times `pattern` occurs in `buffer` (bytes, or a memory map, which has no count)."""
+    if isinstance(buffer, bytes):
+        return buffer.count(pattern)
+    count, found = 0, buffer.find(pattern)
+    while found >= 0:
+        count += 1
+        found = buffer.find(pattern, found + len(pattern))
+    return count
 
 
 EXTERNAL_DATA_MODES = ("auto", "always", "never")

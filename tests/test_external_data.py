@@ -242,8 +242,8 @@ def test_a_location_with_a_nul_byte_is_an_input_error(cli, folders):
 
 
 def held_in_attributes() -> onnx.ModelProto:
-    """y = (x + ConstantOfShape(Shape(x))) * k, with the fill and the Constant's value tensors
-    that a model saved with convert_attribute=True keeps in external data."""
+    """y = Identity((x + ConstantOfShape(Shape(x))) * k), with the fill and the Constant's value
+    tensors that a model saved with convert_attribute=True keeps in external data."""
     fill = onnx.numpy_helper.from_array(np.array([1.5], np.float32))
     k = onnx.numpy_helper.from_array(np.arange(1, 7, dtype=np.float32).reshape(2, 3))
     return make_model(
@@ -252,7 +252,8 @@ def held_in_attributes() -> onnx.ModelProto:
             helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=fill),
             helper.make_node("Constant", [], ["k"], value=k),
             helper.make_node("Add", ["x", "filled"], ["sum"]),
-            helper.make_node("Mul", ["sum", "k"], ["y"]),
+            helper.make_node("Mul", ["sum", "k"], ["product"]),
+            helper.make_node("Identity", ["product"], ["y"]),
         ],
         [("x", np.float32, ["rows", 3])],
         [("y", np.float32, ["rows", 3])],
@@ -298,17 +299,20 @@ def test_attribute_tensors_in_external_data_are_read_from_beside_the_model(cli, 
     result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
     assert result.returncode == 0, result.stderr
     assert "numerics check: passed" in result.stderr
-    assert attribute_locations(target / "fused.onnx") == set() and locations(target / "fused.onnx") == set()
+    assert attribute_locations(target / "fused.onnx") == set()
+    assert locations(target / "fused.onnx") <= {"fused.onnx.data"}
     assert snapshot(source.parent) == before and list(elsewhere.iterdir()) == []
     os.rename(source.parent, source.parent.with_name("moved"))  # the output needs nothing of the input's
     x = np.random.default_rng(2).standard_normal((2, 3)).astype(np.float32)
-    np.testing.assert_array_equal(run(onnx.load(target / "fused.onnx"), {"x": x})[0], run(held_in_attributes(), {"x": x})[0])
+    np.testing.assert_array_equal(
+        run(onnx.load(target / "fused.onnx"), {"x": x})[0], run(held_in_attributes(), {"x": x})[0]
+    )
 
 
 def test_check_and_compare_read_attribute_data_from_beside_the_model(cli, attribute_data):
     source, target, elsewhere = attribute_data
     checked = cli(elsewhere, "check", source)  # exit 1: it finds what optimize would fuse
-    assert checked.returncode == 1 and "2 fusion opportunities" in checked.stderr, checked.stderr
+    assert checked.returncode == 1 and "1 fusion opportunity" in checked.stderr, checked.stderr
     assert cli(elsewhere, "optimize", source, "-o", target / "fused.onnx").returncode == 0
     compared = cli(elsewhere, "compare", source, target / "fused.onnx")
     assert compared.returncode == 0, compared.stderr
@@ -336,3 +340,110 @@ def test_attribute_data_that_is_not_there_is_the_inputs_fault(cli, attribute_dat
     result = cli(elsewhere, "optimize", source, "-o", target / "fused.onnx")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert said in result.stderr and list(target.iterdir()) == []
+
+
+def test_a_main_graph_constant_kept_outside_becomes_an_initializer_still_read_lazily(attribute_data, monkeypatch):
+    # Read in, a Constant of gigabytes would be held in memory and copied into the skeleton
+    # onnx's checker reads (which protobuf cannot serialize past 2 GB).
+    source, _, elsewhere = attribute_data
+    monkeypatch.chdir(elsewhere)
+    model = fuser.Model.load(source)
+    held = {t.name: t for t in model.initializers()}
+    assert "k" in held and [e.value for e in held["k"].external_data if e.key == "location"] == ["attrs.bin"]
+    assert "Constant" not in {n.op_type for n in model.graph.nodes()}
+    assert model.data_files() == {source.parent / "attrs.bin"}  # the fill, read in, and k's lazy data
+
+
+def subgraph_and_function_holders() -> onnx.ModelProto:
+    """y = If(c, then: x * k_then, else: Scaled(x)) where k_then is a Constant in the then-branch,
+    the else-branch reads a body initializer, and Scaled is a model-local function whose Constant
+    holds its factor: every place a tensor other than a main-graph initializer is stored."""
+    float_type = TensorProto.FLOAT
+    k_then = onnx.numpy_helper.from_array(np.arange(1, 4, dtype=np.float32))
+    then_branch = helper.make_graph(
+        [helper.make_node("Constant", [], ["k_then"], value=k_then), helper.make_node("Mul", ["x", "k_then"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", float_type, [3])],
+    )
+    else_branch = helper.make_graph(
+        [
+            helper.make_node("Scaled", ["x"], ["scaled"], domain="local"),
+            helper.make_node("Add", ["scaled", "b"], ["e"]),
+        ],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", float_type, [3])],
+        [onnx.numpy_helper.from_array(np.array([0.5, -1.0, 2.0], np.float32), "b")],
+    )
+    factor = onnx.numpy_helper.from_array(np.array([3.0, 4.0, 5.0], np.float32))
+    scaled = helper.make_function(
+        "local",
+        "Scaled",
+        ["v"],
+        ["w"],
+        [helper.make_node("Constant", [], ["f"], value=factor), helper.make_node("Mul", ["v", "f"], ["w"])],
+        [helper.make_opsetid("", 17)],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch)],
+        "g",
+        [helper.make_tensor_value_info("x", float_type, [3]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", float_type, [3])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, functions=[scaled])
+    model.ir_version = 8
+    return model
+
+
+def test_tensors_in_bodies_and_functions_kept_outside_are_read_from_beside_the_model(cli, tmp_path):
+    source, target, elsewhere = tmp_path / "in", tmp_path / "out", tmp_path / "cwd"
+    for folder in (source, target, elsewhere):
+        folder.mkdir()
+    original = subgraph_and_function_holders()
+    stored = onnx.ModelProto()
+    stored.CopyFrom(original)
+    onnx.external_data_helper.convert_model_to_external_data(
+        stored, location="held.bin", size_threshold=0, convert_attribute=True
+    )
+    onnx.save(stored, source / "m.onnx")
+    assert "held.bin" in (source / "m.onnx").read_bytes().decode("latin-1")
+    before = snapshot(source)
+    result = cli(elsewhere, "optimize", source / "m.onnx", "-o", target / "fused.onnx", "--check-runs", "4")
+    assert result.returncode == 0, result.stderr
+    assert snapshot(source) == before and list(elsewhere.iterdir()) == []
+    os.rename(source, source.with_name("moved"))  # the output needs nothing of the input's
+    written = onnx.load(target / "fused.onnx")
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    for condition in (True, False):
+        feeds = {"x": x, "c": np.array(condition)}
+        np.testing.assert_array_equal(run(written, feeds)[0], run(original, feeds)[0])
+
+
+def test_saving_may_not_replace_a_file_read_in_at_load(tmp_path):
+    fill = onnx.numpy_helper.from_array(np.array([1.5], np.float32))
+    model = make_model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=fill),
+            helper.make_node("Add", ["x", "filled"], ["y"]),
+        ],
+        [("x", np.float32, ["rows", 3])],
+        [("y", np.float32, ["rows", 3])],
+        {},
+    )
+    onnx.save(
+        model,
+        tmp_path / "m.onnx",
+        save_as_external_data=True,
+        location="o.onnx.data",
+        size_threshold=0,
+        convert_attribute=True,
+    )
+    before = snapshot(tmp_path)
+    loaded = fuser.Model.load(tmp_path / "m.onnx")
+    assert not list(loaded.initializers()) and loaded.files_read_in == {tmp_path / "o.onnx.data"}
+    with pytest.raises(UsageError, match="input's own data file"):
+        loaded.save(tmp_path / "o.onnx", external_data="always")
+    assert snapshot(tmp_path) == before
