@@ -239,3 +239,53 @@ def test_optimize_of_a_model_checked_in_a_child_writes_what_a_check_here_lets_it
     monkeypatch.setattr(validation, "CHILD_NODES", 10**9)
     assert cli(tmp_path, "optimize", source, "-o", "here.onnx", "--no-check", "-q").returncode == 0
     assert (tmp_path / "beside.onnx").read_bytes() == (tmp_path / "here.onnx").read_bytes()
+
+
+def packed_vector_model(elements: int) -> onnx.ModelProto:
+    """y = Slice(weights, start, end) + x: a model that packs its weights in one long vector."""
+    import numpy as np
+
+    from tests.helpers import make_model
+
+    return make_model(
+        [
+            helper.make_node("Slice", ["weights", "start", "end"], ["part"]),
+            helper.make_node("Add", ["part", "x"], ["y"]),
+        ],
+        [("x", np.float32, [4])],
+        [("y", np.float32, [4])],
+        {
+            "weights": np.arange(elements, dtype=np.float32),
+            "start": np.array([8], np.int64),
+            "end": np.array([12], np.int64),
+        },
+    )
+
+
+def test_long_vectors_get_stand_ins_whose_values_inference_does_not_follow():
+    # onnx's data propagation follows a fixed-length vector element by element wherever a Slice
+    # reads it: a 760 MB packed weight exhausted 24 GB before the stand-ins.
+    from fuser.graph import weightless_model
+
+    long = validation.LONG_VECTOR
+    skeleton = weightless_model(packed_vector_model(long))
+    stand_ins = onnx.ModelProto.FromString(validation.valueless_long_vectors(skeleton.graph))
+    assert [(t.name, list(t.dims), t.data_location) for t in stand_ins.graph.initializer] == [
+        ("weights", [long], TensorProto.EXTERNAL)
+    ]
+    assert validation.valueless_long_vectors(weightless_model(packed_vector_model(long - 1)).graph) == b""
+
+
+def test_a_model_slicing_a_long_vector_is_checked_with_its_types(cli, tmp_path):
+    import numpy as np
+
+    from tests.helpers import run
+
+    model = packed_vector_model(validation.LONG_VECTOR)
+    types = validation.checked_inference(model)
+    assert types is not None and types.table["part"] == (TensorProto.FLOAT, (4,))
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", tmp_path / "m.onnx", "-o", tmp_path / "out.onnx")
+    assert result.returncode == 0, result.stderr
+    x = np.ones(4, np.float32)
+    assert run(onnx.load(tmp_path / "out.onnx"), {"x": x})[0].tolist() == [9.0, 10.0, 11.0, 12.0]
