@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from fuser.context import Context
-from fuser.graph import Graph, NodeInfo, all_graph_protos
+from fuser.graph import Graph, NodeInfo, all_graph_protos, valueless_long_vectors
 from fuser.pattern import Const, OpPattern
 
 
@@ -638,7 +638,9 @@ class TypeInfo:
             self._settle()
         if self._table is None:
             # Serialized at once, so that the skeleton is freed before inference makes its copy.
-            skeleton = self._factory().SerializeToString()
+            skeleton_model = self._factory()
+            skeleton = skeleton_model.SerializeToString() + valueless_long_vectors(skeleton_model.graph)
+            del skeleton_model
             try:
                 model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain

@@ -11,6 +11,7 @@ import hashlib
 import io
 import mmap
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from fuser.graph import (
     copy_fields_except,
     nested_graph_protos,
     opset_versions,
+    shape_relevant,
 )
 from fuser.match import InferredTypes
 from fuser.progress import Progress, Ticker
@@ -277,6 +279,10 @@ class Model:
         """Write atomically, with the weights of a model kept in external data in a file beside it."""
         if external_data == "auto" and self.had_external_data:
             external_data = "always"
+        # Its own file, whose weights are read in place, it may replace: they are read in first (below).
+        read = self.data_files() - {self.tensors.model_file}
+        if Path(path).resolve() in read:
+            raise UsageError(f"{path}: refusing to overwrite a file the model's data is read from")
         if writes_external_data(self, external_data):  # write_model looks at the initializers' files only
             refuse_input_data_file(external_data_path(Path(path)), set(self.files_read_in))
         own = self.tensors.model_file
@@ -393,54 +399,82 @@ def _place_external_data(model: ModelProto, store: TensorStore) -> frozenset[Pat
     small, as a rule) is read in now."""
     files = set()
     main = model.graph
-    taken = {t.name for t in main.initializer} | {o.name for o in main.output}
-    for graph in all_graph_protos(main):
-        if graph is main:
+
+    def read_in(tensor: TensorProto, label: str | None = None) -> None:
+        store.check(tensor, label)
+        files.add(store.data_file(tensor)[0])
+        _inline(tensor, store.raw_bytes(tensor), states_location=False)
+
+    graphs = [*all_graph_protos(main)]
+    for function in model.functions:
+        graphs.append(function)
+        graphs.extend(nested_graph_protos(function.node))
+    for graph in graphs:
+        if graph is main or not isinstance(graph, onnx.GraphProto):
             continue
         for tensor in (*graph.initializer, *(p for s in graph.sparse_initializer for p in (s.values, s.indices))):
             if uses_external_data(tensor):
-                store.check(tensor)
-                files.add(store.data_file(tensor)[0])
-                _inline(tensor, store.raw_bytes(tensor), states_location=False)
-    graphs = [(graph, graph.node) for graph in all_graph_protos(main)]
-    for function in model.functions:
-        graphs.append((None, function.node))
-        graphs.extend((None, graph.node) for graph in nested_graph_protos(function.node))
-    for graph, nodes in graphs:
+                read_in(tensor, f"initializer '{tensor.name}' of graph '{graph.name}'")
+    movable = _movable_constants(main) if model.ir_version >= 4 else set()
+    for graph in graphs:
         moved = []
-        for index, node in enumerate(nodes):
+        for index, node in enumerate(graph.node):
             for attribute in node.attribute:
                 for tensor in _attribute_tensors(attribute):
                     if not uses_external_data(tensor):
                         continue
-                    store.check(tensor, f"the {attribute.name} of {node.op_type} node '{node.name}'")
-                    if graph is main and model.ir_version >= 4 and _constant_output(node, taken):
+                    label = f"the {attribute.name} of {node.op_type} node '{node.name}'"
+                    if graph is main and index in movable:
+                        store.check(tensor, label)
                         moved.append(index)
-                        continue
-                    files.add(store.data_file(tensor)[0])
-                    _inline(tensor, store.raw_bytes(tensor), states_location=False)
-        for index in reversed(moved):  # a Constant node has one attribute, so at most one entry each
-            node = nodes[index]
+                    else:
+                        read_in(tensor, label)
+        for index in reversed(moved):
+            node = graph.node[index]
             weight = main.initializer.add()
             weight.CopyFrom(node.attribute[0].t)
             weight.name = node.output[0]
-            taken.add(weight.name)
-            del nodes[index]
+            del graph.node[index]
     return frozenset(files)
 
 
-def _constant_output(node: onnx.NodeProto, taken: set[str]) -> bool:
-    """Whether `node` is a Constant of a `value` tensor whose output can be an initializer of its
-    name (no initializer or graph output has that name)."""
-    return (
-        node.op_type == "Constant"
+def _movable_constants(graph: onnx.GraphProto) -> set[int]:
+    """The positions of the Constant nodes in `graph` that can become initializers of their names
+    with their values left where they are: a `value` kept outside too large for shape inference
+    to read (a shape it must see stays a Constant, read in) and too large to be kept inline
+    (IN_PLACE_BYTES), whose name no input, initializer, output or other node has and no node
+    before it reads (an invalid model stays as onnx's check refuses it)."""
+    outside = [
+        index
+        for index, node in enumerate(graph.node)
+        if node.op_type == "Constant"
         and node.domain in ("", "ai.onnx")
         and len(node.attribute) == 1
         and node.attribute[0].name == "value"
+        and uses_external_data(node.attribute[0].t)
         and len(node.output) == 1
-        and bool(node.output[0])
-        and node.output[0] not in taken
-    )
+        and node.output[0]
+        and not shape_relevant(node.attribute[0].t)
+        and nbytes(node.attribute[0].t) > IN_PLACE_BYTES
+    ]
+    if not outside:
+        return set()
+    named = [v.name for v in (*graph.input, *graph.output)] + [t.name for t in graph.initializer]
+    produced: dict[str, int] = {}
+    first_read: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            produced[name] = produced.get(name, 0) + 1
+        for name in node.input:
+            first_read.setdefault(name, index)
+    taken = set(named)
+    return {
+        index
+        for index in outside
+        if (name := graph.node[index].output[0]) not in taken
+        and produced[name] == 1
+        and first_read.get(name, index + 1) > index
+    }
 
 
 def external_data_files(path: Path) -> set[Path]:
@@ -468,16 +502,14 @@ def external_data_files(path: Path) -> set[Path]:
 
 
 def _held_tensors(model: ModelProto) -> Iterator[TensorProto]:
-    """Every tensor stored in `model`: in its graph, the graphs nested in it, and its functions."""
-    for nested in all_graph_protos(model.graph):
+    """Every tensor stored in `model`: in its graph, its functions, and the graphs nested in them."""
+    graphs = [*all_graph_protos(model.graph), *(g for f in model.functions for g in nested_graph_protos(f.node))]
+    for nested in graphs:
         yield from nested.initializer
         for sparse in nested.sparse_initializer:
             yield from (sparse.values, sparse.indices)
-        for node in nested.node:
-            for attribute in node.attribute:
-                yield from _attribute_tensors(attribute)
-    for function in model.functions:
-        for node in (*function.node, *(n for g in nested_graph_protos(function.node) for n in g.node)):
+    for holder in (*graphs, *model.functions):
+        for node in holder.node:
             for attribute in node.attribute:
                 yield from _attribute_tensors(attribute)
 
@@ -504,15 +536,16 @@ def found_as_external_data(path: Path) -> bool:
 def _parse(path: Path, data, in_place: bool) -> tuple[ModelProto, frozenset[int], int]:
     """The ModelProto in `data` (the file's bytes, or a memory map of them); with `in_place`, its
     large weights left in the file (read_in_place): a memory-mapped file's are never read in.
-    With it, the offsets of those that stated their data_location, and how many times the bytes
-    parsed name an external-data file (the weights left in the file are not looked through)."""
+    Also returns the offsets of those that stated their data_location (none when none was left in
+    the file), and how many times the bytes parsed name an external-data file (the weights left
+    in the file are not looked through)."""
     view = memoryview(data)
     try:
         referenced = read_in_place(view, path.name) if in_place and len(view) > IN_PLACE_BYTES else None
         parsed = data if referenced is None else referenced[0]
         model = ModelProto()
         try:
-            model.ParseFromString(view if referenced is None else parsed)
+            model.ParseFromString(view if referenced is None else referenced[0])
         except (DecodeError, RuntimeError, ValueError) as error:
             raise InputError(f"{path}: not an ONNX model (the file is not a valid protobuf)") from error
         stated = frozenset() if referenced is None else referenced[1]
@@ -529,11 +562,7 @@ def _occurrences(buffer, pattern: bytes) -> int:
     """How many times `pattern` occurs in `buffer` (bytes, or a memory map, which has no count)."""
     if isinstance(buffer, bytes):
         return buffer.count(pattern)
-    count, found = 0, buffer.find(pattern)
-    while found >= 0:
-        count += 1
-        found = buffer.find(pattern, found + len(pattern))
-    return count
+    return len(re.findall(re.escape(pattern), buffer))
 
 
 EXTERNAL_DATA_MODES = ("auto", "always", "never")

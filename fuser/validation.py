@@ -29,7 +29,7 @@ import onnx
 from onnx import ModelProto
 
 from fuser.errors import InputError
-from fuser.graph import all_graph_protos, weightless_model
+from fuser.graph import all_graph_protos, valueless_long_vectors, weightless_model
 from fuser.match import InferredTypes, inferred_types
 
 # A model with this many nodes (all scopes) or more is checked in a child process. Below it,
@@ -235,30 +235,6 @@ def checked_inference(model: ModelProto, disposable: bool = False) -> InferredTy
             return inferred_types(inferred)
     onnx.checker.check_model(skeleton, full_check=True)
     return None
-
-
-# onnx's data propagation follows a vector input of fixed length element by element wherever a
-# Slice or Gather reads it, values unknown or not: 1.0 s and 0.76 GB for 10M elements, and a
-# packed 760 MB weight (190M floats) exhausted 24 GB. An initializer whose data is elsewhere is
-# not followed. Shapes are vectors of a few elements.
-LONG_VECTOR = 1 << 16
-
-
-def valueless_long_vectors(graph: onnx.GraphProto) -> bytes:
-    """For the inference of a skeleton: a ModelProto in protobuf's bytes that, appended to the
-    skeleton's (protobuf merges them), gives each input of `graph` that is a vector of
-    LONG_VECTOR elements or more an initializer of its name whose data is elsewhere (nowhere:
-    inference reads no data, and the checker never sees these). Empty when there is none."""
-    stand_ins = ModelProto()
-    for value in graph.input:
-        tensor_type = value.type.tensor_type
-        dims = tensor_type.shape.dim if value.type.HasField("tensor_type") and tensor_type.HasField("shape") else ()
-        if len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value >= LONG_VECTOR:
-            tensor = stand_ins.graph.initializer.add(name=value.name, data_type=tensor_type.elem_type)
-            tensor.dims.append(dims[0].dim_value)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            tensor.external_data.add(key="location", value="values-not-read")
-    return stand_ins.SerializeToString() if stand_ins.graph.initializer else b""
 
 
 # A private domain for checking a copy of a model: onnx.checker skips domains it does not know.

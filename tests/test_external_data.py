@@ -312,7 +312,7 @@ def test_attribute_tensors_in_external_data_are_read_from_beside_the_model(cli, 
 def test_check_and_compare_read_attribute_data_from_beside_the_model(cli, attribute_data):
     source, target, elsewhere = attribute_data
     checked = cli(elsewhere, "check", source)  # exit 1: it finds what optimize would fuse
-    assert checked.returncode == 1 and "1 fusion opportunity" in checked.stderr, checked.stderr
+    assert checked.returncode == 1 and "3 fusion opportunities" in checked.stderr, checked.stderr
     assert cli(elsewhere, "optimize", source, "-o", target / "fused.onnx").returncode == 0
     compared = cli(elsewhere, "compare", source, target / "fused.onnx")
     assert compared.returncode == 0, compared.stderr
@@ -342,16 +342,58 @@ def test_attribute_data_that_is_not_there_is_the_inputs_fault(cli, attribute_dat
     assert said in result.stderr and list(target.iterdir()) == []
 
 
-def test_a_main_graph_constant_kept_outside_becomes_an_initializer_still_read_lazily(attribute_data, monkeypatch):
+def test_a_large_main_graph_constant_kept_outside_becomes_an_initializer_read_lazily(tmp_path, monkeypatch):
     # Read in, a Constant of gigabytes would be held in memory and copied into the skeleton
-    # onnx's checker reads (which protobuf cannot serialize past 2 GB).
-    source, _, elsewhere = attribute_data
-    monkeypatch.chdir(elsewhere)
-    model = fuser.Model.load(source)
-    held = {t.name: t for t in model.initializers()}
-    assert "k" in held and [e.value for e in held["k"].external_data if e.key == "location"] == ["attrs.bin"]
-    assert "Constant" not in {n.op_type for n in model.graph.nodes()}
-    assert model.data_files() == {source.parent / "attrs.bin"}  # the fill, read in, and k's lazy data
+    # onnx's checker reads (which protobuf cannot serialize past 2 GB). A small one is read in:
+    # shape inference must see a shape's values.
+    large = onnx.numpy_helper.from_array(np.linspace(-1, 1, 20_000, dtype=np.float32))
+    small = onnx.numpy_helper.from_array(np.array([2, 10_000], np.int64))
+    model = make_model(
+        [
+            helper.make_node("Constant", [], ["large"], value=large),
+            helper.make_node("Constant", [], ["shape"], value=small),
+            helper.make_node("Reshape", ["large", "shape"], ["table"]),
+            helper.make_node("Add", ["x", "table"], ["y"]),
+        ],
+        [("x", np.float32, [2, 10_000])],
+        [("y", np.float32, [2, 10_000])],
+        {},
+    )
+    (tmp_path / "in").mkdir()
+    source = tmp_path / "in" / "m.onnx"
+    onnx.save(model, source, save_as_external_data=True, location="held.bin", size_threshold=0, convert_attribute=True)
+    monkeypatch.chdir(tmp_path)
+    loaded = fuser.Model.load(source)
+    held = {t.name: t for t in loaded.initializers()}
+    assert list(held) == ["large"] and [e.value for e in held["large"].external_data if e.key == "location"] == [
+        "held.bin"
+    ]
+    assert [n.op_type for n in loaded.graph.nodes()] == ["Constant", "Reshape", "Add"]
+    assert loaded.data_files() == {source.parent / "held.bin"}
+    optimized, report = fuser.optimize(source)
+    assert report.verdict.passed
+
+
+def test_a_constant_kept_outside_stays_a_node_where_an_initializer_would_change_the_model(cli, tmp_path):
+    # Named like a graph input, an initializer would be that input's default: fed, the input
+    # would replace the constant. onnx's check refuses the model as it is.
+    large = onnx.numpy_helper.from_array(np.ones(20_000, np.float32))
+    vector = [20_000]
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["k"], value=large), helper.make_node("Add", ["x", "k"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, vector) for n in ("x", "k")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, vector)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "in").mkdir()
+    onnx.save(
+        model, tmp_path / "in" / "m.onnx", save_as_external_data=True, location="held.bin", convert_attribute=True
+    )
+    result = cli(tmp_path, "optimize", tmp_path / "in" / "m.onnx", "-o", tmp_path / "out.onnx")
+    assert result.returncode == 2 and "invalid ONNX model" in result.stderr, result.stderr
+    assert not (tmp_path / "out.onnx").exists()
 
 
 def subgraph_and_function_holders() -> onnx.ModelProto:
@@ -446,4 +488,14 @@ def test_saving_may_not_replace_a_file_read_in_at_load(tmp_path):
     assert not list(loaded.initializers()) and loaded.files_read_in == {tmp_path / "o.onnx.data"}
     with pytest.raises(UsageError, match="input's own data file"):
         loaded.save(tmp_path / "o.onnx", external_data="always")
+    with pytest.raises(UsageError, match="refusing to overwrite a file the model's data is read from"):
+        loaded.save(tmp_path / "o.onnx.data")
     assert snapshot(tmp_path) == before
+
+
+def test_saving_may_not_replace_the_weights_file(folders):
+    source, _, _ = folders
+    before = snapshot(source.parent)
+    with pytest.raises(UsageError, match="refusing to overwrite a file the model's data is read from"):
+        fuser.Model.load(source).save(source.parent / "m.weights", external_data="never")
+    assert snapshot(source.parent) == before

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 from fuser import report, validation
 from fuser.errors import InputError
+from fuser.graph import LONG_VECTOR, valueless_long_vectors, weightless_model
 from fuser.match import TypeInfo
 from fuser.model import Model
 from fuser.validation import Validation
@@ -263,17 +264,20 @@ def packed_vector_model(elements: int) -> onnx.ModelProto:
 
 
 def test_long_vectors_get_stand_ins_whose_values_inference_does_not_follow():
+    import numpy as np
+
     # onnx's data propagation follows a fixed-length vector element by element wherever a Slice
     # reads it: a 760 MB packed weight exhausted 24 GB before the stand-ins.
-    from fuser.graph import weightless_model
-
-    long = validation.LONG_VECTOR
+    long = LONG_VECTOR
     skeleton = weightless_model(packed_vector_model(long))
-    stand_ins = onnx.ModelProto.FromString(validation.valueless_long_vectors(skeleton.graph))
+    stand_ins = onnx.ModelProto.FromString(valueless_long_vectors(skeleton.graph))
     assert [(t.name, list(t.dims), t.data_location) for t in stand_ins.graph.initializer] == [
         ("weights", [long], TensorProto.EXTERNAL)
     ]
-    assert validation.valueless_long_vectors(weightless_model(packed_vector_model(long - 1)).graph) == b""
+    assert valueless_long_vectors(weightless_model(packed_vector_model(long - 1)).graph) == b""
+    table = packed_vector_model(long)
+    table.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.arange(long, dtype=np.int64), "weights"))
+    assert valueless_long_vectors(weightless_model(table).graph) == b""  # propagation reads int64 data
 
 
 def test_a_model_slicing_a_long_vector_is_checked_with_its_types(cli, tmp_path):
@@ -281,7 +285,7 @@ def test_a_model_slicing_a_long_vector_is_checked_with_its_types(cli, tmp_path):
 
     from tests.helpers import run
 
-    model = packed_vector_model(validation.LONG_VECTOR)
+    model = packed_vector_model(LONG_VECTOR)
     types = validation.checked_inference(model)
     assert types is not None and types.table["part"] == (TensorProto.FLOAT, (4,))
     onnx.save(model, tmp_path / "m.onnx")
