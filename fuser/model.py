@@ -392,11 +392,12 @@ def _place_external_data(model: ModelProto, store: TensorStore) -> frozenset[Pat
     graph's initializers. Left as references, the others (held by nodes as attributes, or
     initializers of If/Loop/Scan bodies) were read by onnx's checker against the working
     directory (a model loaded from elsewhere was refused as invalid), and a node's were written
-    unchanged, naming a file beside the output that does not exist. So a main-graph Constant
-    whose value is elsewhere becomes an initializer of its name, still read lazily (a 2 GB one
-    stays out of memory, out of the check's model and of the skeleton onnx's checker reads);
-    every other such tensor (a ConstantOfShape's fill, a custom op's table, a body's weights:
-    small, as a rule) is read in now."""
+    unchanged, naming a file beside the output that does not exist. So a large main-graph
+    Constant whose value is elsewhere becomes an initializer of its name where that changes
+    nothing (_movable_constants), still read lazily (a 2 GB one stays out of memory, out of the
+    check's model and of the skeleton onnx's checker reads); every other such tensor (a shape's
+    Constant, a ConstantOfShape's fill, a custom op's table, a body's weights: small, as a rule)
+    is read in now."""
     files = set()
     main = model.graph
 
