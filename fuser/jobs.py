@@ -39,6 +39,7 @@ from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, Numeric
 from fuser.graph import paused_gc
 from fuser.model import (
     Model,
+    external_data_files,
     external_data_path,
     found_as_external_data,
     refuse_input_data_file,
@@ -386,6 +387,16 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
                 f"{source} would be written to {destination}, which is one of the input models; "
                 "choose another -o folder"
             )
+    # Each worker refuses to write over its own input's data, not over another's.
+    data_files = {source: external_data_files(source) for source in sources}
+    for source, destination in zip(sources, destinations):
+        for written in (destination, external_data_path(destination)):
+            readers = [other for other, files in data_files.items() if other != source and _resolved(written) in files]
+            if readers:
+                raise UsageError(
+                    f"{source} would be written to {written}, which {readers[0]} reads its data from; "
+                    "choose another -o folder"
+                )
     return destinations
 
 

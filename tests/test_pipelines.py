@@ -199,6 +199,7 @@ def test_existing_outputs_need_force_model_by_model(cli, zoo, tmp_path):
         ("o-ends-in-onnx", "not a .onnx file"),
         ("same-name-twice", "same file"),
         ("output-is-an-input", "one of the input models"),
+        ("output-data-is-an-inputs-data", "reads its data from"),
         ("empty-folder", "no .onnx files"),
         ("glob-matches-nothing", "no file matches"),
     ],
@@ -218,6 +219,12 @@ def test_ambiguous_runs_are_refused_before_any_work(cli, zoo, tmp_path, arrange,
     elif arrange == "output-is-an-input":
         shutil.copy(zoo / "mlp.onnx", zoo / "mlp.fused.onnx")
         args = [str(zoo / "mlp*.onnx")]  # both mlp.onnx and mlp.fused.onnx: the first would overwrite the second
+    elif arrange == "output-data-is-an-inputs-data":
+        # mlp's output data file would be the file classifier_head reads its weights from
+        head = onnx.load(zoo / "classifier_head.onnx")
+        external_data_helper.convert_model_to_external_data(head, location="mlp.fused.onnx.data", size_threshold=0)
+        onnx.save(head, zoo / "classifier_head.onnx")
+        args = [zoo / "mlp.onnx", zoo / "classifier_head.onnx", "--external-data", "always"]
     elif arrange == "empty-folder":
         (tmp_path / "empty").mkdir()
         args = [tmp_path / "empty"]
