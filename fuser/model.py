@@ -406,18 +406,15 @@ def _place_external_data(model: ModelProto, store: TensorStore) -> frozenset[Pat
         files.add(store.data_file(tensor)[0])
         _inline(tensor, store.raw_bytes(tensor), states_location=False)
 
-    graphs = [*all_graph_protos(main)]
-    for function in model.functions:
-        graphs.append(function)
-        graphs.extend(nested_graph_protos(function.node))
+    graphs = _stored_graphs(model)
     for graph in graphs:
-        if graph is main or not isinstance(graph, onnx.GraphProto):
+        if graph is main:
             continue
         for tensor in (*graph.initializer, *(p for s in graph.sparse_initializer for p in (s.values, s.indices))):
             if uses_external_data(tensor):
                 read_in(tensor, f"initializer '{tensor.name}' of graph '{graph.name}'")
     movable = _movable_constants(main) if model.ir_version >= 4 else set()
-    for graph in graphs:
+    for graph in (*graphs, *model.functions):
         moved = []
         for index, node in enumerate(graph.node):
             for attribute in node.attribute:
@@ -504,7 +501,7 @@ def external_data_files(path: Path) -> set[Path]:
 
 def _held_tensors(model: ModelProto) -> Iterator[TensorProto]:
     """Every tensor stored in `model`: in its graph, its functions, and the graphs nested in them."""
-    graphs = [*all_graph_protos(model.graph), *(g for f in model.functions for g in nested_graph_protos(f.node))]
+    graphs = _stored_graphs(model)
     for nested in graphs:
         yield from nested.initializer
         for sparse in nested.sparse_initializer:
@@ -513,6 +510,11 @@ def _held_tensors(model: ModelProto) -> Iterator[TensorProto]:
         for node in holder.node:
             for attribute in node.attribute:
                 yield from _attribute_tensors(attribute)
+
+
+def _stored_graphs(model: ModelProto) -> list[onnx.GraphProto]:
+    """The model's graph, the graphs nested in it, and those nested in its functions' nodes."""
+    return [*all_graph_protos(model.graph), *(g for f in model.functions for g in nested_graph_protos(f.node))]
 
 
 def _attribute_tensors(attribute: onnx.AttributeProto) -> Iterator[TensorProto]:
