@@ -20,6 +20,7 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import pkgutil
+import select
 import signal
 import stat
 import sys
@@ -667,12 +668,35 @@ def _work(job: OptimizeJob, sender) -> None:
     # whose SIGTERM unwinds like an exception so that no temporary file is left half-written.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    sent = _end_with_fuser(sender)
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads
     validation.CORES = job.threads
     outcome = optimize_file(job, last=True)  # the worker ends once it is sent (forkserver's with os._exit)
     sender.send(outcome)
+    sent.set()
     sender.close()
+
+
+def _end_with_fuser(sender) -> threading.Event:
+    """End this worker, as SIGTERM from fuser would, once fuser has gone without ending it: killed
+    by SIGKILL (a CI job's hard timeout, the out-of-memory killer), it cannot pass anything on, and
+    the worker ran to its end, writing its model after the run was over. The worker's side of the
+    pipe the outcome goes back through tells: when nothing reads it any more, the system reports
+    an error on it. Returns the event to set once the outcome is sent: fuser then closes its end."""
+    sent = threading.Event()
+    if not hasattr(select, "poll"):
+        return sent
+    watch = select.poll()
+    watch.register(sender.fileno(), 0)  # an error or hang-up is always reported, asked or not
+
+    def end_when_alone() -> None:
+        events = watch.poll()
+        if not sent.is_set() and any(event & (select.POLLERR | select.POLLHUP) for _, event in events):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=end_when_alone, name="fuser-end-with-fuser", daemon=True).start()
+    return sent
 
 
 def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:

@@ -858,6 +858,34 @@ def test_a_killed_run_leaves_no_earlier_report_behind(tmp_path):
     assert (tmp_path / "notes.json").read_text() == '{"mine": true}'
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="tells a process that ended by /proc")
+def test_workers_end_when_fuser_is_killed_and_write_nothing(tmp_path):
+    # SIGKILL (a CI job's hard timeout, the out-of-memory killer) gives fuser no chance to end its
+    # workers: they must see it gone and end themselves, not run on and write their models after.
+    import signal
+    import time
+
+    (tmp_path / "out").mkdir()
+    command = ["fuser.cli", "optimize", "a.onnx", "b.onnx", "-o", "out", "-j", "2"]
+    status, _, workers = _interrupted(tmp_path, ("a", "b"), command, 2, stop=signal.SIGKILL, group=False)
+    assert status == -signal.SIGKILL and len(workers) == 2
+    deadline = time.monotonic() + 120  # a liveness bound: a worker left running sleeps 600 s
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (an ended one whose parent went with fuser
+    may wait, a zombie, for the system to collect it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 @pytest.mark.parametrize("fmt", ["report", "json", "markdown", "markdown-and-report"])
 def test_an_interrupted_check_reports_the_models_it_did_not_finish(tmp_path, fmt):
     import signal
