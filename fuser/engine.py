@@ -645,20 +645,22 @@ class Engine:
     ) -> set[int]:
         """Check the replacement and, with commit, put it in the graph; returns the nodes it created or changed."""
         root = match.root
-        root_outputs = [o for o in root.outputs if o]
-        removed_outputs = {o for i in match.node_ids if i not in keep for o in graph.node(i).outputs if o}
+        root_outputs = [o for o in root.output_names if o]
+        removed = [i for i in match.node_ids if i not in keep]
+        removed_outputs = {o for i in removed for o in graph.node(i).output_names if o}
         for interior, tensor in builder.stand_ins.items():
             if interior not in removed_outputs or interior in root_outputs:
                 raise RuleError(candidate, f"it stands in for '{interior}', which no removed interior node computes")
             root_outputs.append(interior)
             outputs = [*outputs, tensor]
         produced = {o for node in builder.nodes for o in node.output}
+        created_initializers = {t.name for t in builder.initializers}
         for old, new in zip(root_outputs, outputs):
             if new is None:
                 if graph.consumers(old):
                     raise Decline(f"'{old}', which the replacement drops, is still used")
                 continue
-            if new in produced or new in {t.name for t in builder.initializers}:
+            if new in produced or new in created_initializers:
                 continue
             if new == old:
                 raise RuleError(candidate, f"the replacement returns '{old}' unchanged")
@@ -686,10 +688,21 @@ class Engine:
             for index, name in enumerate(node.output):
                 if name in rename:
                     node.output[index] = rename[name]
-        removed = [i for i in match.node_ids if i not in keep]
         if _same_nodes(builder.nodes, [graph.node(i).proto for i in removed]):
             raise Decline("the replacement is identical to the match")
-        self._check_replacement(graph, candidate, removed, builder, root_outputs, redirected={o for o, _ in redirects})
+        # The new nodes' tensors, read from protobuf once (each read makes new strings).
+        read_by_new = [i for node in builder.nodes for i in node.input if i]
+        produced = {o for node in builder.nodes for o in node.output}
+        self._check_replacement(
+            graph,
+            candidate,
+            removed,
+            read_by_new,
+            produced | created_initializers,
+            produced,
+            root_outputs,
+            redirected={o for o, _ in redirects},
+        )
         if not commit:
             return set()
         # The graph changes only once every check has passed; new initializers come first,
@@ -705,7 +718,7 @@ class Engine:
                 self.model.require_opset(domain, candidate.emits[domain])
         matched_names = [n.label for n in match.nodes]
         # A tensor the replacement reads is still read: its sole reader, if any, is new and visited anyway.
-        read_by_new = {i for node in builder.nodes for i in node.input if i}
+        read_by_new = set(read_by_new)
         neighbours = {c for i in read_by_new for c in graph.op_consumers(i)}
         graph.take_lost_readers()  # whatever earlier changes left there has been looked at
         created = graph.replace_nodes(removed, builder.nodes, [], graph.sort_key(root.id), candidate.name)
@@ -740,21 +753,22 @@ class Engine:
         graph: Graph,
         candidate: Rule,
         removed: list[int],
-        builder: Builder,
+        read: list[str],
+        known: set[str],
+        produced: set[str],
         root_outputs: list[str],
         redirected: set[str],
     ) -> None:
-        produced = {o for node in builder.nodes for o in node.output}
-        vanishing = {o for i in removed for o in graph.node(i).outputs if o} - produced
-        known = set(produced) | {t.name for t in builder.initializers}
-        for node in builder.nodes:
-            for name in node.input:
-                if not name or name in known:
-                    continue
-                if name in vanishing:
-                    raise RuleError(candidate, f"the replacement reads '{name}', which it removes")
-                if not _visible(graph, name):
-                    raise RuleError(candidate, f"the replacement reads '{name}', which does not exist")
+        """The replacement reads only tensors it makes (`known`: its nodes' outputs, `produced`,
+        and its initializers) or that exist and stay, and makes every root output still used."""
+        vanishing = {o for i in removed for o in graph.node(i).output_names if o} - produced
+        for name in read:
+            if name in known:
+                continue
+            if name in vanishing:
+                raise RuleError(candidate, f"the replacement reads '{name}', which it removes")
+            if not _visible(graph, name):
+                raise RuleError(candidate, f"the replacement reads '{name}', which does not exist")
         missing = [o for o in root_outputs if o not in produced and o not in redirected and graph.consumers(o)]
         if missing:
             raise RuleError(candidate, f"the replacement does not produce '{missing[0]}'")

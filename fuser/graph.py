@@ -508,7 +508,18 @@ class Graph:
         return 0 if entry is None else len(self._reads(tensor, entry[0]))
 
     def op_consumers(self, tensor: str) -> list[int]:
-        return [c for c, _ in self.consumers(tensor) if self._attrs[c]["kind"] == OP]
+        """The op nodes reading `tensor`, once per input slot (and body) that reads it."""
+        entry = self._producer.get(tensor)
+        if entry is None:
+            return []
+        attrs = self._attrs
+        return [
+            consumer
+            for consumer, edges in self._reads(tensor, entry[0]).items()
+            if attrs[consumer]["kind"] == OP
+            for read in edges.values()
+            if read == tensor
+        ]
 
     def op_successors(self, node_id: int) -> set[int]:
         """The op nodes reading any output of `node_id`, through a subgraph too."""
@@ -622,7 +633,8 @@ class Graph:
     def remove_node(self, node_id: int) -> None:
         info = self.node(node_id)
         read = [i for i in info.input_names if i]
-        read.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+        if info.subgraphs:
+            read.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
         self._lost_readers.update(read)
         weights = self._weight_reads
         for name in read:
@@ -685,7 +697,8 @@ class Graph:
         for node_id in removed:
             info = self.node(node_id)
             inputs.extend(i for i in info.input_names if i)
-            inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
+            if info.subgraphs:
+                inputs.extend(name for graphs in info.subgraphs.values() for g in graphs for name in g.captured())
             for output in info.output_names:
                 if output:
                     dangling.extend((output, c, s) for c, s in self.consumers(output) if c not in removed_set)
