@@ -31,7 +31,7 @@ import onnx
 from onnx import NodeProto, TensorProto
 
 from fuser.errors import RuleError
-from fuser.graph import Graph, NodeInfo
+from fuser.graph import Graph, NodeInfo, op_may_hold_graphs
 from fuser.operators import DEFAULT_DOMAINS, unknown_op
 from fuser.pattern import OpPattern, PatternError, SourceLocation, caller_location, validate
 from fuser.tensors import from_array
@@ -407,16 +407,19 @@ class Builder:
         reading `inputs`: a convolution with folded weights is `b.like(conv, x, weight, bias)`.
         The attributes are copied as they are, not decoded and encoded again. If/Loop/Scan
         bodies are not copied: a node holding one needs its bodies given (or None)."""
-        bodies = [a.name for a in node.proto.attribute if a.type in _BODY_ATTRIBUTES and a.name not in attrs]
-        if bodies:
-            raise ValueError(f"b.like does not copy the bodies of {node.op_type} ({', '.join(bodies)}): give them")
+        if op_may_hold_graphs(node.op_type, node.domain):  # read the attributes' types only where they may be bodies
+            bodies = [a.name for a in node.proto.attribute if a.type in _BODY_ATTRIBUTES and a.name not in attrs]
+            if bodies:
+                raise ValueError(f"b.like does not copy the bodies of {node.op_type} ({', '.join(bodies)}): give them")
         result = self.op(node.op_type, *inputs, domain=node.domain, outputs=outputs, **attrs)
         built = self.nodes[-1]
-        kept = [a for a in node.proto.attribute if a.name not in attrs]
-        if kept:
-            merged = sorted([*built.attribute, *kept], key=lambda a: a.name)  # in op()'s order, by name
+        kept = [a for a in node.proto.attribute if a.name not in attrs] if attrs else node.proto.attribute
+        if not kept:
+            return result
+        if built.attribute:
+            kept = [*built.attribute, *kept]
             del built.attribute[:]
-            built.attribute.extend(merged)
+        built.attribute.extend(sorted(kept, key=lambda a: a.name))  # in op()'s order, by name
         return result
 
     def replaces(self, interior: str, tensor: str) -> None:

@@ -35,8 +35,10 @@ def cast_finite(m: Match, what: str, value: np.ndarray, dtype) -> np.ndarray:
     float16 tops out at 65504: a BatchNormalization with a tiny variance can scale weights past
     it, and an inf weight would give inf outputs the original never had.
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        cast = np.asarray(value).astype(dtype, copy=False)
+    cast = np.asarray(value)
+    if cast.dtype != dtype:  # folded values the caller cast already need no second cast
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = cast.astype(dtype)
     if np.isfinite(cast).all():  # asked once per folded tensor of a large model: the plain case first
         return cast
     bad = ~np.isfinite(cast)

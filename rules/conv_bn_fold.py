@@ -27,8 +27,11 @@ def fold_conv_bn(weight, bias, scale, beta, mean, var_, epsilon, *, transpose=Fa
         new_weight = (grouped * factors).reshape(w.shape)
     else:
         new_weight = w * s.reshape((-1,) + (1,) * (w.ndim - 1))
-    b = np.zeros_like(s) if bias is None else np.asarray(bias, np.float64)
-    new_bias = (b - np.asarray(mean, np.float64)) * s + np.asarray(beta, np.float64)
+    mean, beta = np.asarray(mean, np.float64), np.asarray(beta, np.float64)
+    if bias is None:  # beta - mean * s: the bits of (0 - mean) * s + beta, without an array of zeros
+        new_bias = beta - mean * s
+    else:
+        new_bias = (np.asarray(bias, np.float64) - mean) * s + beta
     with np.errstate(over="ignore", invalid="ignore"):  # the rule declines values the dtype cannot hold
         return new_weight.astype(weight.dtype), new_bias.astype(weight.dtype)
 
