@@ -653,7 +653,7 @@ class Engine:
                 raise RuleError(candidate, f"it stands in for '{interior}', which no removed interior node computes")
             root_outputs.append(interior)
             outputs = [*outputs, tensor]
-        produced = {o for node in builder.nodes for o in node.output}
+        produced = {o for node in builder.nodes for o in node.output[:]}
         created_initializers = {t.name for t in builder.initializers}
         for old, new in zip(root_outputs, outputs):
             if new is None:
@@ -691,8 +691,8 @@ class Engine:
         if _same_nodes(builder.nodes, [graph.node(i).proto for i in removed]):
             raise Decline("the replacement is identical to the match")
         # The new nodes' tensors, read from protobuf once (each read makes new strings).
-        read_by_new = [i for node in builder.nodes for i in node.input if i]
-        produced = {o for node in builder.nodes for o in node.output}
+        read_by_new = [i for node in builder.nodes for i in node.input[:] if i]
+        produced = {o for node in builder.nodes for o in node.output[:]}
         self._check_replacement(
             graph,
             candidate,
@@ -841,7 +841,7 @@ def _same_nodes(nodes: list[NodeProto], others: list[NodeProto]) -> bool:
     when the rest agrees: almost every replacement differs in its op types or tensors."""
 
     def wiring(node: NodeProto) -> tuple:
-        return node.domain or "", node.op_type, tuple(node.input), tuple(node.output)
+        return node.domain or "", node.op_type, tuple(node.input[:]), tuple(node.output[:])
 
     def signature(node: NodeProto) -> tuple:
         return (*wiring(node), tuple(a.SerializeToString() for a in node.attribute))

@@ -353,7 +353,7 @@ class Match:
     def shape_of(self, tensor: str | None) -> tuple | None:
         stored = self.graph.initializer(tensor) if tensor else None
         if stored is not None:
-            return tuple(stored.dims)
+            return tuple(stored.dims[:])
         value = self.graph.constant_value(tensor) if tensor else None
         if value is not None:
             return value.shape
@@ -535,7 +535,7 @@ def inferred_types(model: onnx.ModelProto) -> InferredTypes:
                 # The graph holds its tensor names interned: the table shares those strings.
                 table[sys.intern(value.name)] = entry
         for tensor in graph.initializer:
-            table.setdefault(sys.intern(tensor.name), (tensor.data_type, tuple(tensor.dims)))
+            table.setdefault(sys.intern(tensor.name), (tensor.data_type, tuple(tensor.dims[:])))
     untyped: set[str] = set()
     for graph in graphs:
         for node in graph.node:

@@ -171,8 +171,8 @@ class Wiring:
     positions of its Constant nodes."""
 
     def __init__(self, graph: GraphProto, initializers: Iterable[TensorProto] | None = None):
-        self.inputs = [tuple(node.input) for node in graph.node]
-        self.outputs = [tuple(node.output) for node in graph.node]
+        self.inputs = [tuple(node.input[:]) for node in graph.node]
+        self.outputs = [tuple(node.output[:]) for node in graph.node]
         self.weights = {t.name: t for t in (graph.initializer if initializers is None else initializers)}
         self.annotations = {value.name: value for value in graph.value_info}
         self.constants = {

@@ -313,7 +313,7 @@ class TensorStore:
             dtype = _PLAIN_DTYPES.get(tensor.data_type)
             if dtype is not None and tensor.HasField("raw_data") and not tensor.HasField("segment"):
                 # What numpy_helper.to_array does for these, without its per-call type lookups.
-                return np.frombuffer(tensor.raw_data, dtype).reshape(tuple(tensor.dims))
+                return np.frombuffer(tensor.raw_data, dtype).reshape(tuple(tensor.dims[:]))
             return numpy_helper.to_array(tensor)
         raw = self.raw_bytes(tensor)
         inline = TensorProto()
@@ -346,7 +346,7 @@ def _plain_value(tensor: TensorProto, max_bytes: int | None) -> np.ndarray | Non
     if dtype is None or tensor.data_location == TensorProto.EXTERNAL or tensor.HasField("segment"):
         return None
     raw = tensor.raw_data
-    dims = tuple(tensor.dims)
+    dims = tuple(tensor.dims[:])
     count = 1
     for dim in dims:
         if dim < 0:
@@ -361,7 +361,7 @@ def _plain_value(tensor: TensorProto, max_bytes: int | None) -> np.ndarray | Non
 
 def nbytes(tensor: TensorProto) -> int:
     count = 1
-    for dim in tensor.dims:
+    for dim in tensor.dims[:]:
         count *= dim
     itemsize = _itemsize(tensor.data_type)
     return count * (8 if itemsize is None else itemsize)
@@ -375,7 +375,7 @@ def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
 def raw_size(tensor: TensorProto) -> int | None:
     """The bytes of `tensor`'s data in ONNX's raw layout (4-bit types packed two to a byte)."""
     count = 1
-    for dim in tensor.dims:
+    for dim in tensor.dims[:]:
         count *= dim
     return _byte_size(tensor.data_type, count)
 
@@ -384,7 +384,7 @@ def _misfit(tensor: TensorProto) -> bool:
     """Whether `tensor` needs the full check: anything but inline raw data of the size its dims
     and dtype call for (which is what almost every stored tensor is)."""
     count = 1
-    for dim in tensor.dims:
+    for dim in tensor.dims[:]:
         if dim < 0:
             return True
         count *= dim
@@ -398,10 +398,10 @@ def _misfit(tensor: TensorProto) -> bool:
 
 
 def _element_count(tensor: TensorProto, label: str) -> int:
-    if any(d < 0 for d in tensor.dims):
+    if any(d < 0 for d in tensor.dims[:]):
         raise InputError(f"{label} has a negative dimension: {list(tensor.dims)}")
     count = 1
-    for dim in tensor.dims:
+    for dim in tensor.dims[:]:
         count *= dim
     return count
 
