@@ -92,8 +92,10 @@ def run(code: Path, model: str, check: bool, out: Path) -> dict[str, float]:
 _COUNTED_REWRITE = """
 import sys
 from fuser import api
+from fuser.context import machine_nchwc_block
 from fuser.model import Model
 model = Model.load(sys.argv[1], validated=True)
+machine_nchwc_block()  # onnxruntime's probe (cached): its threads' instructions vary from run to run
 sys.call_tracing(lambda: api.optimize(model, check=False, trace=True, weights_apart=True), ())
 """
 
