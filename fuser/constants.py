@@ -40,7 +40,7 @@ def is_foldable(info) -> bool:
 
 
 def constant_node_value(node: NodeProto) -> np.ndarray | None:
-    for attribute in node.attribute:
+    for attribute in node.attribute[:]:
         if attribute.name == "value":
             return numpy_helper.to_array(attribute.t)
         if attribute.name == "value_float":
@@ -60,7 +60,7 @@ def _estimated_bytes(node: NodeProto, inputs: list[np.ndarray | None]) -> int | 
     multiplies by float64 ones of the result's shape."""
     try:
         if node.op_type == "ConstantOfShape":
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            value = next((a.t for a in node.attribute[:] if a.name == "value"), None)
             itemsize = 4 if value is None else onnx.helper.tensor_dtype_to_np_dtype(value.data_type).itemsize
             return math.prod(int(d) for d in inputs[0].reshape(-1)) * itemsize
         if node.op_type == "Expand":
@@ -98,7 +98,7 @@ def evaluate_node(
             [node],
             "fold",
             [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None) for n in feeds],
-            [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o],
+            [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output[:] if o],
         )
         model = onnx.helper.make_model(graph, opset_imports=opset_imports)
         results = ReferenceEvaluator(model).run(None, feeds)
@@ -162,7 +162,7 @@ class ConstantValues:
         for node_id in order:
             proto = graph.node(node_id).proto
             inputs = []
-            for name in proto.input:
+            for name in proto.input[:]:
                 value = self._leaf_value(name, max_bytes) if name else None
                 if name and value is None:
                     return None

@@ -72,7 +72,7 @@ def _widen_graph(graph: GraphProto, store: TensorStore) -> None:
 
 
 def _widen_node(node: NodeProto, store: TensorStore) -> None:
-    for attribute in node.attribute:
+    for attribute in node.attribute[:]:
         if attribute.type == AttributeProto.TENSOR:
             _widen_tensor(attribute.t, store)
         elif attribute.type == AttributeProto.TENSORS:

@@ -152,7 +152,7 @@ class NodeInfo:
         return list(self.output_names)
 
     def attr(self, name: str, default=None):
-        for attribute in self.proto.attribute:
+        for attribute in self.proto.attribute[:]:
             if attribute.name == name:
                 return onnx.helper.get_attribute_value(attribute)
         return default
@@ -288,7 +288,7 @@ class Graph:
         info = NodeInfo(node_id, proto, _NO_BODIES)
         if op_may_hold_graphs(info.op_type, info.domain):
             subgraphs: dict[str, list[Graph]] = {}
-            for attribute in proto.attribute:
+            for attribute in proto.attribute[:]:
                 if attribute.type == AttributeProto.GRAPH:
                     subgraphs[attribute.name] = [self._subgraph(attribute.g, node_id)]
                 elif attribute.type == AttributeProto.GRAPHS:
@@ -850,7 +850,7 @@ class Graph:
             return info.proto
         node = NodeProto()
         node.CopyFrom(info.proto)
-        for attribute in node.attribute:
+        for attribute in node.attribute[:]:
             if attribute.name not in info.subgraphs:
                 continue
             graphs = info.subgraphs[attribute.name]
@@ -960,7 +960,7 @@ def nested_graph_protos(nodes: Iterable[NodeProto]) -> Iterator[GraphProto]:
     for node in nodes:
         if not may_hold_graphs(node):
             continue
-        for attribute in node.attribute:
+        for attribute in node.attribute[:]:
             if attribute.type == AttributeProto.GRAPH:
                 yield from all_graph_protos(attribute.g)
             elif attribute.type == AttributeProto.GRAPHS:

@@ -179,7 +179,7 @@ class Model:
     def _constant_values(self) -> Iterator[tuple[NodeInfo, TensorProto]]:
         for g in self.graph.all_graphs():
             for node in map(g.node, g.nodes_of_type("Constant")):
-                for attribute in node.proto.attribute:
+                for attribute in node.proto.attribute[:]:
                     if attribute.name == "value" and attribute.HasField("t"):
                         yield node, attribute.t
 
@@ -417,7 +417,7 @@ def _place_external_data(model: ModelProto, store: TensorStore) -> frozenset[Pat
     for graph in (*graphs, *model.functions):
         moved = []
         for index, node in enumerate(graph.node):
-            for attribute in node.attribute:
+            for attribute in node.attribute[:]:
                 for tensor in _attribute_tensors(attribute):
                     if not uses_external_data(tensor):
                         continue
@@ -508,7 +508,7 @@ def _held_tensors(model: ModelProto) -> Iterator[TensorProto]:
             yield from (sparse.values, sparse.indices)
     for holder in (*graphs, *model.functions):
         for node in holder.node:
-            for attribute in node.attribute:
+            for attribute in node.attribute[:]:
                 yield from _attribute_tensors(attribute)
 
 

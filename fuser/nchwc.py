@@ -102,7 +102,7 @@ class _Lowering:
             lower_op = getattr(self, f"_{node.op_type}", None)
             if lower_op is None:
                 raise LoweringError(f"cannot check NCHWc operator '{node.op_type}' at another block size")
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute[:]}
             lower_op(node, attrs)
         self.graph.node.extend(self.nodes)
 

@@ -264,8 +264,8 @@ def _attribute_type(node) -> int:
     """The element type of a Cast's `to`, a Constant's value or a ConstantOfShape's (float by
     default); 0 when the attributes do not say."""
     if node.op_type == "Cast":
-        return next((a.i for a in node.attribute if a.name == "to"), 0)
-    for attribute in node.attribute:
+        return next((a.i for a in node.attribute[:] if a.name == "to"), 0)
+    for attribute in node.attribute[:]:
         if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
             return attribute.t.data_type
         if node.op_type == "Constant" and attribute.name in _CONSTANT_TYPES:

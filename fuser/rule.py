@@ -408,12 +408,12 @@ class Builder:
         The attributes are copied as they are, not decoded and encoded again. If/Loop/Scan
         bodies are not copied: a node holding one needs its bodies given (or None)."""
         if op_may_hold_graphs(node.op_type, node.domain):  # read the attributes' types only where they may be bodies
-            bodies = [a.name for a in node.proto.attribute if a.type in _BODY_ATTRIBUTES and a.name not in attrs]
+            bodies = [a.name for a in node.proto.attribute[:] if a.type in _BODY_ATTRIBUTES and a.name not in attrs]
             if bodies:
                 raise ValueError(f"b.like does not copy the bodies of {node.op_type} ({', '.join(bodies)}): give them")
         result = self.op(node.op_type, *inputs, domain=node.domain, outputs=outputs, **attrs)
         built = self.nodes[-1]
-        kept = [a for a in node.proto.attribute if a.name not in attrs] if attrs else node.proto.attribute
+        kept = [a for a in node.proto.attribute[:] if a.name not in attrs] if attrs else node.proto.attribute[:]
         if not kept:
             return result
         if built.attribute:

@@ -568,7 +568,7 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
         return {}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
-        for name in node.input:
+        for name in node.input[:]:
             consumers.setdefault(name, []).append(node)
     rows: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
     for node in graph.node:
@@ -585,12 +585,12 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
             for node in consumers.get(tensor, []):
                 if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == tensor:
                     table = rows.get(node.input[0])
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    axis = next((a.i for a in node.attribute[:] if a.name == "axis"), 0)
                     if table and -len(table) <= axis < len(table) and table[axis] > 0:
                         bounds.append(table[axis])
                         continue
                 if node.op_type in _INDEX_PASSTHROUGH:
-                    for output in node.output:
+                    for output in node.output[:]:
                         if output and output not in seen:
                             seen.add(output)
                             frontier.append(output)

@@ -271,8 +271,8 @@ def _graph_census(buffer: memoryview, start: int, end: int, counts: Census, dept
                 if _ATTRIBUTE_KEY not in node_bytes and b"ConstantOfShape" not in node_bytes:
                     continue
                 node = NodeProto.FromString(node_bytes)  # a small node: parsing it is quicker than walking it
-                if not any(a.HasField("g") or a.graphs for a in node.attribute):
-                    held = sum(a.t.ByteSize() + sum(t.ByteSize() for t in a.tensors) for a in node.attribute)
+                if not any(a.HasField("g") or a.graphs for a in node.attribute[:]):
+                    held = sum(a.t.ByteSize() + sum(t.ByteSize() for t in a.tensors) for a in node.attribute[:])
                     counts.weight_bytes += held
                     counts.held_bytes += held
                     _constant_node(node, fills, shapes)
@@ -335,7 +335,7 @@ def _constant_node(node: NodeProto, fills: list[tuple[str, int]], shapes: dict[s
     """Note a ConstantOfShape's shape input and element size, or a Constant's value as a shape."""
     if node.domain not in ("", "ai.onnx") or not node.output:
         return
-    value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+    value = next((a.t for a in node.attribute[:] if a.name == "value" and a.HasField("t")), None)
     if node.op_type == "ConstantOfShape" and node.input:
         element_type = value.data_type if value is not None else TensorProto.FLOAT
         try:

@@ -32,7 +32,7 @@ def _signature(info) -> tuple:
         info.domain or "",
         info.op_type,
         tuple(info.inputs),
-        tuple(sorted(a.SerializeToString(deterministic=True) for a in info.proto.attribute)),
+        tuple(sorted(a.SerializeToString(deterministic=True) for a in info.proto.attribute[:])),
         len(info.outputs),
     )
 

@@ -24,7 +24,7 @@ def _value(info) -> TensorProto | None:
     """The Constant's value as an initializer named after its output (its `value` tensor as it
     is, not decoded and encoded again); None for a sparse one or a list of strings."""
     (output,) = info.proto.output
-    for attribute in info.proto.attribute:
+    for attribute in info.proto.attribute[:]:
         if attribute.name == "value":
             tensor = TensorProto()
             tensor.CopyFrom(attribute.t)
