@@ -209,6 +209,7 @@ def rule(
         function returning it), for what the user must know about the result.
     advisory: the rule never rewrites; its function is called as f(m, None) and returns a
         sentence telling the user why the matched pattern stays as it is (shown in reports).
+        It looks at every node of its root types once its phase has rewritten the scope.
     candidates: for a pattern that matches nearly every node (any op, say) while the rule
         rewrites few, a function of a graph scope that finds those few in one look at the whole
         scope: the ids of the nodes worth trying when a pass over the scope (or much of it)
