@@ -110,7 +110,7 @@ def instructions(code: Path, model: str) -> subprocess.Popen:
         "--collect-atstart=no",
         "--toggle-collect=sys_call_tracing",
         "--callgrind-out-file=/dev/null",
-        os.path.realpath(sys.executable),  # the interpreter itself, not a launcher script
+        sys.executable,
         "-c",
         _COUNTED_REWRITE,
         model,
@@ -128,9 +128,11 @@ def instructions(code: Path, model: str) -> subprocess.Popen:
 def counted(process: subprocess.Popen, code: Path) -> int:
     _, stderr = process.communicate()
     found = [line.split(":")[-1].strip() for line in stderr.splitlines() if "Collected :" in line]
-    if process.returncode or not found:
+    count = int(found[-1].replace(",", "")) if found else 0
+    if process.returncode or not count:
+        # Nothing counted: callgrind found no sys_call_tracing (an interpreter without symbols).
         sys.exit(f"{code}: counting the rewrite's instructions failed: {stderr.strip().splitlines()[-3:]}")
-    return int(found[-1].replace(",", ""))
+    return count
 
 
 def count_instructions(trees: dict[str, Path], model: str) -> int:

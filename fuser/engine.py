@@ -296,7 +296,7 @@ class Engine:
                     else:
                         renamed = set().union(*(self._candidates(graph, r) for r in naming))
                         pass_seeds = swept | renamed | (seeds if learns else set())
-                self._advise_scope(graph, scope)
+                self._advise_scope(graph, scope, apply)
                 changes.append(touched)
                 seen_changes[phase] = len(changes)  # its own changes it has revisited already
                 seen_rewrites[phase] = len(self.result.rewrites)
@@ -576,16 +576,21 @@ class Engine:
         self._decline(candidate, scope, match, f"dropped: {failure}")
         return True
 
-    def _advise_scope(self, graph: Graph, scope: str) -> None:
+    def _advise_scope(self, graph: Graph, scope: str, apply: bool) -> None:
         """The running phase's advisory rules, at every node of their root types, once the phase
         has reached its fixed point: what they report is what its rewrites left (not a pattern a
         later rewrite of the phase fused), and they add nothing to its passes, where a pattern
         deeper than the rewriting rules' had every rewrite revisit the nodes further below it
-        (the residual advisory was 9% of the instructions of the rewrite of a ResNet stack)."""
+        (the residual advisory was 9% of the instructions of the rewrite of a ResNet stack).
+        In check mode nothing is rewritten: a node some rule would rewrite is not advised on."""
+        if not self._phase_advisories:
+            return
+        taken = set() if apply else {label for o in self.result.opportunities if o.scope == scope for label in o.nodes}
         for candidate in self._phase_advisories:
             roots = {n for op_type, domain in candidate.roots for n in graph.nodes_of_type(op_type, domain)}
             for node_id in sorted(roots, key=graph.sort_key):
-                self._advise_at(graph, scope, candidate, node_id)
+                if graph.node(node_id).label not in taken:
+                    self._advise_at(graph, scope, candidate, node_id)
 
     def _advise_at(self, graph: Graph, scope: str, candidate: Rule, node_id: int) -> None:
         patterns = _fitting_patterns(graph, candidate, node_id, self._present)

@@ -683,7 +683,9 @@ def _end_with_fuser(sender) -> threading.Event:
     by SIGKILL (a CI job's hard timeout, the out-of-memory killer), it cannot pass anything on, and
     the worker ran to its end, writing its model after the run was over. The worker's side of the
     pipe the outcome goes back through tells: when nothing reads it any more, the system reports
-    an error on it. Returns the event to set once the outcome is sent: fuser then closes its end."""
+    an error on it (on Linux; where poll reports nothing of the kind, as on macOS, or there is
+    no poll, the worker runs on as before). Returns the event to set once the outcome is sent:
+    fuser then closes its end."""
     sent = threading.Event()
     if not hasattr(select, "poll"):
         return sent
@@ -695,7 +697,9 @@ def _end_with_fuser(sender) -> threading.Event:
         if not sent.is_set() and any(event & (select.POLLERR | select.POLLHUP) for _, event in events):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=end_when_alone, name="fuser-end-with-fuser", daemon=True).start()
+    watcher = threading.Thread(target=end_when_alone, name="fuser-end-with-fuser", daemon=True)
+    watcher.waits_only = True  # the load may still fork its check beside it (validation._running_alone)
+    watcher.start()
     return sent
 
 

@@ -149,11 +149,19 @@ def _nodes(model: ModelProto) -> int:
     return sum(len(graph.node) for graph in all_graph_protos(model.graph))
 
 
+def _running_alone() -> bool:
+    """Whether this process runs no thread besides this one but threads marked `waits_only`:
+    they only wait in a system call, holding no lock a forked child could need (the watch a
+    `-j` worker keeps on fuser, fuser/jobs.py), and a fork copies none of them."""
+    current = threading.current_thread()
+    return all(thread is current or getattr(thread, "waits_only", False) for thread in threading.enumerate())
+
+
 def _worth_a_child(nodes: int) -> bool:
     """Whether to check a model of `nodes` nodes in a child process: large enough to gain, on
     Linux, from a process running no other thread, with a second core and the memory both
     processes need."""
-    if nodes < CHILD_NODES or not sys.platform.startswith("linux") or threading.active_count() != 1:
+    if nodes < CHILD_NODES or not sys.platform.startswith("linux") or not _running_alone():
         return False
     from fuser.jobs import available_cores, available_memory
 

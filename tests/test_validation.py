@@ -293,3 +293,22 @@ def test_a_model_slicing_a_long_vector_is_checked_with_its_types(cli, tmp_path):
     assert result.returncode == 0, result.stderr
     x = np.ones(4, np.float32)
     assert run(onnx.load(tmp_path / "out.onnx"), {"x": x})[0].tolist() == [9.0, 10.0, 11.0, 12.0]
+
+
+def test_a_thread_that_only_waits_does_not_keep_the_check_from_forking():
+    # A -j worker keeps a thread waiting on its pipe to fuser (fuser/jobs.py); the load of a large
+    # model must still fork its check beside the graph's build. Any other thread keeps it here.
+    from fuser.validation import _running_alone
+
+    assert _running_alone()
+    release = threading.Event()
+    for waits_only in (True, False):
+        thread = threading.Thread(target=release.wait, daemon=True)
+        thread.waits_only = waits_only
+        thread.start()
+        try:
+            assert _running_alone() is waits_only
+        finally:
+            release.set()
+            thread.join()
+            release.clear()

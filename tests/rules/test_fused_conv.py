@@ -799,3 +799,21 @@ def test_light_inception_v2_affine_folds():
     fusions = {rule: count for rule, count in report.counts.items() if rule not in cleanups}
     assert fusions == {"conv-bn-fold": n, "conv-mul-scale": n, "conv-add-bias": n, CONV: n}
     assert not {"Mul", "Add", "Unsqueeze"} & set(op_types(after))
+
+
+def test_check_mode_advises_only_where_no_fusion_would_apply():
+    # A residual block fused-conv-residual would take, and one it declines (z broadcasts): the
+    # residual advice names only the second, in check mode as in an optimize run.
+    from fuser.rules.residual_add_relu import residual_add_relu
+
+    rules = [fused_conv, fused_conv_residual, residual_add_relu]
+    fusable, _ = residual_model()
+    declined, _ = residual_model(z_shape=(2, 8, 1, 1))
+    found = fuser.find_opportunities(fusable, rules=rules, target="onnxruntime")
+    assert [o.rule for o in found.opportunities] == [RESIDUAL]
+    assert found.advice == []
+    found = fuser.find_opportunities(declined, rules=rules, target="onnxruntime")
+    assert [o.rule for o in found.opportunities] == []
+    assert [a.rule for a in found.advice] == ["residual-add-relu"]
+    _, report = fuser.optimize(fusable, rules=rules, target="onnxruntime", check=False)
+    assert report.engine.advice == []
