@@ -491,16 +491,9 @@ class Engine:
             patterns = _fitting_patterns(graph, candidate, node_id, self._present)
             if not patterns:  # what most tries of most nodes end with
                 continue
-            for pattern, bindings in _guarded_matches(graph, candidate, node_id, patterns):
-                match = Match(graph, pattern, bindings, self._types, self.context)
-                if self._vetoed(candidate, scope, match):
-                    continue
+            for match in self._matches(graph, scope, candidate, node_id, patterns):
                 try:
-                    if len(match.bindings.nodes) > 1:  # a lone root has no interior to check
-                        self._inputs_check(match)
-                        keep, escaping = self._interior_check(graph, candidate, match)
-                    else:
-                        keep, escaping = set(), {}
+                    keep, escaping = self._checked_interior(graph, candidate, match)
                     builder = Builder(graph, match.root.name or candidate.name, rule=candidate)
                     try:
                         outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
@@ -592,16 +585,25 @@ class Engine:
                 if graph.node(node_id).label not in taken:
                     self._advise_at(graph, scope, candidate, node_id)
 
-    def _advise_at(self, graph: Graph, scope: str, candidate: Rule, node_id: int) -> None:
-        patterns = _fitting_patterns(graph, candidate, node_id, self._present)
+    def _matches(self, graph: Graph, scope: str, candidate: Rule, node_id: int, patterns: list[OpPattern]):
+        """The matches of `patterns` rooted at `node_id` that no blame has vetoed."""
         for pattern, bindings in _guarded_matches(graph, candidate, node_id, patterns):
             match = Match(graph, pattern, bindings, self._types, self.context)
-            if self._vetoed(candidate, scope, match):
-                continue
+            if not self._vetoed(candidate, scope, match):
+                yield match
+
+    def _checked_interior(self, graph: Graph, candidate: Rule, match: Match) -> tuple[set[int], dict[str, str]]:
+        """_inputs_check, then _interior_check's nodes to keep and escaping outputs."""
+        if len(match.bindings.nodes) == 1:  # a lone root has no interior to check
+            return set(), {}
+        self._inputs_check(match)
+        return self._interior_check(graph, candidate, match)
+
+    def _advise_at(self, graph: Graph, scope: str, candidate: Rule, node_id: int) -> None:
+        patterns = _fitting_patterns(graph, candidate, node_id, self._present)
+        for match in self._matches(graph, scope, candidate, node_id, patterns):
             try:
-                if len(match.bindings.nodes) > 1:  # a lone root has no interior to check
-                    self._inputs_check(match)
-                    _require_no_escape(self._interior_check(graph, candidate, match)[1], {})
+                _require_no_escape(self._checked_interior(graph, candidate, match)[1], {})
                 self._advise(candidate, scope, match)
             except Decline as decline:
                 if self.trace and not isinstance(decline, NotACandidate):
