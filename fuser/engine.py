@@ -396,7 +396,7 @@ class Engine:
         def push(node_id: int, release: bool = True) -> None:
             if release:
                 self._released.add(node_id)
-            if node_id not in queued and graph.has_node(node_id) and graph.node(node_id).op_type in self._by_root:
+            if node_id not in queued and graph.op_type_of(node_id) in self._by_root:
                 queued.add(node_id)
                 queue.push(graph.sort_key(node_id), node_id)
 
@@ -632,7 +632,7 @@ class Engine:
     def _inputs_check(self, match: Match) -> None:
         """A tensor bound by var()/const() must come from outside the match: the matched
         nodes are removed, so a replacement reading one of their outputs would dangle."""
-        interior = {o for n in match.nodes if n.id != match.root.id for o in n.outputs if o}
+        interior = {o for n in match.nodes if n.id != match.root.id for o in n.output_names if o}
         for name, tensor in match.bindings.tensors.items():
             if tensor in interior:
                 raise Decline(f"'{name}' is bound to '{tensor}', which the match itself computes")
@@ -647,7 +647,7 @@ class Engine:
         for info in match.nodes:
             if info.id == match.root.id:
                 continue
-            for output in info.outputs:
+            for output in info.output_names:
                 if not output:
                     continue
                 for consumer, slot in graph.consumers(output):

@@ -442,6 +442,11 @@ class Graph:
         data = self._attrs.get(node_id)
         return data is not None and data["kind"] == OP
 
+    def op_type_of(self, node_id: int) -> str | None:
+        """The op type of op node `node_id`; None if there is none (removed, or a source or sink)."""
+        data = self._attrs.get(node_id)
+        return data["info"].op_type if data is not None and data["kind"] == OP else None
+
     def nodes(self) -> Iterator[NodeInfo]:
         for data in self._attrs.values():
             if data["kind"] == OP:
