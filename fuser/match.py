@@ -13,6 +13,7 @@ import onnx
 from fuser.context import Context
 from fuser.graph import Graph, NodeInfo, all_graph_protos, valueless_long_vectors
 from fuser.pattern import Const, OpPattern
+from fuser.skim import infer_serialized, skimmed
 
 
 class Decline(Exception):
@@ -510,36 +511,41 @@ class InferredTypes:
     untyped: set[str]
 
 
-def inferred_types(model: onnx.ModelProto) -> InferredTypes:
-    """The types in `model`, a skeleton as shape inference returned it."""
-    input_symbols = {
-        dim.dim_param
-        for value in model.graph.input
-        if value.type.HasField("tensor_type")
-        for dim in value.type.tensor_type.shape.dim
-        if dim.dim_param
-    } - {"?"}  # "?" stands for a dim inference knows nothing of (_entry_of)
-    graphs = list(all_graph_protos(model.graph))
-    table: dict[str, Entry] = {}
+def inferred_types(model: onnx.ModelProto | bytes) -> InferredTypes:
+    """The types in `model`, a skeleton as shape inference returned it (or serialized: read
+    without building all of it, fuser/skim.py)."""
+    model = skimmed(model if isinstance(model, bytes) else model.SerializeToString())
     # Most tensors of a graph share a handful of types: each is read once, by its bytes,
     # rather than dim by dim through protobuf for every tensor.
     entries: dict[bytes, Entry | None] = {}
+
+    def entry_of(key: bytes) -> Entry | None:
+        entry = entries.get(key, _UNREAD)
+        if entry is _UNREAD:
+            type_proto = onnx.TypeProto.FromString(key)
+            entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
+        return entry
+
+    input_entries = {entry_of(value.type) for value in model.graph.input[:]} - {None}
+    # "?" stands for a dim inference knows nothing of (_entry_of)
+    input_symbols = {d for _, dims in input_entries if dims for d in dims if isinstance(d, str)} - {"?", ""}
+    graphs = list(all_graph_protos(model.graph))
+    table: dict[str, Entry] = {}
+    intern = sys.intern
     for graph in graphs:
-        for value in itertools.chain(graph.value_info, graph.input, graph.output):
-            type_proto = value.type
-            key = type_proto.SerializeToString()
-            entry = entries.get(key, _UNREAD)
+        for value in itertools.chain(graph.value_info[:], graph.input[:], graph.output[:]):
+            entry = entries.get(value.type, _UNREAD)
             if entry is _UNREAD:
-                entry = entries[key] = _entry_of(type_proto) if type_proto.HasField("tensor_type") else None
+                entry = entry_of(value.type)
             if entry is not None:
                 # The graph holds its tensor names interned: the table shares those strings.
-                table[sys.intern(value.name)] = entry
-        for tensor in graph.initializer:
-            table.setdefault(sys.intern(tensor.name), (tensor.data_type, tuple(tensor.dims[:])))
+                table[intern(value.name)] = entry
+        for tensor in graph.initializer[:]:
+            table.setdefault(intern(tensor.name), (tensor.data_type, tuple(tensor.dims[:])))
     untyped: set[str] = set()
     for graph in graphs:
-        for node in graph.node:
-            untyped.update(node.output)
+        for node in graph.node[:]:
+            untyped.update(node.output[:])
     untyped.difference_update(table)
     untyped.discard("")
     return InferredTypes(table, input_symbols, untyped)
@@ -642,9 +648,9 @@ class TypeInfo:
             skeleton = skeleton_model.SerializeToString() + valueless_long_vectors(skeleton_model.graph)
             del skeleton_model
             try:
-                model = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+                model = infer_serialized(skeleton, strict_mode=False, data_prop=True)
             except Exception:  # noqa: BLE001 - inference is best effort; annotations remain
-                model = onnx.load_from_string(skeleton)
+                model = skeleton
             del skeleton
             found = inferred_types(model)
             del model

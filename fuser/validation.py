@@ -31,6 +31,7 @@ from onnx import ModelProto
 from fuser.errors import InputError
 from fuser.graph import all_graph_protos, valueless_long_vectors, weightless_model
 from fuser.match import InferredTypes, inferred_types
+from fuser.skim import infer_serialized
 
 # A model with this many nodes (all scopes) or more is checked in a child process. Below it,
 # forking (a copy of this process's page tables, a new interpreter's exit) costs more than
@@ -228,7 +229,7 @@ def checked_inference(model: ModelProto, disposable: bool = False) -> InferredTy
     if model.ir_version >= 4:  # an older model's skeleton keeps initializers the rewrite's lists as inputs
         onnx.checker.check_model(skeleton)
         try:
-            inferred = onnx.shape_inference.infer_shapes(
+            inferred = infer_serialized(
                 skeleton + valueless_long_vectors(skeleton_model.graph),
                 check_type=True,
                 strict_mode=True,

@@ -407,3 +407,95 @@ def test_a_model_only_the_inference_refuses_is_refused_with_the_full_checks_mess
         Model.load(tmp_path / "m.onnx")
     first_line = str(refused.value).strip().splitlines()[0]
     assert str(error.value) == f"{tmp_path / 'm.onnx'}: invalid ONNX model: {first_line}"
+
+
+def _types_read_from_the_whole_model(model: onnx.ModelProto) -> InferredTypes:
+    """The table read from a parsed ModelProto, tensor by tensor: what inferred_types, which
+    reads only some fields of the serialized model (fuser/skim.py), must find."""
+    from fuser.graph import all_graph_protos
+
+    graphs = list(all_graph_protos(model.graph))
+    table = {}
+    for graph in graphs:
+        for value in [*graph.value_info, *graph.input, *graph.output]:
+            if value.type.HasField("tensor_type"):
+                table[value.name] = _entry_of(value.type)
+        for tensor in graph.initializer:
+            table.setdefault(tensor.name, (tensor.data_type, tuple(tensor.dims)))
+    symbols = {
+        dim.dim_param for value in model.graph.input for dim in value.type.tensor_type.shape.dim if dim.dim_param
+    } - {"?"}
+    untyped = {o for graph in graphs for node in graph.node for o in node.output if o} - set(table)
+    return InferredTypes(table, symbols, untyped)
+
+
+def _model_with_bodies() -> onnx.ModelProto:
+    """Symbolic and unknown dims, a sequence, an op inference cannot type, initializers, and
+    tensors typed only inside an If's branches and a Loop's body."""
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        nodes = [
+            helper.make_node(op, ["x"], [f"{name}_inner"]),
+            helper.make_node("Neg", [f"{name}_inner"], [f"{name}_out"]),
+        ]
+        return helper.make_graph(
+            nodes, name, [], [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None)]
+        )
+
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "w"], ["v_out"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["batch", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["batch", 4]),
+        ],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node(
+            "If", ["flag"], ["chosen"], then_branch=branch("then", "Abs"), else_branch=branch("else", "Sigmoid")
+        ),
+        helper.make_node("Loop", ["trips", "", "x"], ["looped"], body=body),
+        helper.make_node("Mystery", ["r"], ["mystery"], domain="example.custom"),
+        helper.make_node("Neg", ["mystery"], ["after"]),
+        helper.make_node("SequenceConstruct", ["r", "r"], ["seq"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bodies",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("trips", TensorProto.INT64, [None]),
+        ],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("chosen", "looped", "after")]
+        + [helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)],
+        [helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.custom", 1)]
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["bodies", TRANSFORMERS / "gpt2_dynamo.onnx", TRANSFORMERS / "llama_legacy.onnx", SAMPLES / "resnet_small.onnx"],
+    ids=lambda source: getattr(source, "stem", source),
+)
+def test_the_types_read_from_the_serialized_inference_are_those_of_the_whole_model(source):
+    model = _model_with_bodies() if source == "bodies" else Model.load(source).to_proto(weights=False)
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    expected = _types_read_from_the_whole_model(inferred)
+    found = inferred_types(inferred.SerializeToString())
+    assert found.table == expected.table
+    assert found.input_symbols == expected.input_symbols
+    assert found.untyped == expected.untyped
+    if source == "bodies":  # the walk reached the bodies, and the untyped op's output is listed
+        assert {"then_inner", "else_out", "v_out"} <= set(found.table)
+        assert "mystery" in found.untyped and "seq" not in found.table
+        assert found.input_symbols == {"batch"}
