@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 import fuser.tensors
@@ -448,6 +450,33 @@ def test_added_nodes_are_the_graphs_own_copies_and_stay_valid_as_more_follow():
     assert [n.input[0] for n in out.graph.node][:3] == ["t0", "t0", "t2"]
     assert [n.name for n in out.graph.node] == [f"sigmoid{i}" for i in range(length)]
     assert all(n.output[0] == f"t{i + 1}" for i, n in enumerate(out.graph.node))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_topological_order_is_the_smallest_positions_first_whether_or_not_they_are_in_order(data):
+    """Sorting by position where that is topological, and the heap otherwise, give one order:
+    at each step the node of the smallest position among those whose producers are placed."""
+    count = data.draw(st.integers(1, 12))
+    # Node i reads graph input x or earlier nodes' outputs: a DAG whatever order lists the nodes.
+    reads = [data.draw(st.lists(st.integers(-1, i - 1), min_size=1, max_size=3)) for i in range(count)]
+    listed = data.draw(st.permutations(range(count)))
+    nodes = [
+        helper.make_node("Sum", ["x" if j < 0 else f"t{j}" for j in reads[i]], [f"t{i}"], name=f"n{i}") for i in listed
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info(f"t{i}", onnx.TensorProto.FLOAT, [2]) for i in range(count)],
+    )
+    g = _graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    order = [int(g.node(n).name[1:]) for n in g.topological_order()]
+    assert order == [int(g.node(n).name[1:]) for n in g._ordered_by_heap()]
+    assert sorted(order) == list(range(count))
+    assert all(order.index(j) < order.index(i) for i in range(count) for j in reads[i] if j >= 0)
+    if listed == sorted(listed):
+        assert order == list(range(count))
 
 
 def test_topological_order_repairs_nodes_listed_out_of_order():
