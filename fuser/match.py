@@ -266,6 +266,7 @@ class Match:
         self.context = context
         self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
         self.absorbed: list[int] = []
+        self._nodes: tuple[NodeInfo, ...] | None = None  # asked several times by the engine's checks
 
     def __getitem__(self, name: str) -> str | None:
         if name in self._bindings.tensors:
@@ -294,6 +295,7 @@ class Match:
             if node_id not in self._bindings.nodes.values():
                 self._bindings.nodes[f"absorbed:{node_id}"] = node_id
                 self.absorbed.append(node_id)
+        self._nodes = None
 
     @property
     def bindings(self) -> Bindings:
@@ -305,7 +307,10 @@ class Match:
 
     @property
     def nodes(self) -> list[NodeInfo]:
-        return [self.graph.node(i) for i in self.node_ids]
+        if self._nodes is None:
+            node = self.graph.node
+            self._nodes = tuple(node(i) for i in self._bindings.nodes.values())
+        return list(self._nodes)
 
     def attr(self, node: str, attr: str, default=None):
         """The attribute's value; when absent, `default`, else the ONNX schema's default."""
