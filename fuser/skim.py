@@ -58,7 +58,8 @@ _MESSAGES = {
 @functools.cache
 def _model_class():
     package = "fuser.skim"
-    file = descriptor_pb2.FileDescriptorProto(name="fuser/skim.proto", package=package, syntax="proto3")
+    # proto2, as onnx.proto is: names are not checked for UTF-8 here if onnx's parser does not check them.
+    file = descriptor_pb2.FileDescriptorProto(name="fuser/skim.proto", package=package, syntax="proto2")
     for name, fields in _MESSAGES.items():
         message = file.message_type.add(name=name)
         for field, number, kind, repeated in fields:
@@ -70,7 +71,10 @@ def _model_class():
                 entry.type_name = f".{package}.{kind}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Model"))
+    descriptor = pool.FindMessageTypeByName(f"{package}.Model")
+    if hasattr(message_factory, "GetMessageClass"):  # protobuf 4.21 and later
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(pool).GetPrototype(descriptor)  # pragma: no cover - older protobuf
 
 
 def skimmed(serialized: bytes):
