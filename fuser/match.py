@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 
 from fuser.context import Context
-from fuser.graph import Graph, NodeInfo, all_graph_protos, valueless_long_vectors
+from fuser.graph import Graph, NodeInfo, valueless_long_vectors
 from fuser.pattern import Const, OpPattern
-from fuser.skim import infer_serialized, skimmed
+from fuser.skim import graphs_and_outputs, infer_serialized, skimmed
 
 
 class Decline(Exception):
@@ -534,7 +534,7 @@ def inferred_types(model: onnx.ModelProto | bytes) -> InferredTypes:
     input_entries = {entry_of(value.type) for value in model.graph.input[:]} - {None}
     # "?" stands for a dim inference knows nothing of (_entry_of)
     input_symbols = {d for _, dims in input_entries if dims for d in dims if isinstance(d, str)} - {"?", ""}
-    graphs = list(all_graph_protos(model.graph))
+    graphs, produced = graphs_and_outputs(model.graph)
     table: dict[str, Entry] = {}
     intern = sys.intern
     for graph in graphs:
@@ -547,10 +547,7 @@ def inferred_types(model: onnx.ModelProto | bytes) -> InferredTypes:
                 table[intern(value.name)] = entry
         for tensor in graph.initializer[:]:
             table.setdefault(intern(tensor.name), (tensor.data_type, tuple(tensor.dims[:])))
-    untyped: set[str] = set()
-    for graph in graphs:
-        for node in graph.node[:]:
-            untyped.update(node.output[:])
+    untyped = set(produced)
     untyped.difference_update(table)
     untyped.discard("")
     return InferredTypes(table, input_symbols, untyped)

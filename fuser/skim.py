@@ -17,6 +17,9 @@ import functools
 
 import onnx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from onnx import AttributeProto
+
+from fuser.graph import op_may_hold_graphs
 
 try:  # onnx's own binding: the inferred model as bytes, without a ModelProto made of them and serialized again
     from onnx.onnx_cpp2py_export import shape_inference as _inference
@@ -82,6 +85,29 @@ def skimmed(serialized: bytes):
     infos (each type as its TypeProto's bytes), inputs, outputs, initializers' names, types and
     dims, and nodes' outputs and the bodies they hold."""
     return _model_class().FromString(serialized)
+
+
+def graphs_and_outputs(graph) -> tuple[list, list[str]]:
+    """`graph` and every body nested in it, outermost first (as fuser.graph.all_graph_protos
+    lists them), and the outputs of all their nodes: one pass over the nodes for both, which
+    for a million nodes is most of the reading."""
+    graphs: list = []
+    outputs: list[str] = []
+
+    def visit(graph) -> None:
+        graphs.append(graph)
+        for node in graph.node[:]:
+            outputs.extend(node.output[:])
+            if op_may_hold_graphs(node.op_type, node.domain):
+                for attribute in node.attribute[:]:
+                    if attribute.type == AttributeProto.GRAPH:
+                        visit(attribute.g)
+                    elif attribute.type == AttributeProto.GRAPHS:
+                        for body in attribute.graphs:
+                            visit(body)
+
+    visit(graph)
+    return graphs, outputs
 
 
 def infer_serialized(
