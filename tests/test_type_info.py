@@ -16,6 +16,7 @@ import fuser
 from fuser.errors import InputError
 from fuser.match import InferredTypes, TypeInfo, _carried, _entry_of, inferred_types
 from fuser.model import Model
+from fuser.skim import infer_serialized
 
 
 def typed(name: str, dims: list):
@@ -489,9 +490,9 @@ def _model_with_bodies() -> onnx.ModelProto:
 )
 def test_the_types_read_from_the_serialized_inference_are_those_of_the_whole_model(source):
     model = _model_with_bodies() if source == "bodies" else Model.load(source).to_proto(weights=False)
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    expected = _types_read_from_the_whole_model(inferred)
-    found = inferred_types(inferred.SerializeToString())
+    inferred = infer_serialized(model.SerializeToString(), data_prop=True)
+    expected = _types_read_from_the_whole_model(onnx.load_from_string(inferred))
+    found = inferred_types(inferred)
     assert found.table == expected.table
     assert found.input_symbols == expected.input_symbols
     assert found.untyped == expected.untyped
@@ -499,3 +500,61 @@ def test_the_types_read_from_the_serialized_inference_are_those_of_the_whole_mod
         assert {"then_inner", "else_out", "v_out"} <= set(found.table)
         assert "mystery" in found.untyped and "seq" not in found.table
         assert found.input_symbols == {"batch"}
+
+
+def test_where_graphs_declare_a_name_differently_the_later_graph_in_the_walk_decides():
+    """Outermost first, each body before the next node's (fuser.graph.all_graph_protos): a name
+    typed in the main graph, a Loop body and an If inside that body gets the innermost one's
+    entry, unless a body after them types it again; an initializer's own type counts only where
+    no value info types its name; an empty dim name is no input's symbol."""
+
+    def typed_as(name: str, dims: list):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    def branch(name: str, declared: list) -> onnx.GraphProto:
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], [f"{name}_out"])], name, [], [typed_as(f"{name}_out", [1])]
+        )
+        graph.value_info.extend(declared)
+        return graph
+
+    inner = helper.make_node(
+        "If",
+        ["flag"],
+        ["inner_out"],
+        then_branch=branch("then", [typed_as("dup", [3])]),
+        else_branch=branch("else", [typed_as("only_else", [4])]),
+    )
+    body = helper.make_graph(
+        [inner, helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [typed_as("i", []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])],
+        [helper.make_tensor("body_weight", TensorProto.FLOAT, [2], [1.0, 2.0])],
+    )
+    body.value_info.extend([typed_as("dup", [2])])
+    later = helper.make_node(
+        "If", ["flag"], ["later_out"], then_branch=branch("later", []), else_branch=branch("late_else", [])
+    )
+    later.attribute[0].g.value_info.extend([typed_as("twice", [7])])
+    unnamed = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["", "n"])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "flag"], ["looped"], body=body), later],
+        "clashes",
+        [unnamed, helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [typed_as("looped", [1])],
+        [
+            helper.make_tensor("weight", TensorProto.INT64, [5], [1, 2, 3, 4, 5]),
+            helper.make_tensor("bare", TensorProto.INT32, [6], [0] * 6),
+        ],
+    )
+    graph.value_info.extend([typed_as("dup", [1]), typed_as("weight", [5]), typed_as("twice", [8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    found = inferred_types(model.SerializeToString())
+    assert found.table == _types_read_from_the_whole_model(model).table
+    assert found.table["dup"] == typed("dup", [3])  # the If inside the Loop body came last
+    assert found.table["twice"] == typed("twice", [7])
+    assert found.table["weight"] == typed("weight", [5])  # its value info, not its int64 data type
+    assert found.table["bare"] == (TensorProto.INT32, (6,))
+    assert found.table["body_weight"] == (TensorProto.FLOAT, (2,))
+    assert found.input_symbols == {"n"}
