@@ -980,14 +980,18 @@ def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
 def nested_graph_protos(nodes: Iterable[NodeProto]) -> Iterator[GraphProto]:
     """Every If/Loop/Scan body nested in `nodes`, outermost first."""
     for node in nodes:
-        if not may_hold_graphs(node):
-            continue
-        for attribute in node.attribute[:]:
-            if attribute.type == AttributeProto.GRAPH:
-                yield from all_graph_protos(attribute.g)
-            elif attribute.type == AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield from all_graph_protos(sub)
+        if may_hold_graphs(node):
+            for body in node_bodies(node):
+                yield from all_graph_protos(body)
+
+
+def node_bodies(node: NodeProto) -> Iterator[GraphProto]:
+    """The bodies `node` holds directly (its GRAPH and GRAPHS attributes), in attribute order."""
+    for attribute in node.attribute[:]:
+        if attribute.type == AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == AttributeProto.GRAPHS:
+            yield from attribute.graphs
 
 
 # What a skeleton keeps of the initializers: shape inference reads the values of integer tensors

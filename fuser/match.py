@@ -539,9 +539,10 @@ def inferred_types(model: onnx.ModelProto | bytes) -> InferredTypes:
     intern = sys.intern
     for graph in graphs:
         for value in itertools.chain(graph.value_info[:], graph.input[:], graph.output[:]):
-            entry = entries.get(value.type, _UNREAD)
+            key = value.type
+            entry = entries.get(key, _UNREAD)  # asked first here: a call per tensor costs, most types are known
             if entry is _UNREAD:
-                entry = entry_of(value.type)
+                entry = entry_of(key)
             if entry is not None:
                 # The graph holds its tensor names interned: the table shares those strings.
                 table[intern(value.name)] = entry

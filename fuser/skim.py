@@ -18,9 +18,8 @@ import functools
 
 import onnx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from onnx import AttributeProto
 
-from fuser.graph import op_may_hold_graphs
+from fuser.graph import node_bodies, op_may_hold_graphs
 
 try:  # onnx's own binding: the inferred model as bytes, without a ModelProto made of them and serialized again
     from onnx.onnx_cpp2py_export import shape_inference as _inference
@@ -102,12 +101,8 @@ def graphs_and_outputs(graph) -> tuple[list, list[str]]:
         for node in graph.node[:]:
             outputs.extend(node.output[:])
             if op_may_hold_graphs(node.op_type, node.domain):
-                for attribute in node.attribute[:]:
-                    if attribute.type == AttributeProto.GRAPH:
-                        visit(attribute.g)
-                    elif attribute.type == AttributeProto.GRAPHS:
-                        for body in attribute.graphs:
-                            visit(body)
+                for body in node_bodies(node):
+                    visit(body)
 
     visit(graph)
     return graphs, outputs
