@@ -1,7 +1,7 @@
 """How fuser's time and memory grow with the model: synthetic stacks of many nodes, and large weights.
 
     python bench/scale.py [--sizes 1000,10000,100000] [--families resnet,mlp] [--weights-mb 500]
-                          [--real PATH.onnx] [--no-check-only] [--dir /tmp/fuser-scale]
+                          [--real PATH.onnx] [--no-check-only] [--check-first] [--dir /tmp/fuser-scale]
 
 Every measurement is its own process, so its peak memory (max RSS, from the kernel's rusage
 of that child, and of the child fuser forks to check a large model) is its own; `tree GB` is
@@ -22,6 +22,9 @@ fuser's time and memory to onnx load+save. Models:
   `python tests/data/make_transformers.py --size real --out bench/models/`.
 
 Sizes are total node counts; 1M nodes is `--sizes 1000000` (a few minutes and several GB).
+`--check-first` runs fuser as it runs where the machine has not the second core or the memory
+to check a large model beside building its graph (fuser/validation.py): the load waits for
+the check's child before it builds the graph, and the two never hold memory together.
 """
 
 from __future__ import annotations
@@ -171,8 +174,16 @@ def _tree_pss(root: int) -> float | None:
     return total / 1e6
 
 
-def fuser_command(model: Path, output: Path, report: Path, check: bool) -> list[str]:
-    command = [sys.executable, "-m", "fuser", "optimize", str(model), "-o", str(output), "--force", "-q"]
+# `python -m fuser`, with the load's check counted as having no second core beside it.
+CHECK_FIRST = (
+    "import sys; import fuser.validation; fuser.validation.CORES = 1; "
+    "from fuser.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def fuser_command(model: Path, output: Path, report: Path, check: bool, check_first: bool = False) -> list[str]:
+    launcher = ["-c", CHECK_FIRST] if check_first else ["-m", "fuser"]
+    command = [sys.executable, *launcher, "optimize", str(model), "-o", str(output), "--force", "-q"]
     command += ["--report", str(report)]
     return command + ([] if check else ["--no-check"])
 
@@ -200,13 +211,13 @@ COMPILE = (
 )
 
 
-def run_model(label: str, path: Path, workdir: Path, checks: list[bool]) -> list[dict]:
+def run_model(label: str, path: Path, workdir: Path, checks: list[bool], check_first: bool = False) -> list[dict]:
     nodes = int(subprocess.run([sys.executable, "-c", COUNT_NODES, str(path)], capture_output=True, text=True).stdout)
     rows = []
     reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
     for check in checks:
         report = workdir / "report.json"
-        seconds, peak, tree, code = measure(fuser_command(path, workdir / "out.onnx", report, check))
+        seconds, peak, tree, code = measure(fuser_command(path, workdir / "out.onnx", report, check, check_first))
         rows.append(
             {
                 "model": label,
@@ -257,6 +268,9 @@ def main(argv=None) -> int:
     parser.add_argument("--real", action="append", default=[], help="an existing model to measure too")
     parser.add_argument("--no-check-only", action="store_true", help="skip the runs with the numerics check")
     parser.add_argument("--check-up-to", type=int, default=100_000, help="largest stack measured with the check")
+    parser.add_argument(
+        "--check-first", action="store_true", help="the load's check before the graph is built, not beside it"
+    )
     parser.add_argument("--dir", default=None, help="where to write the models (default: a temporary folder)")
     args = parser.parse_args(argv)
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fuser-scale-"))
@@ -283,7 +297,7 @@ def main(argv=None) -> int:
         for label, path, checks, build in models:
             if build is not None and not path.exists():
                 subprocess.run([sys.executable, "-c", BUILD, str(Path(__file__).parent), build, str(path)], check=True)
-            for row in run_model(label, path, workdir, checks):
+            for row in run_model(label, path, workdir, checks, args.check_first):
                 print(line(row), flush=True)
     finally:
         if not args.dir:

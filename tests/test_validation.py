@@ -168,27 +168,55 @@ def test_optimize_loads_its_model_in_a_process_of_one_thread(apart, cli, tmp_pat
     assert forked == [1]
 
 
-def test_no_child_is_forked_without_the_memory_both_processes_hold(apart, monkeypatch):
+def checked_here(monkeypatch) -> list:
+    """The models this process checks itself (a forked child's checks are not seen here)."""
+    calls: list = []
+    check = validation._check
+
+    def recorded(model, disposable=False):
+        calls.append(model)
+        return check(model, disposable)
+
+    monkeypatch.setattr(validation, "_check", recorded)
+    return calls
+
+
+def test_without_the_memory_both_processes_hold_the_child_is_waited_for(apart, monkeypatch):
     """The child's check holds its memory while the graph is built: with too little available,
-    the check runs here, first, as it did before there was a child."""
+    this process waits for the child, whose memory is all handed back when it exits."""
     import fuser.jobs
 
     model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
     nodes = len(model.graph.node)
     needed = nodes * (validation.CHILD_BYTES_PER_NODE + validation.GRAPH_BYTES_PER_NODE)
+    here = checked_here(monkeypatch)
     monkeypatch.setattr(fuser.jobs, "available_memory", lambda: needed - 1)
-    assert Validation(model, "m.onnx")._child is None
+    waited = Validation(model, "m.onnx")
+    assert waited._child is None and waited._outcome is not None  # done before the graph is built
+    assert here == []  # by the child
+    assert waited.take_types().table == Validation(model, "m.onnx", apart=False).take_types().table
     monkeypatch.setattr(fuser.jobs, "available_memory", lambda: needed)
     beside = Validation(model, "m.onnx")
-    assert beside._child is not None
+    assert beside._child is not None and beside._outcome is None
     beside.close()
 
 
-def test_no_child_is_forked_without_a_second_core(apart, monkeypatch):
-    """A worker of `-j N` given one core's share, or a machine of one, gains nothing from a child."""
+def test_without_a_second_core_the_child_is_waited_for(apart, monkeypatch):
+    """A worker of `-j N` given one core's share, or a machine of one, gains nothing from a
+    child beside it, but still the memory the child hands back when it exits."""
     model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
+    here = checked_here(monkeypatch)
     monkeypatch.setattr(validation, "CORES", 1)
-    assert Validation(model, "m.onnx")._child is None
+    waited = Validation(model, "m.onnx")
+    assert waited._child is None and waited._outcome is not None
+    assert here == []
+
+
+def test_a_model_refused_by_a_child_waited_for_is_refused(apart, monkeypatch):
+    monkeypatch.setattr(validation, "CORES", 1)
+    waited = Validation(invalid_model(), "m.onnx")
+    with pytest.raises(InputError, match="invalid ONNX model"):
+        waited.verdict()
 
 
 def test_the_types_wait_for_the_check_until_a_rule_asks(apart):
