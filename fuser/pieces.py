@@ -220,8 +220,9 @@ def element_types(graph: GraphProto, opsets: dict[str, int], wiring: Wiring | No
                 known[outputs[0]] = elem
             continue
         bound: dict[str, int] = {}
+        params, listed = typing.inputs, len(typing.inputs)
         for slot, name in enumerate(inputs):
-            param = typing.input_param(slot)
+            param = params[slot] if slot < listed else typing.variadic
             if param is not None and name in known:
                 bound.setdefault(param, known[name])
         for name, (param, fixed) in zip(outputs, typing.output_types(len(outputs))):
@@ -344,17 +345,25 @@ def _cuts(wiring: Wiring, count: int, types: dict[str, int], last_read: dict[str
     targets = [round(total * i / count) for i in range(1, count)]
     best: dict[int, tuple] = {}
     live: set[str] = set()
+    blocking: set[str] = set()  # the live tensors of a type no cut may run through
     for position in range(1, total):
         previous = position - 1
         if previous not in wiring.constants:  # a Constant is copied into the pieces that read it
-            live.update(o for o in wiring.outputs[previous] if o and last_read.get(o, -1) >= position)
-        live.difference_update([i for i in wiring.inputs[previous] if last_read.get(i) == previous])
+            for output in wiring.outputs[previous]:
+                if output and last_read.get(output, -1) >= position:
+                    live.add(output)
+                    if wiring.type_of(output, types) not in _CUT_TYPES:
+                        blocking.add(output)
+        for name in wiring.inputs[previous]:
+            if last_read.get(name) == previous:
+                live.discard(name)
+                blocking.discard(name)
         # Targets lie a piece apart and a span is under half a piece: only the nearest can be in reach.
         nearest = round(position * count / total) - 1
         if not 0 <= nearest < len(targets) or abs(position - targets[nearest]) > span:
             continue
         target = targets[nearest]
-        if len(live) > MAX_CUT or any(wiring.type_of(t, types) not in _CUT_TYPES for t in live):
+        if len(live) > MAX_CUT or blocking:
             continue
         score = (len(live), abs(position - target))
         if target not in best or score < best[target][0]:
@@ -386,24 +395,24 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
     outputs = {v.name: v for v in graph.output}
     weights = wiring.weights
     constant_of = {o: position for position in wiring.constants for o in wiring.outputs[position] if o}
-    reads_of = [{i for inputs in wiring.inputs[start:end] for i in inputs if i} for start, end in spans]
-    read_later = [set() for _ in spans]  # per piece: what the pieces after it read
-    for index in range(len(spans) - 2, -1, -1):
-        read_later[index] = read_later[index + 1] | reads_of[index + 1]
-    every_read = set().union(*reads_of)
+    last_reader: dict[str, int] = {}  # per tensor, the last piece reading it
     for index, (start, end) in enumerate(spans):
-        made = {o for names in wiring.outputs[start:end] for o in names if o}
+        for inputs in wiring.inputs[start:end]:
+            for name in inputs:
+                last_reader[name] = index
+    for index, (start, end) in enumerate(spans):
+        made = dict.fromkeys(o for names in wiring.outputs[start:end] for o in names if o)  # in node order: pieces alike run to run
         reads = list(dict.fromkeys(i for names in wiring.inputs[start:end] for i in names if i and i not in made))
         # Constants computed in an earlier piece are computed again here, as constants.
         copied = sorted({constant_of[name] for name in reads if name in constant_of})
         reads = [name for name in reads if name not in constant_of]
         if index == 0:  # the whole model's session takes them too, though nothing reads them
-            reads += [name for name in declared if name not in every_read]
+            reads += [name for name in declared if name not in last_reader]
         hands_on = [
             o
             for position in range(start, end)
             for o in wiring.outputs[position]
-            if o and (o in outputs or (o in read_later[index] and position not in wiring.constants))
+            if o and (o in outputs or (last_reader.get(o, -1) > index and position not in wiring.constants))
         ]
         proto = ModelProto()
         proto.ir_version = model.ir_version
