@@ -401,7 +401,8 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
             for name in inputs:
                 last_reader[name] = index
     for index, (start, end) in enumerate(spans):
-        made = dict.fromkeys(o for names in wiring.outputs[start:end] for o in names if o)  # in node order: pieces alike run to run
+        # In node order (a dict, not a set): a piece's model is the same from run to run.
+        made = dict.fromkeys(o for names in wiring.outputs[start:end] for o in names if o)
         reads = list(dict.fromkeys(i for names in wiring.inputs[start:end] for i in names if i and i not in made))
         # Constants computed in an earlier piece are computed again here, as constants.
         copied = sorted({constant_of[name] for name in reads if name in constant_of})
