@@ -174,11 +174,9 @@ def _tree_pss(root: int) -> float | None:
     return total / 1e6
 
 
-# `python -m fuser`, with the load's check counted as having no second core beside it.
-CHECK_FIRST = (
-    "import sys; import fuser.validation; fuser.validation.CORES = 1; "
-    "from fuser.cli import main; sys.exit(main(sys.argv[1:]))"
-)
+# `python -m fuser` (the same entry point: a process that ends at once when its output is out),
+# with the load's check counted as having no second core beside it.
+CHECK_FIRST = "import fuser.validation; fuser.validation.CORES = 1; from fuser.cli import program; program()"
 
 
 def fuser_command(model: Path, output: Path, report: Path, check: bool, check_first: bool = False) -> list[str]:

@@ -242,9 +242,6 @@ class _Typing:
     variadic_outputs: bool = False  # outputs past the listed ones are typed as the last (Split's)
     from_attributes: bool = False  # the output's type is an attribute's (_attribute_type)
 
-    def input_param(self, slot: int) -> str | None:
-        return self.inputs[slot] if slot < len(self.inputs) else self.variadic
-
     def output_types(self, count: int) -> tuple[tuple[str | None, int], ...]:
         if self.variadic_outputs and count > len(self.outputs):
             return self.outputs + (self.outputs[-1],) * (count - len(self.outputs))
@@ -399,7 +396,8 @@ def _pieces(model: ModelProto, cuts: list[int], types: dict[str, int], wiring: W
     for index, (start, end) in enumerate(spans):
         for inputs in wiring.inputs[start:end]:
             for name in inputs:
-                last_reader[name] = index
+                if name:
+                    last_reader[name] = index
     for index, (start, end) in enumerate(spans):
         # In node order (a dict, not a set): a piece's model is the same from run to run.
         made = dict.fromkeys(o for names in wiring.outputs[start:end] for o in names if o)

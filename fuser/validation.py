@@ -44,8 +44,8 @@ CHILD_NODES = 20_000
 # its outcome left in a file): what the check adds at its peak (a skeleton, onnx's two parses
 # of it, the inferred model and its types: 1.8 GB for the million-node MLP stack, 0.18 and 0.33
 # GB for the 100k-node stacks) and what the graph then adds here (3.4 GB for the million
-# nodes), per node. A machine without that much memory available checks here, first, as the
-# two then never hold memory together.
+# nodes), per node. On a machine without that much memory available this process waits for
+# the child before it builds the graph, so that the two never hold memory together.
 CHILD_BYTES_PER_NODE = 2_000
 GRAPH_BYTES_PER_NODE = 4_000
 # The cores this process may use (None: the machine's); a worker of `fuser optimize -j N` is
@@ -67,12 +67,14 @@ class Validation:
         self._wants_types = True
         self._child: tuple[int, IO[bytes]] | None = None  # (pid, the file it writes its outcome to)
         nodes = _nodes(model) if apart else 0
+        beside = False
         if apart and _may_fork(nodes):
+            beside = _room_beside(nodes)  # asked before the child's check takes memory
             self._child = _fork_check(model)
         self._model = model if self._child is not None else None  # to check here should the child fail
         if self._child is None:
             self._outcome = _check(model)
-        elif not _room_beside(nodes):
+        elif not beside:
             self._outcome = self._collect()
 
     def verdict(self) -> None:

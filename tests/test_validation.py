@@ -213,8 +213,10 @@ def test_without_a_second_core_the_child_is_waited_for(apart, monkeypatch):
 
 
 def test_a_model_refused_by_a_child_waited_for_is_refused(apart, monkeypatch):
+    here = checked_here(monkeypatch)
     monkeypatch.setattr(validation, "CORES", 1)
     waited = Validation(invalid_model(), "m.onnx")
+    assert here == []  # refused by the child
     with pytest.raises(InputError, match="invalid ONNX model"):
         waited.verdict()
 
