@@ -191,6 +191,8 @@ def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
         outcome = tempfile.TemporaryFile()
     except OSError:  # no temporary folder to write to: check here
         return None
+    parent = os.getpid()
+    end_with_parent = _death_signal_setter()
     try:
         pid = os.fork()
     except OSError:
@@ -199,10 +201,16 @@ def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
     if pid == 0:  # the child: never returns into the caller's code
         status = 1
         try:
-            try:
-                checked = _check(model, disposable=True)  # this process's copy, never used again
-            except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
-                checked = None
+            # Killed with this process (a CI job's hard timeout, the out-of-memory killer), the
+            # child would check on alone for up to 20 s, holding GBs, for nobody.
+            if end_with_parent is not None:
+                end_with_parent()
+            checked = None
+            if os.getppid() == parent:  # else gone already, before the signal was asked for
+                try:
+                    checked = _check(model, disposable=True)  # this process's copy, never used again
+                except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
+                    checked = None
             if checked is not None:
                 outcome.write(pickle.dumps(checked[:2], protocol=pickle.HIGHEST_PROTOCOL))
                 outcome.flush()
@@ -210,6 +218,22 @@ def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
         finally:
             os._exit(status)
     return pid, outcome
+
+
+def _death_signal_setter():
+    """A function that has the system kill the calling process once its parent is gone (Linux's
+    prctl PR_SET_PDEATHSIG), or None where there is none. Looked up before the fork: a child
+    loads no library."""
+    import ctypes  # here: only a process that forks the check needs it
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _interned(found: InferredTypes | None) -> InferredTypes | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -144,6 +146,64 @@ def test_no_child_is_forked_beside_other_threads(apart):
     finally:
         release.set()
         other.join()
+
+
+# A process that checks a model in a child it forks, whose check writes the child's pid to a
+# file and then sleeps, as a check of a million nodes runs for 20 s.
+SLOW_CHILD = """
+import os, sys, time, onnx
+from fuser import validation
+validation.CHILD_NODES, validation.CORES = 0, 2
+parent, check = os.getpid(), validation._check
+
+def slow_check(model, disposable=False):
+    if os.getpid() != parent:
+        with open(sys.argv[2] + ".part", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.rename(sys.argv[2] + ".part", sys.argv[2])
+        time.sleep(600)
+    return check(model, disposable)
+
+validation._check = slow_check
+validation.Validation(onnx.load(sys.argv[1]), "m.onnx").verdict()
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie its new parent has not reaped (a container's first process may never)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the check forks only on Linux")
+def test_the_child_ends_when_the_process_that_forked_it_is_killed(tmp_path):
+    """SIGKILL (a CI job's hard timeout, the out-of-memory killer) gives fuser no chance to stop
+    the child: the system ends it, rather than letting it check on alone for nobody."""
+    told = tmp_path / "child.pid"
+    fuser = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, str(TRANSFORMERS / "gpt2_dynamo.onnx"), str(told)])
+    try:
+        for _ in range(6000):
+            if told.exists() or fuser.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert told.exists(), "the child never started its check"
+        child = int(told.read_text())
+        os.kill(fuser.pid, signal.SIGKILL)
+        fuser.wait()
+        for _ in range(3000):
+            if _ended(child):
+                break
+            time.sleep(0.01)
+        ended = _ended(child)
+        if not ended:
+            os.kill(child, signal.SIGKILL)
+        assert ended, "the child checks on after the process that forked it was killed"
+    finally:
+        if fuser.poll() is None:
+            fuser.kill()
+            fuser.wait()
 
 
 @pytest.mark.parametrize("check", [[], ["--no-check"]])
