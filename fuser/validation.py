@@ -230,6 +230,7 @@ def _death_signal_setter():
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # declared: its arguments are variadic
     return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
