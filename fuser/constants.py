@@ -223,7 +223,7 @@ class ConstantValues:
         if proto is None:
             return None
         value = self._graph.tensors.value(proto, max_bytes)
-        if value is not None:
+        if value is not None and value.flags.writeable:  # one over the tensor's bytes never is
             value.flags.writeable = False
         return value
 

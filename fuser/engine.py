@@ -404,15 +404,25 @@ class Engine:
         phase_rules = list({id(r): r for rules in self._by_root.values() for r in rules}.values())
         naming = [r for r in phase_rules if r.candidates is not None]
         if seeds is not None:
-            below = self._downstream(graph, {n for n in seeds if graph.has_node(n)})
+            present = {n for n in seeds if graph.has_node(n)}
             # Naming candidates takes a look at the whole graph: worth it when the pass covers
-            # much of it (a fusion phase that changed every layer), not for a few nodes.
-            if NOMINATE_ABOVE * len(below) >= graph.node_count():
+            # much of it (a fusion phase that changed every layer), not for a few nodes. The
+            # nodes below the seeds include the seeds: enough of those settle it at once.
+            wide = NOMINATE_ABOVE * len(present) >= graph.node_count()
+            below = None if wide else self._downstream(graph, present)
+            if wide or NOMINATE_ABOVE * len(below) >= graph.node_count():
                 for rule in naming:
                     self._nominated[id(rule)] = self._candidates(graph, rule)
-            for node_id in below:
-                if not self._nominated or self._tried_at(graph, node_id):
-                    push(node_id, release=False)
+            # Once candidates are named, a visit tries a rule only at them and at the nodes of a
+            # rule naming none: where there are none of either (an earlier phase run again after
+            # a fusion phase changed every layer), the nodes below are not even listed.
+            worth = self._maybe_tried(graph, phase_rules) if self._nominated else None
+            if worth is None or worth:
+                if below is None:
+                    below = self._downstream(graph, present)
+                for node_id in below if worth is None or len(below) <= len(worth) else worth & below:
+                    if not self._nominated or self._tried_at(graph, node_id):
+                        push(node_id, release=False)
         else:
             starts: set[int] = set()  # each node once, however many rules are rooted at its type
             for rule in phase_rules:
@@ -472,6 +482,17 @@ class Engine:
             if nominated is None or node_id in nominated:
                 return True
         return False
+
+    def _maybe_tried(self, graph: Graph, phase_rules: list[Rule]) -> set[int]:
+        """The nodes _tried_at may find a rule for, and maybe more: the candidates named,
+        and the nodes of the root types of the rules naming none."""
+        found: set[int] = set().union(*self._nominated.values())
+        # By op type alone, in any domain, as _tried_at and _visit look rules up.
+        everywhere = {root_type for rule in phase_rules if id(rule) not in self._nominated for root_type, _ in rule.roots}
+        for domain, op_type in graph.op_type_counts():
+            if op_type in everywhere:
+                found.update(graph.nodes_of_type(op_type, domain))
+        return found
 
     def _candidates(self, graph: Graph, rule: Rule) -> set[int]:
         """The nodes of `graph` a pass over all of it tries `rule` at (Rule.candidates)."""

@@ -14,6 +14,7 @@ from fuser.context import Context
 from fuser.graph import Graph, NodeInfo, valueless_long_vectors
 from fuser.pattern import Const, OpPattern
 from fuser.skim import graphs_and_outputs, infer_serialized, skimmed
+from fuser.tensors import read_only
 
 
 class Decline(Exception):
@@ -331,9 +332,7 @@ class Match:
         value = self.graph.constant_value(tensor)
         if value is None:
             raise Decline(f"'{name}' ({tensor}) is not a constant small enough to read")
-        value = value.view()
-        value.flags.writeable = False  # shared with the graph: rules build new tensors
-        return value
+        return read_only(value)  # shared with the graph: rules build new tensors
 
     # A name given to dtype/shape/rank/consumers/is_graph_output is read as the pattern's name
     # first, then as a tensor. A tensor taken from the graph (a node's inputs, say) goes to the

@@ -356,7 +356,18 @@ def _plain_value(tensor: TensorProto, max_bytes: int | None) -> np.ndarray | Non
         return None
     if max_bytes is not None and len(raw) > max_bytes:
         return _TOO_LARGE
-    return np.frombuffer(raw, dtype).reshape(dims)
+    return np.ndarray(dims, dtype, raw)  # over the bytes themselves: read-only for good (read_only)
+
+
+def read_only(value: np.ndarray) -> np.ndarray:
+    """`value` as a rule may be handed it: itself where it is an array over immutable bytes (a
+    weight decoded by _plain_value, which nothing can make writeable), else a read-only view,
+    which cannot be made writeable either, while the array it shows stays the holder's."""
+    if type(value.base) is bytes:  # setting a flag takes longer than the rest of reading a small weight
+        return value
+    view = value.view()
+    view.flags.writeable = False
+    return view
 
 
 def nbytes(tensor: TensorProto) -> int:

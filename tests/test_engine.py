@@ -758,6 +758,33 @@ def test_values_from_constant_nodes_are_read_only_too():
     np.testing.assert_array_equal(model.graph.constant_value("w"), [1.0, 2.0, 3.0])
 
 
+@pytest.mark.parametrize("source", ["weight", "computed"])
+def test_a_value_cannot_be_made_writeable(source):
+    """A weight's value is an array over the tensor's own bytes, handed over as it is; a
+    computed constant's is a view of the array the graph keeps: neither can be turned writeable."""
+
+    @rule("unlock", pattern=op.Add(var("x"), const("w"), name="add"))
+    def unlock(m, b):
+        """Tries to make a value writeable, then change it."""
+        w = m.value("w")
+        w.flags.writeable = True
+        w[0] = 5.0
+        return b.Add(m["x"], b.constant(w))
+
+    values = np.array([1.0, 2.0, 3.0], F32)
+    io_ = ([("x", F32, [3])], [("y", F32, [3])])
+    if source == "weight":
+        model = Model(make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], *io_, {"w": values.copy()}))
+        expected = values
+    else:  # evaluated by numpy: an array that owns its data, kept by the graph
+        nodes = [helper.make_node("Neg", ["c"], ["w"]), helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+        model = Model(make_model(nodes, *io_, {"c": values.copy()}))
+        expected = -values
+    with pytest.raises(RuleError, match="WRITEABLE"):
+        fuser.optimize(model, rules=[unlock])
+    np.testing.assert_array_equal(model.graph.constant_value("w"), expected)
+
+
 def _two_relus_with_tail():
     nodes = unary_chain(["Relu", "Relu", "Neg"], ["r1", "r2", "tail"])
     return make_model(nodes, io("x"), io("y"))
