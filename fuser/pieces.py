@@ -35,12 +35,13 @@ from onnx import GraphProto, ModelProto, TensorProto, helper
 from fuser.graph import may_hold_graphs, opset_versions
 from fuser.tensors import nbytes
 
-# The fewest nodes of a piece: a session of 4k nodes starts in about a tenth of a second. Pieces
-# that small start the 66k-node optimized MLP of bench/scale.py, two at a time, in 2.0 s as 16,
-# 2.6 s as four (a third less work, as onnxruntime's start grows faster than the model); more than
-# 16 gained nothing (bench/ort_sessions.py).
-PIECE_NODES = 4_000
-MAX_PIECES = 16
+# The fewest nodes of a piece, and the most pieces. onnxruntime's start grows faster than the
+# model, so smaller pieces do less work in all: the 66k-node optimized MLP of bench/scale.py
+# started in 2.3 to 2.9 s as 16 pieces, 1.9 to 2.6 s as 32 and 1.6 to 1.9 s as 64, its 71k-node
+# optimized ResNet stack in 2.3 s, 2.1 s and 1.8 to 1.9 s, and 64 pieces held 0.1 GB less than
+# 16 and ran as fast; a 6.6k-node model started in 0.29 s whole, 0.17 s as six pieces.
+PIECE_NODES = 1_000
+MAX_PIECES = 64
 MAX_CUT = 64  # tensors crossing one cut
 SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
 

@@ -111,7 +111,7 @@ def cut(model: onnx.ModelProto):
 def test_a_chain_is_cut_into_as_many_pieces_as_its_size_allows(small_pieces):
     assert cut(chain(15)) is None  # one piece's worth
     assert cut(chain(30)).pieces == 3
-    assert cut(chain(400)).pieces == pieces.MAX_PIECES
+    assert cut(chain(pieces.PIECE_NODES * (pieces.MAX_PIECES + 4))).pieces == pieces.MAX_PIECES
 
 
 def test_a_weight_read_on_both_sides_of_a_cut_is_copied_only_while_small(small_pieces, monkeypatch):
