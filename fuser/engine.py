@@ -488,7 +488,9 @@ class Engine:
         and the nodes of the root types of the rules naming none."""
         found: set[int] = set().union(*self._nominated.values())
         # By op type alone, in any domain, as _tried_at and _visit look rules up.
-        everywhere = {root_type for rule in phase_rules if id(rule) not in self._nominated for root_type, _ in rule.roots}
+        everywhere = {
+            root_type for rule in phase_rules if id(rule) not in self._nominated for root_type, _ in rule.roots
+        }
         for domain, op_type in graph.op_type_counts():
             if op_type in everywhere:
                 found.update(graph.nodes_of_type(op_type, domain))
