@@ -25,6 +25,7 @@ the one the whole model gives.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ PIECE_NODES = 1_000
 MAX_PIECES = 64
 MAX_CUT = 64  # tensors crossing one cut
 SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
+# How many pieces onnxruntime starts at the same time (None: each as soon as it is cut). The
+# check's child beside a rewrite (fuser/check_apart.py) starts one at a time, leaving it its core.
+AT_ONCE: int | None = None
 
 # Element types a numpy array holds exactly, as onnxruntime hands them over and takes them back.
 _NUMPY_TYPES = frozenset(
@@ -141,10 +145,12 @@ def started_in_pieces(
         return None
     sessions: list = []
     threads, pieces = [], []
+    turns = threading.BoundedSemaphore(AT_ONCE) if AT_ONCE else contextlib.nullcontext()
 
     def started(proto: ModelProto, index: int) -> None:
         try:
-            sessions[index] = start(proto)
+            with turns:
+                sessions[index] = start(proto)
         except Exception:  # noqa: BLE001 - the whole model is started instead, and says why if it cannot be
             pass
 

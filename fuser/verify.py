@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from fuser import ending
+from fuser.check_apart import ChildFailed, OriginalApart, worth_apart
 from fuser.errors import InputError, UsageError
 from fuser.float32_twin import (
     SIXTEEN_BIT_FLOAT_NAMES,
@@ -980,6 +981,19 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
         raise InputError(f"{path}: not a .npz file of arrays ({error})") from error
 
 
+@dataclass
+class OriginalRuns:
+    """What the original model gave a check: the input sets, its outputs for each, its graph
+    inputs' names, and what the check says of them. Made where its session ran, in this process
+    or in another (fuser/check_apart.py)."""
+
+    feeds: list[dict[str, np.ndarray]]
+    expected: list[dict[str, np.ndarray]]
+    input_names: list[str]
+    warnings: list[str]
+    padded_masks: list[str]
+
+
 class Checker:
     """The original model's inputs and outputs, reused for every candidate model (its session
     is closed once they are known)."""
@@ -993,21 +1007,18 @@ class Checker:
         on_serialized: Callable[[], None] | None = None,
         weights: WeightFeeds | None = None,
         retire: Callable[[object], None] | None = None,
+        own: bool = False,
     ):
         """on_serialized: called once the original's session has its own copy of `original`.
         weights: the WeightFeeds the candidates' sessions share with the original's.
-        retire: given the original's session once its outputs are known, before it is let go."""
-        seed, runs, inputs, rtol, atol = options.seed, options.runs, options.inputs, options.rtol, options.atol
-        dims, shapes, ranges = options.dims, options.shapes, options.ranges
-        self.rtol, self.atol = rtol, atol
-        self.base_dir = base_dir
+        retire: given the original's session once its outputs are known, before it is let go.
+        own: `original` is this Checker's, unchanged by anyone while it runs and never run again:
+        no copy of it is kept, and a large one's session is started in pieces (fuser/pieces.py)."""
+        self._prepare(options, base_dir, weights if weights is not None else WeightFeeds())
         check_names(original, options)
-        self.weights = weights if weights is not None else WeightFeeds()
         # What the original's float32 twin is made of, should a 16-bit float output differ:
         # copied now, as the caller may change `original` once the session has its copy.
         self._twin_source = _twin_source(original, base_dir, self.weights)
-        self._reference = None  # the original's float32 twin, once a check needed it
-        self._widened: dict[int, np.ndarray] = {}  # its weights, by id of the fed array
         copied: list[bytes] = []
 
         def serialized(data: bytes) -> None:
@@ -1016,7 +1027,10 @@ class Checker:
                 on_serialized()
 
         try:
-            self.session = session(original, base_dir, self.weights, serialized)
+            if own:
+                self.session = session(original, base_dir, self.weights, in_pieces=True)
+            else:
+                self.session = session(original, base_dir, self.weights, serialized)
         except InputError as error:
             if "is not a registered function/op" not in str(error):
                 raise
@@ -1024,27 +1038,62 @@ class Checker:
             raise InputError(f"{error} ({hint})") from error
         # What opens the session again should a mismatch need the original run anew: the
         # caller's `original` may have changed since (unsteady_outputs).
-        self._original_copy = (copied[0], self.session.weights if isinstance(self.session, FedSession) else {})
+        fed = self.session.weights if isinstance(self.session, FedSession) else {}
+        self._original_copy = (copied[0], fed) if copied else None
+        self._take(self._original_runs(original, options))
+        # Its outputs are known: the session is closed. Open, it would hold its memory through
+        # every check, and onnxruntime starts the next session of a large model slower while it
+        # lives (the optimized 100k-node MLP of bench/scale.py: 6.1 s beside it, 4.8 s alone).
+        if retire is not None:
+            retire(self.session)
+        self.session = None
+        return_freed_memory()
+
+    @classmethod
+    def of_runs(
+        cls, runs: OriginalRuns, copy: bytes, options: CheckOptions, *, base_dir=None, weights=None, twin_source=None
+    ) -> Checker:
+        """A Checker of what a session of the original made elsewhere gave (fuser/check_apart.py).
+        copy: the serialized original it ran; twin_source: see _twin_source."""
+        checker = cls.__new__(cls)
+        checker._prepare(options, base_dir, weights if weights is not None else WeightFeeds())
+        checker._twin_source = twin_source
+        checker._original_copy = (copy, {})
+        checker._take(runs)
+        return checker
+
+    def _prepare(self, options: CheckOptions, base_dir, weights: WeightFeeds) -> None:
+        self.rtol, self.atol = options.rtol, options.atol
+        self.base_dir = base_dir
+        self.weights = weights
+        self.session = None
+        self._reference = None  # the original's float32 twin, once a check needed it
+        self._widened: dict[int, np.ndarray] = {}  # its weights, by id of the fed array
+
+    def _original_runs(self, original: onnx.ModelProto, options: CheckOptions) -> OriginalRuns:
+        seed, runs, inputs = options.seed, options.runs, options.inputs
+        ranges = options.ranges
         if inputs is not None:
             self.feeds = [self._named(inputs)]
             self.expected = [self._run_original(self.feeds[0])]
         else:
             # Embedding indices stay inside their table unless the user says otherwise.
             ranges = {**index_ranges(original), **(ranges or {})}
-            self.feeds, self.expected = self._synthesize(original, seed, runs, dims, shapes, ranges)
+            self.feeds, self.expected = self._synthesize(original, seed, runs, options.dims, options.shapes, ranges)
         self.input_shapes = {name: tuple(value.shape) for name, value in self.feeds[0].items()}
         self.warnings = self._meaningless_outputs(seed + runs, ranges if inputs is None else None)
         self.padded_masks: list[str] = []
         if inputs is None:
             self._add_padded_masks(ranges)
-        # Its outputs are known: the session is closed. Open, it would hold its memory through
-        # every check, and onnxruntime starts the next session of a large model slower while it
-        # lives (the optimized 100k-node MLP of bench/scale.py: 6.1 s beside it, 4.8 s alone).
-        self.input_names = [spec.name for spec in self.session.get_inputs()]
-        if retire is not None:
-            retire(self.session)
-        self.session = None
-        return_freed_memory()
+        names = [spec.name for spec in self.session.get_inputs()]
+        return OriginalRuns(self.feeds, self.expected, names, self.warnings, self.padded_masks)
+
+    def _take(self, runs: OriginalRuns) -> None:
+        self.runs = runs
+        self.feeds, self.expected = runs.feeds, runs.expected
+        self.input_names = runs.input_names
+        self.input_shapes = {name: tuple(value.shape) for name, value in runs.feeds[0].items()}
+        self.warnings, self.padded_masks = runs.warnings, runs.padded_masks
 
     def _add_padded_masks(self, ranges) -> None:
         """One more input set for a model with attention-mask inputs of ones: the first set with
@@ -1371,13 +1420,24 @@ class PreparedChecker:
         self._checker: Checker | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()
+        self._apart = None
+        self.answered_apart = False  # the original's side was the child's (fuser/check_apart.py)
+        build, args = self._build, (original, options, base_dir)
+        if worth_apart(original):
+            twin_source = _twin_source(original, base_dir, self.weights)
+            data = original.SerializeToString()
+            try:
+                self._apart = OriginalApart(data, options, base_dir)
+            except ChildFailed:
+                pass
+            else:
+                build, args = self._build_apart, (data, twin_source, options, base_dir)
         # A daemon: a run cut short (Ctrl-C) does not wait at its end for onnxruntime to finish
         # starting a session nobody will use (the optimize caller waits for it otherwise).
-        self._thread = threading.Thread(
-            target=self._build, args=(original, options, base_dir), name="fuser-check-original", daemon=True
-        )
+        self._thread = threading.Thread(target=build, args=args, name="fuser-check-original", daemon=True)
         self._thread.start()
-        self._copied.wait()
+        if self._apart is None:
+            self._copied.wait()
 
     def _build(self, original, options, base_dir) -> None:
         try:
@@ -1393,6 +1453,23 @@ class PreparedChecker:
             self._error = error
         finally:
             self._copied.set()
+
+    def _build_apart(self, data: bytes, twin_source, options, base_dir) -> None:
+        """The Checker of what the child gives; where it gives nothing, of this process's own work."""
+        try:
+            try:
+                runs = self._apart.result()
+            except ChildFailed:
+                if not self._apart.stopped:
+                    own = onnx.load_from_string(data)
+                    self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights)
+                return
+            self._checker = Checker.of_runs(
+                runs, data, options, base_dir=base_dir, weights=self.weights, twin_source=twin_source
+            )
+            self.answered_apart = True
+        except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
+            self._error = error
 
     def _retire(self, session) -> None:
         """Keep the original's session, in a process that ends soon, while a candidate's is being
@@ -1430,6 +1507,8 @@ class PreparedChecker:
 
     def discard(self) -> None:
         """Wait for the thread and drop what it built, errors included: no check is needed."""
+        if self._apart is not None:
+            self._apart.stop()  # its answer is not awaited
         self._thread.join()
         self._checker = self._error = None
 

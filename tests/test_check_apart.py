@@ -1,0 +1,113 @@
+"""The original's side of a large model's check, run in a child interpreter (fuser/check_apart.py).
+
+The child is real: a fresh Python process running onnxruntime. Lowering APART_NODES makes small
+models go to it; the child itself cuts a model of 2,000 nodes or more into pieces."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from fuser.rules.conv_bn_fold import conv_bn_fold
+from onnx import helper
+
+import fuser
+from fuser import check_apart, validation
+from fuser.errors import InputError, NumericsMismatch, UsageError
+from fuser.verify import Checker, CheckOptions, PreparedChecker
+from tests.helpers import make_model
+from tests.test_blame import BAD_BLOCKS, chain_model
+
+
+@pytest.fixture
+def apart(monkeypatch):
+    """Any model's original goes to the child, even on a machine of one core (CI's may be)."""
+    monkeypatch.setattr(check_apart, "APART_NODES", 1)
+    monkeypatch.setattr(validation, "CORES", 2)
+
+
+def long_chain(blocks: int = 700) -> onnx.ModelProto:
+    """Mul-Add-Tanh blocks with weights of their own: 2,100 nodes, cut into pieces by the child."""
+    rng = np.random.default_rng(3)
+    nodes, weights, current = [], {}, "x"
+    for i in range(blocks):
+        weights[f"s{i}"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+        weights[f"b{i}"] = rng.normal(0, 0.1, 8).astype(np.float32)
+        nodes.append(helper.make_node("Mul", [current, f"s{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"a{i}"], [f"t{i}"]))
+        current = f"t{i}"
+    nodes.append(helper.make_node("Identity", [current], ["y"]))
+    return make_model(nodes, [("x", np.float32, ["batch", 8])], [("y", np.float32, ["batch", 8])], weights)
+
+
+def test_the_child_gives_the_inputs_and_outputs_this_process_would(apart):
+    model = long_chain()
+    options = CheckOptions(runs=2)
+    prepared = PreparedChecker(model, options)
+    assert prepared._apart is not None
+    apart_checker = prepared.get()
+    assert prepared.answered_apart
+    here = Checker(model, options)
+    assert apart_checker.input_shapes == here.input_shapes == {"x": (1, 8)}
+    assert apart_checker.input_names == here.input_names == ["x"]
+    assert apart_checker.warnings == here.warnings
+    assert len(apart_checker.feeds) == len(here.feeds) == 2
+    for feeds, expected, feeds_here, expected_here in zip(
+        apart_checker.feeds, apart_checker.expected, here.feeds, here.expected
+    ):
+        assert feeds.keys() == feeds_here.keys() and all(np.array_equal(feeds[n], feeds_here[n]) for n in feeds)
+        assert expected.keys() == {"y"} and np.array_equal(expected["y"], expected_here["y"])
+    assert apart_checker.check(model, exact=True).passed
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    changed.graph.node[-2].op_type = "Sigmoid"  # the last Tanh
+    assert not apart_checker.check(changed, exact=True).passed
+
+
+def test_what_the_child_raises_for_the_model_is_raised_here(apart):
+    model = long_chain(10)
+    misfit = CheckOptions(inputs={"x": np.zeros(5, np.float32)})
+    with pytest.raises(InputError) as here:
+        Checker(model, misfit)
+    prepared = PreparedChecker(model, misfit)
+    with pytest.raises(InputError) as raised:
+        prepared.get()
+    assert str(raised.value) == str(here.value) and "cannot run on these inputs" in str(raised.value)
+    unknown = CheckOptions(inputs={"nothing": np.zeros(5, np.float32)})
+    with pytest.raises(UsageError, match="has no input nothing"):
+        PreparedChecker(model, unknown).get()
+
+
+def test_a_child_that_gives_no_answer_leaves_the_work_to_this_process(apart, monkeypatch):
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # exits at once, saying nothing
+    model = long_chain(10)
+    prepared = PreparedChecker(model, CheckOptions())
+    assert prepared._apart is not None
+    checker = prepared.get()
+    assert not prepared.answered_apart
+    assert checker.check(model, exact=True).passed
+    assert checker.input_shapes == Checker(model).input_shapes
+
+
+def test_a_child_whose_answer_is_not_wanted_is_ended(apart):
+    prepared = PreparedChecker(long_chain(), CheckOptions())
+    prepared.discard()
+    assert prepared._apart.stopped
+    assert prepared._apart._process.returncode is not None  # ended and reaped
+
+
+def test_a_check_against_the_childs_answer_blames_the_wrong_rewrites(apart, tmp_path_factory):
+    from tests.test_blame import WRONG_RULE, _rule_file
+
+    _, wrong = _rule_file(tmp_path_factory, "wrong_rule", WRONG_RULE)
+    with pytest.raises(NumericsMismatch) as raised:
+        fuser.optimize(chain_model(), rules=[wrong, conv_bn_fold])
+    report = raised.value.evidence["report"]
+    assert {r.rule for r in report.blamed} == {"bn-fold-wrong-epsilon"}
+    assert len(report.blamed) == BAD_BLOCKS
+    _, report = fuser.optimize(chain_model(), rules=[conv_bn_fold])
+    assert report.verdict.passed and report.counts == {"conv-bn-fold": 27}
