@@ -29,9 +29,12 @@ from fuser.errors import FuserError
 from fuser.graph import all_graph_protos
 from fuser.tensors import nbytes
 
-# The fewest nodes for which the child pays: below it, onnxruntime starts the whole original
-# about as fast as the child starts Python and imports onnx and onnxruntime (0.8 s).
-APART_NODES = 20_000
+# The fewest nodes for which the child pays. It starts Python and imports onnx and onnxruntime
+# (0.8 s) before it starts the pieces, and the check waits for it if the rewrite ends first;
+# onnxruntime's start of a whole model grows faster than that. `fuser optimize` of the MLP stacks
+# of bench/scale.py, three runs each, interleaved: 25k nodes 3.56 to 3.71 s with the child, 3.13
+# to 3.30 s without; 50k nodes 5.26 to 5.74 s, 5.33 to 5.80 s; 100k nodes 9.63 to 9.69 s, 10.19 to 11.64 s.
+APART_NODES = 60_000
 # The child holds a copy of the weights beside this process's: above this, the original's
 # session shares them with the optimized model's here instead (verify.WeightFeeds).
 APART_WEIGHT_BYTES = 256 << 20

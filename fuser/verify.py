@@ -1404,10 +1404,12 @@ class PreparedChecker:
 
     Most of the work, onnxruntime building the original's session and running it, is done
     without holding the GIL, so on a machine of two cores or more it costs the rewrite little
-    and the check after it only the optimized model's part. The constructor returns once the
-    session has its own copy of `original`: whatever happens to it afterwards, the check
-    compares against the model as it was. `options` is what it was built with: a caller whose
-    options changed since builds a new Checker instead.
+    and the check after it only the optimized model's part. A large model's original is run by
+    a child interpreter instead, its session started in pieces (fuser/check_apart.py), and the
+    thread waits for its answer. The constructor returns once the session, or the child, has
+    its own copy of `original`: whatever happens to it afterwards, the check compares against
+    the model as it was. `options` is what it was built with: a caller whose options changed
+    since builds a new Checker instead.
     """
 
     def __init__(self, original: onnx.ModelProto, options: CheckOptions, base_dir=None):
