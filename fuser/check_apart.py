@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -155,7 +154,6 @@ def _serve(parent: int) -> None:
         end_with_parent()
     if os.getppid() != parent:
         return
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends the child without a traceback
     answer_to = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what a library prints goes to stderr, not into the answer
     request = sys.stdin.buffer
