@@ -577,6 +577,8 @@ class TypeInfo:
         # The function giving the first table until it is called, and what invalidate was told meanwhile.
         self._seed: Callable[[], InferredTypes | None] | None = None
         self._produced_before_seed: set[str] = set()
+        # A refresh asked for while the first table was still to come, made when it comes.
+        self._refresh_after_seed = False
         if callable(seed):
             self._seed = seed
         elif seed is not None:
@@ -592,6 +594,9 @@ class TypeInfo:
             self._install(found)
             self._untyped.difference_update(self._produced_before_seed)
         self._produced_before_seed = set()
+        if self._refresh_after_seed:
+            self._refresh_after_seed = False
+            self.refresh()  # the first table is the previous one: the query infers anew
 
     def invalidate(self, produced=()) -> None:
         """The graph changed: tensors created since the last inference are looked up anew, and so
@@ -605,7 +610,12 @@ class TypeInfo:
     def refresh(self) -> None:
         """Infer every shape again at the next query: rewrites (folded Reshape targets, say)
         may have made shapes known that the previous inference could not know."""
-        self._settle()
+        if self._seed is not None:
+            # The first table is still to come (from the load's check, 0.28 s to read for the
+            # 100k-node ResNet stack, whose rewrite asks nothing): fetched when a query needs it,
+            # it is refreshed then, as it would have been now.
+            self._refresh_after_seed = True
+            return
         if self._table is not None:
             self._previous, self._table, self._stale = self._table, None, False
 
@@ -617,7 +627,9 @@ class TypeInfo:
         the answers it got, and those cannot change. Another dim name can: inference puts a size
         in its place once a rewrite makes it computable."""
         asked_unknown, self._asked_unknown = self._asked_unknown, False
-        self._settle()
+        if self._seed is not None:  # nothing has asked since the first table was handed over
+            self.refresh()
+            return False
         if self._table is None:
             return False
         if not asked_unknown:

@@ -129,16 +129,19 @@ class Validation:
             self.close()
             raise
         self._child = None
+        model, self._model = self._model, None
         with outcome:
             outcome.seek(0)
-            payload = outcome.read() if status == 0 else b""
-        model, self._model = self._model, None
-        if not payload:  # the child died before it told (killed when memory ran out): check here
-            return _check(model)
-        kind, value = pickle.loads(payload)
-        if kind != "types":
-            return kind, value, None
-        return kind, (_interned(value) if self._wants_types else None), None
+            try:
+                kind, value = pickle.load(outcome) if status == 0 else (None, None)
+            except (EOFError, pickle.UnpicklingError):
+                kind = None
+            if kind is None:  # the child died before it told (killed when memory ran out): check here
+                return _check(model)
+            if kind != "types":
+                return kind, value, None
+            # The types follow the verdict, read only if wanted.
+            return kind, (_interned(pickle.load(outcome)) if self._wants_types else None), None
 
 
 def _check(model: ModelProto, disposable: bool = False) -> tuple[str, object, Exception | None]:
@@ -212,7 +215,11 @@ def _fork_check(model: ModelProto) -> tuple[int, IO[bytes]] | None:
                 except BaseException:  # noqa: BLE001 - the parent checks again, and reports it there
                     checked = None
             if checked is not None:
-                outcome.write(pickle.dumps(checked[:2], protocol=pickle.HIGHEST_PROTOCOL))
+                kind, value = checked[:2]
+                verdict = (kind, None) if kind == "types" else (kind, value)
+                outcome.write(pickle.dumps(verdict, protocol=pickle.HIGHEST_PROTOCOL))
+                if kind == "types":
+                    outcome.write(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
                 outcome.flush()
                 status = 0
         finally:

@@ -295,6 +295,66 @@ def test_the_models_inference_answers_for_the_tensors_a_change_left_as_they_were
     assert inferences == [1]
 
 
+def _asked_after_a_refresh(seed_given_as_function: bool):
+    """The answers and inferences of a TypeInfo refreshed by the end of a pass that asked
+    nothing, then asked about an original tensor and one made since; and how often its seed
+    function ran before the question."""
+    model = Model.load(SAMPLES / "resnet_small.onnx")
+    seed = model.take_inferred_types()()
+    inferences, fetched = [], []
+
+    def skeleton():
+        inferences.append(1)
+        return model.to_proto(weights=False)
+
+    def handed_over():
+        fetched.append(1)
+        return seed
+
+    types = TypeInfo(skeleton, seed=handed_over if seed_given_as_function else seed)
+    types.invalidate(produced=[])
+    assert not types.learns_more()
+    types.refresh()
+    fetched_before = len(fetched)
+    produced = {output for info in model.graph.nodes() for output in info.outputs}
+    tensor = next(name for name in seed.table if name in produced)
+    answers = (types.shape(tensor), types.dtype(tensor), types.shape("made-since"))
+    return answers, len(inferences), fetched_before, len(fetched), types._table
+
+
+@pytest.mark.parametrize("seed_given_as_function", [True, False])
+def test_a_refresh_before_any_question_waits_for_the_first_table_until_one_comes(seed_given_as_function):
+    """A pass that asked nothing does not fetch the load's types (from its check's child); the
+    first question fetches them and infers anew, as an eager refresh would have."""
+    answers, inferences, fetched_before, fetched, table = _asked_after_a_refresh(seed_given_as_function)
+    eager_answers, _, _, _, eager_table = _asked_after_a_refresh(not seed_given_as_function)
+    assert answers == eager_answers and table == eager_table
+    assert answers[0] is not None and answers[2] is None
+    assert inferences == 1  # the refresh's inference, once
+    if seed_given_as_function:
+        assert (fetched_before, fetched) == (0, 1)
+
+
+def test_the_load_checks_types_are_not_read_when_the_rewrite_asks_none(monkeypatch):
+    from fuser import validation
+
+    monkeypatch.setattr(validation, "CHILD_NODES", 0)  # the load's check runs in a child
+    monkeypatch.setattr(validation, "CORES", 2)
+    read = []
+    interned = validation._interned
+    monkeypatch.setattr(validation, "_interned", lambda found: read.append(found) or interned(found))
+    model = Model.load(SAMPLES / "resnet_small.onnx", validated=False)
+    assert model._validation._child is not None
+    report = fuser.optimize(model, check=False, rules=[conv_bn_fold])[1]
+    assert report.counts["conv-bn-fold"] > 0
+    assert read == []  # conv-bn-fold asks no shapes
+    model = Model.load(SAMPLES / "mlp.onnx", validated=False)
+    assert model._validation._child is not None
+    report = fuser.optimize(model, check=False, rules=[matmul_add_gemm])[1]
+    assert report.counts["matmul-add-gemm"] > 0
+    assert len(read) == 1 and read[0] is not None  # matmul-add-gemm asks the rank of its input
+
+
 def body_tensors_annotated_in_the_main_graph() -> onnx.ModelProto:
     """Each If branch squeezes by axes given as an input, so inference cannot tell the rank of
     `ut` and `ue`; only the main graph's annotations say they are [2, 4]."""
