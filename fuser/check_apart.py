@@ -32,13 +32,15 @@ from fuser.tensors import nbytes
 # (0.8 s) before it starts the pieces, and the check waits for it if the rewrite ends first;
 # onnxruntime's start of a whole model grows faster than that. `fuser optimize` of the MLP stacks
 # of bench/scale.py, three runs each, interleaved: 25k nodes 3.56 to 3.71 s with the child, 3.13
-# to 3.30 s without; 50k nodes 5.26 to 5.74 s, 5.33 to 5.80 s; 100k nodes 9.63 to 9.69 s, 10.19 to 11.64 s.
+# to 3.30 s without; 50k nodes 5.26 to 5.74 s, 5.33 to 5.80 s; 100k nodes 9.63 to 9.69 s, 10.19
+# to 11.64 s (the ResNet stack's 13.47 to 13.73 s, 13.95 to 14.80 s).
 APART_NODES = 60_000
 # The child holds a copy of the weights beside this process's: above this, the original's
 # session shares them with the optimized model's here instead (verify.WeightFeeds).
 APART_WEIGHT_BYTES = 256 << 20
-# What the child holds per node (the parsed model, the pieces, their sessions): 1.1 GB for the
-# 100k-node stacks, beside the graph this process builds (validation.GRAPH_BYTES_PER_NODE).
+# What the child holds per node (the parsed model, the pieces, their sessions): 0.78 and 0.99 GB
+# at its peak for the 100k-node MLP and ResNet stacks, beside the graph this process builds
+# (validation.GRAPH_BYTES_PER_NODE).
 APART_BYTES_PER_NODE = 12_000
 
 
