@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -209,28 +210,58 @@ COMPILE = (
 )
 
 
-def run_model(label: str, path: Path, workdir: Path, checks: list[bool], check_first: bool = False) -> list[dict]:
-    nodes = int(subprocess.run([sys.executable, "-c", COUNT_NODES, str(path)], capture_output=True, text=True).stdout)
-    rows = []
-    reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
-    for check in checks:
-        report = workdir / "report.json"
-        seconds, peak, tree, code = measure(fuser_command(path, workdir / "out.onnx", report, check, check_first))
-        rows.append(
-            {
-                "model": label,
-                "nodes": nodes,
-                "mode": "check" if check else "no-check",
-                "onnx_s": reference[0],
-                "onnx_gb": reference[1],
-                "fuser_s": seconds,
-                "fuser_gb": peak,
-                "tree_gb": tree,
-                "exit": code,
-                "stages": stage_times(report),
-            }
-        )
-    return rows
+def run_model(
+    label: str, path: Path, workdir: Path, checks: list[bool], check_first: bool = False, repeat: int = 1
+) -> list[dict]:
+    """One row per mode, the medians of `repeat` rounds. A round runs onnx load+save and then
+    fuser in every mode, so that a slow minute of the machine weighs on both sides of a ratio."""
+    nodes = int(
+        subprocess.run(
+            [sys.executable, "-c", COUNT_NODES, str(path)], check=True, capture_output=True, text=True
+        ).stdout
+    )
+    rounds: dict[bool, list[dict]] = {check: [] for check in checks}
+    for _ in range(repeat):
+        reference = measure([sys.executable, "-c", ONNX_ROUND_TRIP, str(path), str(workdir / "roundtrip.onnx")])
+        for check in checks:
+            report = workdir / "report.json"
+            seconds, peak, tree, code = measure(fuser_command(path, workdir / "out.onnx", report, check, check_first))
+            rounds[check].append(
+                {
+                    "onnx_s": reference[0],
+                    "onnx_gb": reference[1],
+                    "fuser_s": seconds,
+                    "fuser_gb": peak,
+                    "tree_gb": tree,
+                    "exit": code,
+                    "stages": stage_times(report),
+                }
+            )
+    return [_medians(label, nodes, "check" if check else "no-check", runs) for check, runs in rounds.items()]
+
+
+def _medians(label: str, nodes: int, mode: str, runs: list[dict]) -> dict:
+    """The medians of `runs`. A ratio is taken in each round (fuser over the onnx run just before
+    it), then its median and range over the rounds."""
+    median = statistics.median
+    times = [run["fuser_s"] / run["onnx_s"] for run in runs]
+    trees = [run["tree_gb"] for run in runs if run["tree_gb"] is not None]
+    stages = {s: [run["stages"][s] for run in runs if s in run["stages"]] for s in STAGES}
+    return {
+        "model": label,
+        "nodes": nodes,
+        "mode": mode,
+        "onnx_s": median(run["onnx_s"] for run in runs),
+        "onnx_gb": median(run["onnx_gb"] for run in runs),
+        "fuser_s": median(run["fuser_s"] for run in runs),
+        "fuser_gb": median(run["fuser_gb"] for run in runs),
+        "tree_gb": median(trees) if trees else None,
+        "time_x": median(times),
+        "time_x_range": (min(times), max(times)),
+        "mem_x": median(run["fuser_gb"] / run["onnx_gb"] for run in runs),
+        "exit": next((run["exit"] for run in runs if run["exit"] != 0), 0),
+        "stages": {s: median(values) for s, values in stages.items() if values},
+    }
 
 
 STAGES = ["load", "rewrite", "check", "blame", "write"]  # the report's timings (fuser/progress.py)
@@ -243,17 +274,19 @@ def _gb(value: float | None) -> str:
 def header() -> str:
     text = (
         f"{'model':<16} {'nodes':>8} {'mode':<8} {'onnx s':>7} {'onnx GB':>8} {'fuser s':>8} {'fuser GB':>9} {'tree GB':>8} "
-        f"{'time x':>7} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
+        f"{'time x':>7} {'range':>9} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
     )
     return text + "\n" + "-" * len(text)
 
 
 def line(row: dict) -> str:
     times = " ".join(f"{row['stages'][s]:>7.2f}" if s in row["stages"] else f"{'-':>7}" for s in STAGES)
+    low, high = row["time_x_range"]
+    spread = f"{low:.1f}-{high:.1f}" if high - low >= 0.05 else "-"
     return (
         f"{row['model']:<16} {row['nodes']:>8} {row['mode']:<8} {row['onnx_s']:>7.2f} {row['onnx_gb']:>8.2f} "
-        f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {_gb(row['tree_gb']):>8} {row['fuser_s'] / row['onnx_s']:>7.1f} "
-        f"{row['fuser_gb'] / row['onnx_gb']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
+        f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {_gb(row['tree_gb']):>8} {row['time_x']:>7.2f} {spread:>9} "
+        f"{row['mem_x']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
         + ("" if row["exit"] == 0 else f"  exit {row['exit']}")
     )
 
@@ -270,12 +303,20 @@ def main(argv=None) -> int:
         "--check-first", action="store_true", help="the load's check before the graph is built, not beside it"
     )
     parser.add_argument("--dir", default=None, help="where to write the models (default: a temporary folder)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="rounds per model, interleaved; the tables give medians (default 3)"
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fuser-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     builders = {"resnet": resnet_stack, "mlp": mlp_stack}
     print(f"python {sys.version.split()[0]}, onnx {onnx.__version__}, {os.cpu_count()} cores; models in {workdir}")
-    print("time x / mem x: fuser's wall time / peak RSS over onnx load+save of the same file, measured in the same run")
+    print(
+        "time x / mem x: fuser's wall time / peak RSS over onnx load+save of the same file, measured in the same "
+        f"round; medians of {args.repeat} interleaved round(s), range: the lowest and highest time x"
+    )
     subprocess.run([sys.executable, "-c", COMPILE], check=True)
     print(header(), flush=True)
     models: list[tuple[str, Path, list[bool], str | None]] = []  # label, file, checks, how to build it
@@ -295,7 +336,7 @@ def main(argv=None) -> int:
         for label, path, checks, build in models:
             if build is not None and not path.exists():
                 subprocess.run([sys.executable, "-c", BUILD, str(Path(__file__).parent), build, str(path)], check=True)
-            for row in run_model(label, path, workdir, checks, args.check_first):
+            for row in run_model(label, path, workdir, checks, args.check_first, args.repeat):
                 print(line(row), flush=True)
     finally:
         if not args.dir:
