@@ -1,18 +1,21 @@
 """How fuser's time and memory grow with the model: synthetic stacks of many nodes, and large weights.
 
     python bench/scale.py [--sizes 1000,10000,100000] [--families resnet,mlp] [--weights-mb 500]
-                          [--real PATH.onnx] [--no-check-only] [--check-first] [--dir /tmp/fuser-scale]
+                          [--real PATH.onnx] [--no-check-only] [--check-first] [--repeat 3]
+                          [--dir /tmp/fuser-scale]
 
 Every measurement is its own process, so its peak memory (max RSS, from the kernel's rusage
 of that child, and of the child fuser forks to check a large model) is its own; `tree GB` is
 the peak of the memory fuser and that child hold together (their proportional set sizes,
-summed, sampled four times a second). Per model it runs, interleaved:
+summed, sampled four times a second). Per model it runs --repeat rounds of, in this order:
 
 * `onnx load+save`: `onnx.save(onnx.load(model))`, the floor for any Python tool;
 * `fuser optimize --no-check`, and `fuser optimize` (with the onnxruntime numerics check).
 
-and prints wall time, peak memory, the stage times from fuser's JSON report, and the ratios of
-fuser's time and memory to onnx load+save. Models:
+and prints the medians over the rounds of wall time, peak memory and the stage times from
+fuser's JSON report. The ratios are taken within each round, where the machine's speed was
+the same for both sides (fuser's time and memory over onnx load+save's, fuser's time with the
+check over its time without it), then their medians are printed, and for time x its range. Models:
 
 * `resnet`: blocks Conv-BatchNormalization-Relu-Conv-BatchNormalization-Add-Relu (7 nodes, 4 channels);
 * `mlp`: blocks MatMul-Add-Relu-MatMul-Add-Add (6 nodes, width 16, a residual Add);
@@ -237,7 +240,11 @@ def run_model(
                     "stages": stage_times(report),
                 }
             )
-    return [_medians(label, nodes, "check" if check else "no-check", runs) for check, runs in rounds.items()]
+    rows = [_medians(label, nodes, "check" if check else "no-check", runs) for check, runs in rounds.items()]
+    if False in rounds and True in rounds:  # what the check adds, taken in each round
+        added = [on["fuser_s"] / off["fuser_s"] for on, off in zip(rounds[True], rounds[False])]
+        rows[checks.index(True)]["check_x"] = statistics.median(added)
+    return rows
 
 
 def _medians(label: str, nodes: int, mode: str, runs: list[dict]) -> dict:
@@ -274,7 +281,7 @@ def _gb(value: float | None) -> str:
 def header() -> str:
     text = (
         f"{'model':<16} {'nodes':>8} {'mode':<8} {'onnx s':>7} {'onnx GB':>8} {'fuser s':>8} {'fuser GB':>9} {'tree GB':>8} "
-        f"{'time x':>7} {'range':>9} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
+        f"{'time x':>7} {'range':>9} {'check x':>8} {'mem x':>6} {'us/node':>8}  " + " ".join(f"{s:>7}" for s in STAGES)
     )
     return text + "\n" + "-" * len(text)
 
@@ -283,10 +290,11 @@ def line(row: dict) -> str:
     times = " ".join(f"{row['stages'][s]:>7.2f}" if s in row["stages"] else f"{'-':>7}" for s in STAGES)
     low, high = row["time_x_range"]
     spread = f"{low:.1f}-{high:.1f}" if high - low >= 0.05 else "-"
+    check_x = f"{row['check_x']:.2f}" if "check_x" in row else "-"
     return (
         f"{row['model']:<16} {row['nodes']:>8} {row['mode']:<8} {row['onnx_s']:>7.2f} {row['onnx_gb']:>8.2f} "
         f"{row['fuser_s']:>8.2f} {row['fuser_gb']:>9.2f} {_gb(row['tree_gb']):>8} {row['time_x']:>7.2f} {spread:>9} "
-        f"{row['mem_x']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
+        f"{check_x:>8} {row['mem_x']:>6.2f} {row['fuser_s'] / max(row['nodes'], 1) * 1e6:>8.1f}  {times}"
         + ("" if row["exit"] == 0 else f"  exit {row['exit']}")
     )
 
@@ -315,7 +323,8 @@ def main(argv=None) -> int:
     print(f"python {sys.version.split()[0]}, onnx {onnx.__version__}, {os.cpu_count()} cores; models in {workdir}")
     print(
         "time x / mem x: fuser's wall time / peak RSS over onnx load+save of the same file, measured in the same "
-        f"round; medians of {args.repeat} interleaved round(s), range: the lowest and highest time x"
+        f"round; medians of {args.repeat} interleaved round(s); range: the lowest and highest time x; "
+        "check x: fuser's time with the check over its time without it, in the same round"
     )
     subprocess.run([sys.executable, "-c", COMPILE], check=True)
     print(header(), flush=True)
