@@ -25,7 +25,6 @@ the one the whole model gives.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,14 +39,18 @@ from fuser.tensors import nbytes
 # model, so smaller pieces do less work in all: the 66k-node optimized MLP of bench/scale.py
 # started in 2.3 to 2.9 s as 16 pieces, 1.9 to 2.6 s as 32 and 1.6 to 1.9 s as 64, its 71k-node
 # optimized ResNet stack in 2.3 s, 2.1 s and 1.8 to 1.9 s, and 64 pieces held 0.1 GB less than
-# 16 and ran as fast; a 6.6k-node model started in 0.29 s whole, 0.17 s as six pieces.
+# 16 and ran as fast; a 6.6k-node model started in 0.29 s whole, 0.17 s as six pieces. So the
+# pieces stay about that small however large the model: the million-node MLP's optimized 666k
+# nodes started in 30 s at 6.0 GB as 64 pieces, in 20 s at 4.8 GB as 666, and its 200k-node
+# sibling in 6.9 s as 64, 5.5 s as 200.
 PIECE_NODES = 1_000
-MAX_PIECES = 64
+MAX_PIECES = 4_096
 MAX_CUT = 64  # tensors crossing one cut
 SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
-# How many pieces onnxruntime starts at the same time (None: each as soon as it is cut). The
-# check's child beside a rewrite (fuser/check_apart.py) starts one at a time, leaving it its core.
-AT_ONCE: int | None = None
+# How many pieces onnxruntime starts at the same time. Two cores start 666 pieces of the million-node
+# MLP in 19 to 21 s whether 2, 8 or 64 start at once. The check's child beside a rewrite
+# (fuser/check_apart.py) starts one at a time, leaving it its core.
+AT_ONCE = 64
 
 # Element types a numpy array holds exactly, as onnxruntime hands them over and takes them back.
 _NUMPY_TYPES = frozenset(
@@ -145,7 +148,7 @@ def started_in_pieces(
         return None
     sessions: list = []
     threads, pieces = [], []
-    turns = threading.BoundedSemaphore(AT_ONCE) if AT_ONCE else contextlib.nullcontext()
+    turns = threading.BoundedSemaphore(AT_ONCE)
 
     def started(proto: ModelProto, index: int) -> None:
         try:

@@ -8,6 +8,8 @@ still caught and blamed, and what is not cut, or fails in pieces, is the whole m
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +110,37 @@ def cut(model: onnx.ModelProto):
     return started_in_pieces(proto, initializers, lambda piece: session(piece), lambda: session(model))
 
 
-def test_a_chain_is_cut_into_as_many_pieces_as_its_size_allows(small_pieces):
+def test_a_chain_is_cut_into_as_many_pieces_as_its_size_allows(small_pieces, monkeypatch):
     assert cut(chain(15)) is None  # one piece's worth
     assert cut(chain(30)).pieces == 3
+    # Past 64 pieces they stay as small: onnxruntime starts many small pieces sooner than fewer large ones.
+    assert cut(chain(pieces.PIECE_NODES * 70)).pieces == 70
+    monkeypatch.setattr(pieces, "MAX_PIECES", 8)
     assert cut(chain(pieces.PIECE_NODES * (pieces.MAX_PIECES + 4))).pieces == pieces.MAX_PIECES
+
+
+@pytest.mark.parametrize("at_once", [1, 3])
+def test_no_more_pieces_start_at_once_than_at_once_allows(small_pieces, monkeypatch, at_once):
+    monkeypatch.setattr(pieces, "AT_ONCE", at_once)
+    model = chain(120)
+    proto, initializers = split_parts(model)
+    starting, most, lock = [0], [0], threading.Lock()
+
+    def start(piece):
+        with lock:
+            starting[0] += 1
+            most[0] = max(most[0], starting[0])
+        try:
+            time.sleep(0.05)  # long enough for the other threads to try their turns
+            return session(piece)
+        finally:
+            with lock:
+                starting[0] -= 1
+
+    cut_up = started_in_pieces(proto, initializers, start, lambda: session(model))
+    assert cut_up.pieces == 12 and most[0] == at_once
+    feeds = {"x": np.ones((2, 4), np.float32)}
+    assert np.array_equal(cut_up.run(["r119"], feeds)[0], session(model).run(["r119"], feeds)[0])
 
 
 def test_a_weight_read_on_both_sides_of_a_cut_is_copied_only_while_small(small_pieces, monkeypatch):
@@ -134,7 +163,9 @@ def in_pieces_differs(model: onnx.ModelProto, count: int) -> bool:
     feeds = Checker(model, CheckOptions()).feeds[0]
     expected = run(session(model), feeds)
     values = dict(feeds)
-    for piece, reads, hands_on in pieces._pieces(proto, pieces.cut_positions(graph, count, types, wiring), types, wiring):
+    for piece, reads, hands_on in pieces._pieces(
+        proto, pieces.cut_positions(graph, count, types, wiring), types, wiring
+    ):
         values.update(zip(hands_on, session(piece).run(hands_on, {n: values[n] for n in reads})))
     return any(values[name].tobytes() != value.tobytes() for name, value in expected.items())
 
@@ -270,7 +301,11 @@ def test_a_constant_read_across_a_cut_stays_a_constant_in_the_piece_reading_it(s
 def test_an_annotation_the_whole_model_refuses_is_refused_in_pieces_too(small_pieces, monkeypatch, tensor):
     original = chain(40)
     candidate = chain(40)
-    assert pieces.cut_positions(candidate.graph, 4, element_types(candidate.graph, opset_versions(candidate))) == [10, 20, 30]
+    assert pieces.cut_positions(candidate.graph, 4, element_types(candidate.graph, opset_versions(candidate))) == [
+        10,
+        20,
+        30,
+    ]
     candidate.graph.value_info.append(helper.make_tensor_value_info(tensor, TensorProto.DOUBLE, None))
     in_pieces = Checker(original, CheckOptions()).check(candidate, exact=True)
     monkeypatch.setattr(pieces, "PIECE_NODES", 10**9)
