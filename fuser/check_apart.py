@@ -35,8 +35,10 @@ from fuser.tensors import nbytes
 # to 3.30 s without; 50k nodes 5.26 to 5.74 s, 5.33 to 5.80 s; 100k nodes 9.63 to 9.69 s, 10.19
 # to 11.64 s (the ResNet stack's 13.47 to 13.73 s, 13.95 to 14.80 s).
 APART_NODES = 60_000
-# The child holds a copy of the weights beside this process's: above this, the original's
-# session shares them with the optimized model's here instead (verify.WeightFeeds).
+# The child holds a copy of the weights beside this process's. Above this much of the weights
+# the sessions here would share (verify.feedable), the original's session shares them with the
+# optimized model's here instead (verify.WeightFeeds). Smaller weights are every session's own
+# copy wherever it runs: the million-node MLP stack's 393 MB of them.
 APART_WEIGHT_BYTES = 256 << 20
 # What the child holds per node (the parsed model, the pieces, their sessions): 0.78 and 0.99 GB
 # at its peak for the 100k-node MLP and ResNet stacks, beside the graph this process builds
@@ -49,16 +51,22 @@ class ChildFailed(Exception):
 
 
 def worth_apart(model: onnx.ModelProto) -> bool:
-    """Whether to run `model`'s side of the check in a child: many nodes, weights small enough
-    to hold twice, a core of its own, and the memory it needs."""
+    """Whether to run `model`'s side of the check in a child: many nodes, few enough weights the
+    sessions here would share (the child holds them again), a core of its own, and the memory it needs."""
     from fuser import validation
     from fuser.jobs import available_cores, available_memory
+    from fuser.verify import feedable
 
     nodes = sum(len(graph.node) for graph in all_graph_protos(model.graph))
     if nodes < APART_NODES or (validation.CORES or available_cores()) < 2:
         return False
-    weights = sum(nbytes(t) for t in model.graph.initializer)
-    if weights > APART_WEIGHT_BYTES:
+    weights = shared = 0
+    for tensor in model.graph.initializer:
+        size = nbytes(tensor)
+        weights += size
+        if feedable(tensor):
+            shared += size
+    if shared > APART_WEIGHT_BYTES:
         return False
     available = available_memory()
     need = nodes * (APART_BYTES_PER_NODE + validation.GRAPH_BYTES_PER_NODE) + 2 * weights

@@ -332,6 +332,12 @@ _FEEDABLE = {
 FEED_BYTES = 64 << 10  # smaller initializers stay in the model: shape tensors must be constants
 
 
+def feedable(tensor: onnx.TensorProto) -> bool:
+    """Whether `tensor` is large enough, and of a type, for WeightFeeds to hold it once for
+    every session (if only standard operators read it); a smaller one is each session's own."""
+    return tensor.data_type in _FEEDABLE and nbytes(tensor) >= FEED_BYTES
+
+
 class WeightFeeds:
     """The large weights of the models one check compares, each held once and shared.
 
@@ -352,7 +358,7 @@ class WeightFeeds:
         """The model with its feedable weights turned into inputs, and their values."""
         proto, initializers = split_parts(model)
         graph = proto.graph
-        large = {t.name for t in initializers if t.data_type in _FEEDABLE and nbytes(t) >= FEED_BYTES}
+        large = {t.name for t in initializers if feedable(t)}
         if not large:
             return model, {}
         read_by_other_domains = {
@@ -1008,12 +1014,15 @@ class Checker:
         weights: WeightFeeds | None = None,
         retire: Callable[[object], None] | None = None,
         own: bool = False,
+        copy: bytes | None = None,
     ):
         """on_serialized: called once the original's session has its own copy of `original`.
         weights: the WeightFeeds the candidates' sessions share with the original's.
         retire: given the original's session once its outputs are known, before it is let go.
         own: `original` is this Checker's, unchanged by anyone while it runs and never run again:
-        no copy of it is kept, and a large one's session is started in pieces (fuser/pieces.py)."""
+        no copy of it is made, and a large one's session is started in pieces (fuser/pieces.py).
+        copy: `original` serialized, kept should a mismatch need it run again (own: there is no
+        other copy)."""
         self._prepare(options, base_dir, weights if weights is not None else WeightFeeds())
         check_names(original, options)
         # What the original's float32 twin is made of, should a 16-bit float output differ:
@@ -1039,7 +1048,10 @@ class Checker:
         # What opens the session again should a mismatch need the original run anew: the
         # caller's `original` may have changed since (unsteady_outputs).
         fed = self.session.weights if isinstance(self.session, FedSession) else {}
-        self._original_copy = (copied[0], fed) if copied else None
+        if copied:
+            self._original_copy = (copied[0], fed)
+        else:
+            self._original_copy = None if copy is None else (copy, {})
         self._take(self._original_runs(original, options))
         # Its outputs are known: the session is closed. Open, it would hold its memory through
         # every check, and onnxruntime starts the next session of a large model slower while it
@@ -1399,6 +1411,18 @@ def candidate_session(candidate: onnx.ModelProto | ModelParts, base_dir, weights
     return session(candidate, base_dir, weights, in_pieces=True)
 
 
+# From this many nodes, an original whose side of the check runs in this process (no child: one
+# core, not the memory, or weights the sessions here share) starts its session in pieces too,
+# though cutting it takes Python's lock from the rewrite: onnxruntime's start of a whole model
+# grows faster than the model. The MLP stack of bench/scale.py started whole in 5.7 s at 100k
+# nodes (0.78 GB), 27.3 s at 300k (2.3 GB) and in about 4 minutes at a million, beside its
+# rewrite; in pieces in 2.2 s (0.56 GB) and 6.2 s (1.56 GB), its optimized 666k nodes in 20 s.
+# `fuser optimize` with the check in this process, two runs each: at 150k nodes 18.1 s at 1.64
+# GB in pieces, 15.9 and 17.3 s at 2.60 GB whole (the rewrite 11.1 s against 7.0 to 7.7 s); at
+# 300k 34.9 and 35.2 s at 3.13 GB against 38.5 and 39.2 s at 5.09 GB.
+PIECES_HERE_NODES = 200_000
+
+
 class PreparedChecker:
     """A Checker built in a thread of its own while the caller goes on (the rewrite runs).
 
@@ -1431,15 +1455,18 @@ class PreparedChecker:
             try:
                 self._apart = OriginalApart(data, options, base_dir)
             except ChildFailed:
-                pass
+                build, args = self._build_own, (data, options, base_dir)
             else:
                 build, args = self._build_apart, (data, twin_source, options, base_dir)
+            self._copied.set()
+        elif len(original.graph.node) >= PIECES_HERE_NODES:
+            build, args = self._build_own, (original.SerializeToString(), options, base_dir)
+            self._copied.set()
         # A daemon: a run cut short (Ctrl-C) does not wait at its end for onnxruntime to finish
         # starting a session nobody will use (the optimize caller waits for it otherwise).
         self._thread = threading.Thread(target=build, args=args, name="fuser-check-original", daemon=True)
         self._thread.start()
-        if self._apart is None:
-            self._copied.wait()
+        self._copied.wait()
 
     def _build(self, original, options, base_dir) -> None:
         try:
@@ -1456,6 +1483,15 @@ class PreparedChecker:
         finally:
             self._copied.set()
 
+    def _build_own(self, data: bytes, options, base_dir) -> None:
+        """The Checker of `data`, the serialized original, parsed anew: a copy of its own, whose
+        session starts in pieces if it is large."""
+        try:
+            own = onnx.load_from_string(data)
+            self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights, own=True, copy=data)
+        except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
+            self._error = error
+
     def _build_apart(self, data: bytes, twin_source, options, base_dir) -> None:
         """The Checker of what the child gives; where it gives nothing, of this process's own work."""
         try:
@@ -1463,8 +1499,7 @@ class PreparedChecker:
                 runs = self._apart.result()
             except ChildFailed:
                 if not self._apart.stopped:
-                    own = onnx.load_from_string(data)
-                    self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights)
+                    self._build_own(data, options, base_dir)
                 return
             self._checker = Checker.of_runs(
                 runs, data, options, base_dir=base_dir, weights=self.weights, twin_source=twin_source

@@ -15,7 +15,7 @@ from fuser.rules.conv_bn_fold import conv_bn_fold
 from onnx import helper
 
 import fuser
-from fuser import check_apart, validation
+from fuser import check_apart, jobs, validation, verify
 from fuser.errors import InputError, NumericsMismatch, UsageError
 from fuser.verify import Checker, CheckOptions, PreparedChecker
 from tests.helpers import make_model
@@ -111,3 +111,50 @@ def test_a_check_against_the_childs_answer_blames_the_wrong_rewrites(apart, tmp_
     assert len(report.blamed) == BAD_BLOCKS
     _, report = fuser.optimize(chain_model(), rules=[conv_bn_fold])
     assert report.verdict.passed and report.counts == {"conv-bn-fold": 27}
+
+
+def test_many_small_weights_go_to_the_child_and_large_shared_ones_stay(apart, monkeypatch):
+    if jobs.available_memory() is None:
+        pytest.skip("the memory available is known only on Linux")
+    # The sessions here would each hold a copy of a small weight anyway; a large one they share.
+    monkeypatch.setattr(check_apart, "APART_WEIGHT_BYTES", 100)
+    small = long_chain(10)  # twenty weights of 32 bytes
+    assert sum(onnx.numpy_helper.to_array(t).nbytes for t in small.graph.initializer) > 100
+    assert check_apart.worth_apart(small)
+    large = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [("x", np.float32, ["batch", 8])],
+        [("y", np.float32, ["batch", 2048])],
+        {"w": np.ones((8, 2048), np.float32)},  # 64 KiB: fed to the sessions here, held once
+    )
+    assert verify.feedable(large.graph.initializer[0])
+    assert not check_apart.worth_apart(large)
+
+
+def test_a_large_original_checked_here_is_started_in_pieces(monkeypatch):
+    monkeypatch.setattr(check_apart, "APART_NODES", 10**9)  # no child
+    monkeypatch.setattr(verify, "PIECES_HERE_NODES", 2_000)
+    cut = []
+    started_in_pieces = verify.started_in_pieces
+
+    def observed(proto, *args):
+        pieces = started_in_pieces(proto, *args)
+        cut.append((len(proto.graph.node), None if pieces is None else pieces.pieces))
+        return pieces
+
+    monkeypatch.setattr(verify, "started_in_pieces", observed)
+    model = long_chain()
+    options = CheckOptions(runs=2)
+    checker = PreparedChecker(model, options).get()
+    assert cut == [(2_101, 2)]
+    here = Checker(model, options)  # the whole model's session
+    assert len(checker.feeds) == len(here.feeds) == 2
+    for feeds, expected, feeds_here, expected_here in zip(checker.feeds, checker.expected, here.feeds, here.expected):
+        assert all(np.array_equal(feeds[n], feeds_here[n]) for n in feeds_here)
+        assert np.array_equal(expected["y"], expected_here["y"])
+    assert checker.check(model, exact=True).passed
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    changed.graph.node[-2].op_type = "Sigmoid"
+    assert not checker.check(changed, exact=True).passed
+    assert checker.unsteady_outputs() == []  # the original, run again from the copy kept of it
