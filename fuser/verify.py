@@ -1485,10 +1485,11 @@ class PreparedChecker:
 
     def _build_own(self, data: bytes, options, base_dir) -> None:
         """The Checker of `data`, the serialized original, parsed anew: a copy of its own, whose
-        session starts in pieces if it is large."""
+        session starts in pieces from PIECES_HERE_NODES nodes."""
         try:
             own = onnx.load_from_string(data)
-            self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights, own=True, copy=data)
+            large = len(own.graph.node) >= PIECES_HERE_NODES
+            self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights, own=large, copy=data)
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
 
