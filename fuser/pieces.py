@@ -25,6 +25,7 @@ the one the whole model gives.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,9 +48,9 @@ PIECE_NODES = 1_000
 MAX_PIECES = 4_096
 MAX_CUT = 64  # tensors crossing one cut
 SHARED_BYTES = 16 << 20  # weights copied into more than one piece, in all
-# How many pieces onnxruntime starts at the same time. Two cores start 666 pieces of the million-node
-# MLP in 19 to 21 s whether 2, 8 or 64 start at once. The check's child beside a rewrite
-# (fuser/check_apart.py) starts one at a time, leaving it its core.
+# How many pieces onnxruntime starts at the same time, each in a thread of its own. Two cores start
+# 666 pieces of the million-node MLP in 19 to 21 s whether 2, 8 or 64 start at once. The check's
+# child beside a rewrite (fuser/check_apart.py) starts one at a time, leaving it its core.
 AT_ONCE = 64
 
 # Element types a numpy array holds exactly, as onnxruntime hands them over and takes them back.
@@ -147,24 +148,34 @@ def started_in_pieces(
     if cuts is None:
         return None
     sessions: list = []
-    threads, pieces = [], []
-    turns = threading.BoundedSemaphore(AT_ONCE)
+    pieces: list = []
+    waiting: queue.SimpleQueue = queue.SimpleQueue()
+    workers: list[threading.Thread] = []
 
-    def started(proto: ModelProto, index: int) -> None:
-        try:
-            with turns:
+    def work() -> None:
+        while (item := waiting.get()) is not None:
+            proto, index = item
+            try:
                 sessions[index] = start(proto)
-        except Exception:  # noqa: BLE001 - the whole model is started instead, and says why if it cannot be
-            pass
+            except Exception:  # noqa: BLE001 - the whole model is started instead, and says why if it cannot be
+                pass
 
-    # Each piece starts as soon as it is cut out: the next is cut while onnxruntime starts it.
-    for proto, reads, hands_on in _pieces(model, cuts, types, wiring):
-        sessions.append(None)
-        pieces.append((reads, hands_on))
-        threads.append(threading.Thread(target=started, args=(proto, len(threads)), daemon=True))
-        threads[-1].start()
-    for thread in threads:
-        thread.join()
+    # Each piece starts as soon as it is cut out and a worker is free: the next is cut while
+    # onnxruntime starts it. AT_ONCE workers at most, however many pieces: a thread each would be
+    # thousands for a model of millions of nodes, past what a container may allow a process.
+    try:
+        for proto, reads, hands_on in _pieces(model, cuts, types, wiring):
+            sessions.append(None)
+            pieces.append((reads, hands_on))
+            waiting.put((proto, len(pieces) - 1))
+            if len(workers) < AT_ONCE:
+                workers.append(threading.Thread(target=work, name="fuser-piece", daemon=True))
+                workers[-1].start()
+    finally:
+        for _ in workers:
+            waiting.put(None)
+    for worker in workers:
+        worker.join()
     if any(session is None for session in sessions):
         return None
     return PiecewiseSession(

@@ -124,12 +124,14 @@ def test_no_more_pieces_start_at_once_than_at_once_allows(small_pieces, monkeypa
     monkeypatch.setattr(pieces, "AT_ONCE", at_once)
     model = chain(120)
     proto, initializers = split_parts(model)
-    starting, most, lock = [0], [0], threading.Lock()
+    starting, most, threads, lock = [0], [0], [], threading.Lock()
+    before = threading.active_count()
 
     def start(piece):
         with lock:
             starting[0] += 1
             most[0] = max(most[0], starting[0])
+            threads.append(threading.active_count() - before)
         try:
             time.sleep(0.05)  # long enough for the other threads to try their turns
             return session(piece)
@@ -139,6 +141,7 @@ def test_no_more_pieces_start_at_once_than_at_once_allows(small_pieces, monkeypa
 
     cut_up = started_in_pieces(proto, initializers, start, lambda: session(model))
     assert cut_up.pieces == 12 and most[0] == at_once
+    assert max(threads) <= at_once  # a thread for each piece starting at once, not one for each piece
     feeds = {"x": np.ones((2, 4), np.float32)}
     assert np.array_equal(cut_up.run(["r119"], feeds)[0], session(model).run(["r119"], feeds)[0])
 
