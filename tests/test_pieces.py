@@ -133,7 +133,7 @@ def test_no_more_pieces_start_at_once_than_at_once_allows(small_pieces, monkeypa
             most[0] = max(most[0], starting[0])
             threads.append(threading.active_count() - before)
         try:
-            time.sleep(0.05)  # long enough for the other threads to try their turns
+            time.sleep(0.1)  # long enough for the other workers to take their pieces
             return session(piece)
         finally:
             with lock:
