@@ -435,7 +435,8 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
     try:
         try:
-            outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process)
+            notice = terminal.echo if terminal is not None else (lambda line: _say(line, quiet))
+            outcome = jobs_module.optimize_file(job, progress=terminal, last=_ends_process, notice=notice)
         finally:
             if terminal is not None:
                 terminal.close()
@@ -482,7 +483,7 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         try:
             if terminal is not None:
                 terminal("models", 0, len(planned))
-            outcomes = jobs_module.run_jobs(planned, workers, show)
+            outcomes = jobs_module.run_jobs(planned, workers, show, notice=lambda line: None if quiet else say(line))
         finally:
             if terminal is not None:
                 terminal.close()

@@ -50,6 +50,7 @@ from fuser.model import (
     writes_external_data,
 )
 from fuser.progress import STAGES, Progress, silent
+from fuser.report import bytes_text
 from fuser.tensors import TensorStore, names_a_file_inside
 from fuser.verify import CheckOptions, check_names, input_names
 from fuser.wire import Census
@@ -130,8 +131,17 @@ def options_for(model: onnx.ModelProto, options: CheckOptions, from_config: froz
     return options
 
 
-def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, last: bool = False) -> Outcome:
+def optimize_file(
+    job: OptimizeJob,
+    progress: Progress | None = None,
+    *,
+    last: bool = False,
+    notice: Callable[[str], None] | None = None,
+) -> Outcome:
     """Optimize job.source into job.destination: the report and summary of it, or of its failure.
+
+    notice: told at once what a person should know before the long work, not at its end (the
+    check may need more memory than there is: the system would stop the process without a word).
 
     last: the process ends soon after this job (the `fuser` command, a -j worker). Its models are
     then kept once written, not freed as this returns, and the cyclic collector stays off: the
@@ -145,12 +155,12 @@ def optimize_file(job: OptimizeJob, progress: Progress | None = None, *, last: b
     if last:
         gc.disable()
         ending.ends_soon()
-        return _optimize_file(job, progress)
+        return _optimize_file(job, progress, notice)
     with paused_gc():
-        return _optimize_file(job, progress)
+        return _optimize_file(job, progress, notice)
 
 
-def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
+def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable[[str], None] | None = None) -> Outcome:
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
@@ -170,6 +180,10 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None) -> Outcome:
         read = files_read(source, loaded)
         refuse_to_write_over(destination, source, read)
         size_before = sum(_size(f) for f in read)
+        if job.check and notice is not None:
+            warning = check_memory_warning(source, loaded.node_count(), size_before, available_memory())
+            if warning:
+                notice(warning)
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
@@ -490,6 +504,35 @@ PEAKS = {
 }
 
 
+# What the check adds to a run's peak: onnxruntime's sessions of the original and of the
+# optimized model (and the child that runs the original's, fuser/check_apart.py) beside what a run
+# without it holds. bench/scale.py, the check's `tree GB` over `--no-check`'s `fuser GB`: 6.4 KB
+# per node for the million-node MLP stack, 7.3 and 9 KB for the 100k MLP and ResNet stacks; 0.8
+# and 0.94 times the weights for GPT-2's 498 MB and the 500 MB stack.
+CHECK_BYTES_PER_NODE = 6_000
+CHECK_BYTES_PER_WEIGHT_BYTE = 0.8
+
+
+def check_memory_need(nodes: int, weight_bytes: int) -> int:
+    """About what the check of a model of `nodes` nodes and `weight_bytes` of weights adds to the
+    memory a run holds, in bytes."""
+    return int(nodes * CHECK_BYTES_PER_NODE + weight_bytes * CHECK_BYTES_PER_WEIGHT_BYTE)
+
+
+def check_memory_warning(source: Path, nodes: int, weight_bytes: int, available: int | None) -> str | None:
+    """What to say before a check that needs more memory than is `available` (bytes, None where
+    unknown), once the model is loaded; None where it fits. Said, not refused: the need is an
+    estimate, and a run without the check is the user's choice to make."""
+    need = check_memory_need(nodes, weight_bytes)
+    if available is None or need <= available:
+        return None
+    return (
+        f"fuser: warning: {source}: the check of its {nodes:,} nodes needs about {bytes_text(need)} more and "
+        f"{bytes_text(available)} is available: the system may stop fuser when memory runs out "
+        "(--no-check optimizes without the check; `fuser compare` checks the result where there is the memory)"
+    )
+
+
 def default_jobs(planned: list[OptimizeJob], cores: int | None = None, memory: int | None = None) -> int:
     """How many models to optimize at once: one per core, no more than the available memory holds
     at the estimated peak of the largest models, and at least one. `cores` and `memory` (bytes)
@@ -588,9 +631,15 @@ def _read_first(path: str, whole: bool = False) -> str | None:
         return None
 
 
-def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], None] = lambda outcome: None):
+def run_jobs(
+    jobs: list[OptimizeJob],
+    workers: int,
+    done: Callable[[Outcome], None] = lambda outcome: None,
+    notice: Callable[[str], None] = lambda line: None,
+):
     """Optimize every job, at most `workers` at a time, each in a process of its own; `done` hears
-    of each model as it finishes. Outcomes come back in the order of `jobs`."""
+    of each model as it finishes, `notice` what a worker says before its long work (optimize_file).
+    Outcomes come back in the order of `jobs`."""
     context = _process_context()
     _start_fork_server(context)
     threads = max(1, available_cores() // workers)  # the workers share the cores out
@@ -617,6 +666,9 @@ def run_jobs(jobs: list[OptimizeJob], workers: int, done: Callable[[Outcome], No
                         outcome = receiver.recv()
                     except (EOFError, OSError):
                         outcome = None
+                    if isinstance(outcome, str):  # a notice; the outcome comes later, if at all
+                        notice(outcome)
+                        continue
                 elif process.is_alive():
                     continue
                 process.join()
@@ -672,7 +724,8 @@ def _work(job: OptimizeJob, sender) -> None:
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads
     validation.CORES = job.threads
-    outcome = optimize_file(job, last=True)  # the worker ends once it is sent (forkserver's with os._exit)
+    # The worker ends once the outcome is sent (forkserver's with os._exit).
+    outcome = optimize_file(job, last=True, notice=sender.send)
     sender.send(outcome)
     sent.set()
     sender.close()
@@ -708,7 +761,10 @@ def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
         how = f"was killed by signal {name}"
         if -exitcode == getattr(signal, "SIGKILL", None):  # what the system's out-of-memory killer sends
-            how += " (the system does this when memory runs out: try fewer models at once, -j)"
+            how += (
+                " (the system does this when memory runs out: try fewer models at once, -j, "
+                "or --no-check for a model too large to check here)"
+            )
     else:
         how = f"ended with exit code {exitcode} before reporting"
     error = f"the worker process optimizing {job.source} {how}"

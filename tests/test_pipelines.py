@@ -290,6 +290,64 @@ def test_default_jobs_fit_cores_and_memory(zoo):
     assert jobs.default_jobs(sources, cores=2, memory=sum(peaks)) == 2
 
 
+def test_the_check_memory_warning_weighs_nodes_and_weights_against_what_is_available():
+    need = jobs.check_memory_need(1_000_000, 400_000_000)
+    assert need == 1_000_000 * jobs.CHECK_BYTES_PER_NODE + int(400_000_000 * jobs.CHECK_BYTES_PER_WEIGHT_BYTE)
+    assert jobs.check_memory_warning(Path("m.onnx"), 1_000_000, 400_000_000, need) is None  # it fits
+    assert jobs.check_memory_warning(Path("m.onnx"), 1_000_000, 400_000_000, None) is None  # unknown: no guess
+    warning = jobs.check_memory_warning(Path("m.onnx"), 1_000_000, 400_000_000, need - 1)
+    assert warning.startswith("fuser: warning: m.onnx: the check of its 1,000,000 nodes needs about 5.9 GB more")
+    assert "and 5.9 GB is available" in warning and "--no-check" in warning and "fuser compare" in warning
+
+
+def test_a_check_that_may_not_fit_in_memory_is_warned_of_before_the_work(cli, zoo, tmp_path, monkeypatch):
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)  # no check fits
+    out = tmp_path / "out.onnx"
+    result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", out, "--report", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"fuser: warning: {zoo / 'mlp.onnx'}: the check of its ")
+    assert "B is available" in lines[0] and "--no-check" in lines[0]
+    assert any(line.startswith("numerics check: passed") for line in lines)  # warned of, not left out
+    assert validated(tmp_path / "r.json")["numerics"]["passed"] and out.exists()
+    quiet = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", out, "--force", "-q")
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    unchecked = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", out, "--force", "--no-check")
+    assert unchecked.returncode == 0 and "needs about" not in unchecked.stderr
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1 << 40)
+    roomy = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", out, "--force")
+    assert roomy.returncode == 0 and "warning" not in roomy.stderr
+
+
+def test_each_worker_warns_of_a_check_that_may_not_fit_as_it_starts(zoo, tmp_path):
+    """The workers are processes of their own: every interpreter of the run, the fork server's
+    and the workers' included, is told of 1000 bytes available by a sitecustomize module. A
+    worker the system then kills has warned first."""
+    (tmp_path / "sitecustomize.py").write_text("import fuser.jobs\nfuser.jobs.available_memory = lambda: 1000\n")
+    (tmp_path / "killing_rules.py").write_text(KILLING_RULES)
+    onnx.save(unary_model("Sin"), zoo / "sine.onnx")
+    models = [zoo / "mlp.onnx", zoo / "resnet_small.onnx", zoo / "sine.onnx"]
+    command = [sys.executable, "-m", "fuser.cli", "optimize", *models, "-j", "2", "--rules", "killing_rules.py"]
+    result = subprocess.run(
+        [*map(str, command), "-o", str(tmp_path / "out")],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(MODELS.parent)])},
+        timeout=300,
+    )
+    assert result.returncode == 4, result.stderr
+    lines = result.stderr.splitlines()
+    warned = [line.split(": ")[2] for line in lines if line.startswith("fuser: warning: ") and "needs about" in line]
+    assert sorted(warned) == sorted(map(str, models))
+    killed = next(i for i, line in enumerate(lines) if "killed by signal SIGKILL" in line)
+    warned_of_sine = next(i for i, line in enumerate(lines) if line.startswith(f"fuser: warning: {zoo / 'sine.onnx'}"))
+    assert "--no-check" in lines[killed] and warned_of_sine < killed
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mlp.onnx", "resnet_small.onnx"]
+    assert lines[-1].startswith("3 models: 2 written, 1 failed (exit 4)")
+
+
 @pytest.mark.parametrize("collector_on", [True, False])
 def test_a_job_runs_without_the_cyclic_collector_and_gives_it_back_as_it_was(zoo, tmp_path, collector_on):
     """A graph's objects are freed by reference counting, so a job spares the collector's scans
