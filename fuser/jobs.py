@@ -507,8 +507,8 @@ PEAKS = {
 # What the check adds to a run's peak: onnxruntime's sessions of the original and of the
 # optimized model (and the child that runs the original's, fuser/check_apart.py) beside what a run
 # without it holds. bench/scale.py, the check's `tree GB` over `--no-check`'s `fuser GB`: 6.4 KB
-# per node for the million-node MLP stack, 7.3 and 9 KB for the 100k MLP and ResNet stacks; 0.8
-# and 0.94 times the weights for GPT-2's 498 MB and the 500 MB stack.
+# per node for the million-node MLP stack, 7.3 and 9 KB for the 100k MLP and ResNet stacks, 4.5 KB
+# for the 96-layer GPT-2; 0.8 and 0.94 times the weights for GPT-2's 498 MB and the 500 MB stack.
 CHECK_BYTES_PER_NODE = 6_000
 CHECK_BYTES_PER_WEIGHT_BYTE = 0.8
 
