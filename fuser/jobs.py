@@ -593,34 +593,85 @@ def model_census(source: Path) -> tuple[Census, bool] | None:
     return census, census.ir_version < 4 or not found_as_external_data(source)
 
 
-def available_cores() -> int:
+def available_cores(root: str = "/") -> int:
+    """The cores this process may use: its CPU affinity, or fewer under a cgroup's CPU quota (a
+    container's, a systemd slice's; `root`: where the system's files are read from)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    quota = _read_first("/sys/fs/cgroup/cpu.max")  # "max 100000" or "200000 100000" in a container
-    if quota and not quota.startswith("max"):
-        limit, period = (int(part) for part in quota.split()[:2])
-        cores = min(cores, max(1, -(-limit // period)))
+    for folder, version in _cgroup_folders(root, "cpu"):
+        if version == 2:  # "max 100000", or "200000 100000": 2 cores' time per period
+            quota = (_read_first(os.path.join(folder, "cpu.max")) or "max").split()
+            limit, period = quota[0], quota[1] if len(quota) > 1 else "100000"
+        else:  # a quota of -1: none
+            limit = _read_first(os.path.join(folder, "cpu.cfs_quota_us")) or "-1"
+            period = _read_first(os.path.join(folder, "cpu.cfs_period_us")) or "100000"
+        if limit.isdigit() and period.isdigit() and int(period) > 0:
+            cores = min(cores, max(1, -(-int(limit) // int(period))))
     return max(1, cores)
 
 
-def available_memory() -> int | None:
-    """Bytes this process may still use: the system's available memory, or less in a container."""
+def available_memory(root: str = "/") -> int | None:
+    """Bytes this process may still use: the system's available memory, or less under a cgroup's
+    limit (a container's, a systemd slice's; `root`: where the system's files are read from)."""
     available = None
-    meminfo = _read_first("/proc/meminfo", whole=True)
+    meminfo = _read_first(os.path.join(root, "proc/meminfo"), whole=True)
     for line in (meminfo or "").splitlines():
         if line.startswith("MemAvailable:"):
             available = int(line.split()[1]) * 1024
     if available is None:
+        if root != "/":
+            return None
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             return None
-    limit, used = _read_first("/sys/fs/cgroup/memory.max"), _read_first("/sys/fs/cgroup/memory.current")
-    if limit and limit != "max" and used:
-        available = min(available, max(0, int(limit) - int(used)))
+    for folder, version in _cgroup_folders(root, "memory"):
+        if version == 2:
+            names = ("memory.max", "memory.current", "inactive_file")
+        else:
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        limit, used = (_read_first(os.path.join(folder, name)) for name in names[:2])
+        if not (limit and limit.isdigit() and used and used.isdigit()) or int(limit) >= _NO_LIMIT:
+            continue  # "max", or cgroup v1's largest page multiple: no limit here
+        # Files the kernel drops before it runs short count as used, as a container's working
+        # set leaves them out: a CI job that has just written its models would seem full.
+        stat = _read_first(os.path.join(folder, "memory.stat"), whole=True) or ""
+        cache = next((int(line.split()[1]) for line in stat.splitlines() if line.startswith(names[2] + " ")), 0)
+        available = min(available, max(0, int(limit) - max(0, int(used) - cache)))
     return available
+
+
+_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as the largest multiple of the page size
+
+
+def _cgroup_folders(root: str, controller: str) -> list[tuple[str, int]]:
+    """The folders of this process's cgroup and of each enclosing one that hold `controller`'s
+    limits, with the cgroup version: a limit set on any of them holds for this process. Where the
+    cgroup's own folder is not there, its hierarchy's root folder stands for it: a container sees
+    its own cgroup there, under the host's name for it in /proc/self/cgroup."""
+    listed = _read_first(os.path.join(root, "proc/self/cgroup"), whole=True)
+    folders = []
+    for line in (listed or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # cgroup v2: one hierarchy for every controller
+            mount, version = os.path.join(root, "sys/fs/cgroup"), 2
+        elif controller in controllers.split(","):
+            mount, version = os.path.join(root, "sys/fs/cgroup", controllers), 1
+        else:
+            continue
+        if version == 1 and not os.path.isdir(mount):
+            mount = os.path.join(root, "sys/fs/cgroup", controller)  # mounted as "cpu", linked as "cpu,cpuacct"
+        parts = [part for part in path.split("/") if part and part not in (".", "..")]
+        if not os.path.isdir(os.path.join(mount, *parts)):
+            parts = []
+        for depth in range(len(parts), -1, -1):
+            folders.append((os.path.join(mount, *parts[:depth]), version))
+    return folders
 
 
 def _read_first(path: str, whole: bool = False) -> str | None:

@@ -290,6 +290,71 @@ def test_default_jobs_fit_cores_and_memory(zoo):
     assert jobs.default_jobs(sources, cores=2, memory=sum(peaks)) == 2
 
 
+def system_files(root: Path, files: dict[str, str]) -> str:
+    """A system's /proc and /sys files under `root`, as available_memory and available_cores read them."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return str(root)
+
+
+GIB = 1 << 30
+MEMINFO = f"MemTotal: {32 * GIB // 1024} kB\nMemAvailable: {20 * GIB // 1024} kB\n"
+
+
+def test_memory_is_what_the_tightest_cgroup_limit_leaves_less_the_files_the_kernel_drops_first(tmp_path):
+    nested_v2 = {
+        "proc/meminfo": MEMINFO,
+        "proc/self/cgroup": "0::/ci.slice/job\n",
+        "sys/fs/cgroup/ci.slice/memory.max": f"{4 * GIB}\n",  # the slice's limit holds for the job inside it
+        "sys/fs/cgroup/ci.slice/memory.current": f"{3 * GIB}\n",
+        "sys/fs/cgroup/ci.slice/memory.stat": f"anon {2 * GIB}\ninactive_file {GIB}\n",
+        "sys/fs/cgroup/ci.slice/job/memory.max": "max\n",
+        "sys/fs/cgroup/ci.slice/job/memory.current": f"{GIB}\n",
+    }
+    assert jobs.available_memory(system_files(tmp_path / "v2", nested_v2)) == 2 * GIB
+    container_v1 = {  # its own cgroup mounted where the hierarchy's root would be
+        "proc/meminfo": MEMINFO,
+        "proc/self/cgroup": "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": f"{2 * GIB}\n",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{3 * GIB // 2}\n",
+        "sys/fs/cgroup/memory/memory.stat": f"cache {GIB}\ninactive_file 7\ntotal_inactive_file {GIB // 2}\n",
+    }
+    assert jobs.available_memory(system_files(tmp_path / "v1", container_v1)) == GIB
+    unlimited_v1 = {**container_v1, "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"}
+    assert jobs.available_memory(system_files(tmp_path / "unlimited", unlimited_v1)) == 20 * GIB
+    assert jobs.available_memory(system_files(tmp_path / "bare", {"proc/meminfo": MEMINFO})) == 20 * GIB
+    garbled = {
+        **nested_v2,
+        "proc/self/cgroup": "garbage\n0::/ci.slice/job\n",
+        "sys/fs/cgroup/ci.slice/memory.max": "a lot\n",
+    }
+    assert jobs.available_memory(system_files(tmp_path / "garbled", garbled)) == 20 * GIB
+
+
+def test_cores_are_the_affinity_or_fewer_under_a_cgroup_quota(tmp_path):
+    container_v1 = {
+        "proc/self/cgroup": "5:cpu,cpuacct:/docker/abc\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "50000\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+    }
+    assert jobs.available_cores(system_files(tmp_path / "v1", container_v1)) == 1
+    linked = {  # listed as "cpu,cpuacct", mounted as "cpu"
+        "proc/self/cgroup": "5:cpu,cpuacct:/docker/abc\n",
+        "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "50000\n",
+        "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+    }
+    assert jobs.available_cores(system_files(tmp_path / "linked", linked)) == 1
+    unlimited = {**container_v1, "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n"}
+    assert jobs.available_cores(system_files(tmp_path / "unlimited", unlimited)) == jobs.available_cores(str(tmp_path))
+    nested_v2 = {
+        "proc/self/cgroup": "0::/a/b\n",
+        "sys/fs/cgroup/a/cpu.max": "50000 100000\n",
+        "sys/fs/cgroup/a/b/cpu.max": "max 100000\n",
+    }
+    assert jobs.available_cores(system_files(tmp_path / "v2", nested_v2)) == 1
+
+
 def test_the_check_memory_warning_weighs_nodes_and_weights_against_what_is_available():
     need = jobs.check_memory_need(1_000_000, 400_000_000)
     assert need == 1_000_000 * jobs.CHECK_BYTES_PER_NODE + int(400_000_000 * jobs.CHECK_BYTES_PER_WEIGHT_BYTE)
