@@ -596,6 +596,7 @@ class TerminalProgress:
         self.bar = None
         self.clock = clock
         self.started = 0.0
+        self.origin = 0  # the count the bar started at
 
     def __call__(self, stage: str, done: int, total: int | None) -> None:
         label = f"fuser: {self.LABELS.get(stage, stage)}"
@@ -606,10 +607,10 @@ class TerminalProgress:
         if total is None:
             return
         if self.bar is None:
-            if not done:
-                # Counting starts now: the stage's work before it (parsing the file before its
-                # nodes are read into the graph) is not part of the rate.
-                self.started = self.clock()
+            # The rate counts from the first count: the stage's work before it (parsing the file
+            # before its nodes are read into the graph, the passes before the first visit) is
+            # not counted work, and counts come every thousand units, the first with some done.
+            self.started, self.origin = self.clock(), done
             self.bar = click.progressbar(
                 length=max(total, 1),
                 label=label,
@@ -621,8 +622,8 @@ class TerminalProgress:
             self.bar.__enter__()
         if max(total, done) > self.bar.length:  # more work found (rewrites queue nodes): the bar goes on
             self.bar.length, self.bar.finished = max(total, done), False
-        elapsed = self.clock() - self.started
-        rate = f"{done / elapsed:,.1f} {UNITS.get(stage, stage)}/s" if done and elapsed > 0 else ""
+        elapsed, counted = self.clock() - self.started, done - self.origin
+        rate = f"{counted / elapsed:,.1f} {UNITS.get(stage, stage)}/s" if counted > 0 and elapsed > 0 else ""
         self.bar.update(done - self.bar.pos, rate)
 
     def echo(self, line: str) -> None:

@@ -764,7 +764,7 @@ def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
     assert code == 0 and drawn == ""
 
 
-def test_a_bars_rate_counts_from_when_its_counting_starts():
+def test_a_bars_rate_counts_from_its_first_count():
     from fuser.cli import TerminalProgress
 
     now = [0.0]
@@ -775,10 +775,35 @@ def test_a_bars_rate_counts_from_when_its_counting_starts():
     now[0] = 31.0
     progress("load", 1000, 1000)
     assert progress.bar.current_item == "1,000.0 nodes/s"  # not 1000 nodes over 31 s
-    progress("rewrite", 1000, 3000)  # a stage whose first count comes with work already done
-    now[0] = 32.0
-    progress("rewrite", 2000, 3000)
-    assert progress.bar.current_item == "2,000.0 nodes/s"
+    progress("rewrite", 0, None)  # the passes before the first visit
+    now[0] = 40.0
+    progress("rewrite", 1000, 3000)  # counts come every thousand: the first with a thousand done
+    assert progress.bar.current_item == ""  # a rate needs a second count
+    now[0] = 42.0
+    progress("rewrite", 3000, 3000)
+    assert progress.bar.current_item == "1,000.0 nodes/s"  # not 3000 nodes over the stage's 11 s
+    progress.close()
+
+
+def test_the_loading_bar_rate_leaves_out_the_wait_before_the_nodes_are_read(tmp_path, monkeypatch):
+    """Loading a model parses it (and, short of memory, waits for onnx's check of it) before its
+    nodes are read into the graph; the bar's rate counts only the nodes' reading."""
+    from fuser.cli import TerminalProgress
+    from fuser.model import Model
+
+    onnx.save(chain(2500), tmp_path / "chain.onnx")
+    now = [0.0]
+    progress = TerminalProgress(clock=lambda: now[0])
+    progress("load", 0, None)
+    rates = []
+
+    def tick(stage, done, total):
+        now[0] += 1000.0 if not rates else 1.0  # a long wait, then a second per call
+        progress(stage, done, total)
+        rates.append(progress.bar.current_item)
+
+    Model.load(tmp_path / "chain.onnx", progress=tick)
+    assert rates[-1] == f"{(2500 - 1000) / (len(rates) - 1):,.1f} nodes/s", rates
     progress.close()
 
 
