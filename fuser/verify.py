@@ -32,7 +32,7 @@ from fuser.float32_twin import (
     widen_array,
 )
 from fuser.graph import ModelParts, all_graph_protos, as_proto, copy_fields_except, split_parts
-from fuser.pieces import started_in_pieces
+from fuser.pieces import PIECE_NODES, started_in_pieces
 from fuser.progress import silent
 from fuser.tensors import TensorStore, external_data_fields, nbytes, uses_external_data
 
@@ -1421,6 +1421,27 @@ def candidate_session(candidate: onnx.ModelProto | ModelParts, base_dir, weights
 # GB in pieces, 15.9 and 17.3 s at 2.60 GB whole (the rewrite 11.1 s against 7.0 to 7.7 s); at
 # 300k 34.9 and 35.2 s at 3.13 GB against 38.5 and 39.2 s at 5.09 GB.
 PIECES_HERE_NODES = 200_000
+# What starting the original whole in this process adds to a run, per node, at most: pieces hold
+# less (the 100k-node MLP stack with the check under a cgroup memory limit: 1.75 GB at its peak
+# with the original whole, 1.10 to 1.15 GB with it in pieces, 0.45 GB once loaded). Where the
+# memory available is short of this, the original starts in pieces wherever it can be cut: under
+# a 1.5 GB limit the system stopped the run with the original whole, and in pieces it passed (16.1
+# s; under 1.8 GB, 11.8 s whole and 13.4 s in pieces).
+WHOLE_ORIGINAL_BYTES_PER_NODE = 16_000
+
+
+def pieces_here(nodes: int) -> bool:
+    """Whether an original of `nodes` nodes checked in this process starts in pieces: a large
+    one always (PIECES_HERE_NODES), another where the memory available could not hold its
+    whole session (WHOLE_ORIGINAL_BYTES_PER_NODE)."""
+    from fuser.jobs import available_memory
+
+    if nodes >= PIECES_HERE_NODES:
+        return True
+    if nodes < 2 * PIECE_NODES:  # not cut anyway
+        return False
+    available = available_memory()
+    return available is not None and available < nodes * WHOLE_ORIGINAL_BYTES_PER_NODE
 
 
 class PreparedChecker:
@@ -1459,7 +1480,7 @@ class PreparedChecker:
             else:
                 build, args = self._build_apart, (data, twin_source, options, base_dir)
             self._copied.set()
-        elif len(original.graph.node) >= PIECES_HERE_NODES:
+        elif pieces_here(len(original.graph.node)):
             build, args = self._build_own, (original.SerializeToString(), options, base_dir)
             self._copied.set()
         # A daemon: a run cut short (Ctrl-C) does not wait at its end for onnxruntime to finish
@@ -1485,11 +1506,11 @@ class PreparedChecker:
 
     def _build_own(self, data: bytes, options, base_dir) -> None:
         """The Checker of `data`, the serialized original, parsed anew: a copy of its own, whose
-        session starts in pieces from PIECES_HERE_NODES nodes."""
+        session starts in pieces where pieces_here says so."""
         try:
             own = onnx.load_from_string(data)
-            large = len(own.graph.node) >= PIECES_HERE_NODES
-            self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights, own=large, copy=data)
+            cut = pieces_here(len(own.graph.node))
+            self._checker = Checker(own, options, base_dir=base_dir, weights=self.weights, own=cut, copy=data)
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
 

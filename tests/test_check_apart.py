@@ -135,6 +135,25 @@ def test_many_small_weights_go_to_the_child_and_large_shared_ones_stay(apart, mo
     assert not check_apart.worth_apart(large)
 
 
+@pytest.mark.parametrize(("memory", "cut_into"), [(1_000, 2), (64 << 30, None)])
+def test_an_original_checked_here_starts_in_pieces_where_its_whole_session_may_not_fit(monkeypatch, memory, cut_into):
+    monkeypatch.setattr(check_apart, "APART_NODES", 10**9)  # no child
+    monkeypatch.setattr(jobs, "available_memory", lambda: memory)
+    cut = []
+    started_in_pieces = verify.started_in_pieces
+
+    def observed(proto, *args):
+        pieces = started_in_pieces(proto, *args)
+        cut.append(None if pieces is None else pieces.pieces)
+        return pieces
+
+    monkeypatch.setattr(verify, "started_in_pieces", observed)
+    model = long_chain()  # 2,101 nodes: far below PIECES_HERE_NODES
+    checker = PreparedChecker(model, CheckOptions(runs=2)).get()
+    assert cut == ([cut_into] if cut_into else [])  # whole, it is not offered to the cut at all
+    assert checker.check(model, exact=True).passed
+
+
 def test_a_large_original_checked_here_is_started_in_pieces(monkeypatch):
     monkeypatch.setattr(check_apart, "APART_NODES", 10**9)  # no child
     monkeypatch.setattr(verify, "PIECES_HERE_NODES", 2_000)
