@@ -666,9 +666,9 @@ def _cgroup_folders(root: str, controller: str) -> list[tuple[str, int]]:
             continue
         if version == 1 and not os.path.isdir(mount):
             mount = os.path.join(root, "sys/fs/cgroup", controller)  # mounted as "cpu", linked as "cpu,cpuacct"
-        parts = [part for part in path.split("/") if part and part not in (".", "..")]
-        if not os.path.isdir(os.path.join(mount, *parts)):
-            parts = []
+        parts = [part for part in path.split("/") if part and part != "."]
+        if ".." in parts or not os.path.isdir(os.path.join(mount, *parts)):
+            parts = []  # a cgroup outside this namespace's view, or not mounted here
         for depth in range(len(parts), -1, -1):
             folders.append((os.path.join(mount, *parts[:depth]), version))
     return folders

@@ -321,6 +321,15 @@ def test_memory_is_what_the_tightest_cgroup_limit_leaves_less_the_files_the_kern
         "sys/fs/cgroup/memory/memory.stat": f"cache {GIB}\ninactive_file 7\ntotal_inactive_file {GIB // 2}\n",
     }
     assert jobs.available_memory(system_files(tmp_path / "v1", container_v1)) == GIB
+    outside_v2 = {  # a cgroup namespace's view of a cgroup outside it: its own limit is at the root
+        "proc/meminfo": MEMINFO,
+        "proc/self/cgroup": "0::/../ci.slice\n",
+        "sys/fs/cgroup/memory.max": f"{3 * GIB}\n",
+        "sys/fs/cgroup/memory.current": f"{GIB}\n",
+        "sys/fs/cgroup/ci.slice/memory.max": "1\n",  # not this process's: never read
+        "sys/fs/cgroup/ci.slice/memory.current": "0\n",
+    }
+    assert jobs.available_memory(system_files(tmp_path / "outside", outside_v2)) == 2 * GIB
     unlimited_v1 = {**container_v1, "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"}
     assert jobs.available_memory(system_files(tmp_path / "unlimited", unlimited_v1)) == 20 * GIB
     assert jobs.available_memory(system_files(tmp_path / "bare", {"proc/meminfo": MEMINFO})) == 20 * GIB
