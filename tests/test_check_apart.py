@@ -18,7 +18,7 @@ import fuser
 from fuser import check_apart, jobs, validation, verify
 from fuser.errors import InputError, NumericsMismatch, UsageError
 from fuser.verify import Checker, CheckOptions, PreparedChecker
-from tests.helpers import make_model
+from tests.helpers import in_process_cli, make_model
 from tests.test_blame import BAD_BLOCKS, chain_model
 
 
@@ -152,6 +152,33 @@ def test_an_original_checked_here_starts_in_pieces_where_its_whole_session_may_n
     checker = PreparedChecker(model, CheckOptions(runs=2)).get()
     assert cut == ([cut_into] if cut_into else [])  # whole, it is not offered to the cut at all
     assert checker.check(model, exact=True).passed
+
+
+def test_compare_starts_both_models_in_pieces(monkeypatch, capfd, tmp_path):
+    """fuser compare is what checks a model too large to check where it was optimized: its
+    reference starts in pieces as the candidate does (a whole session of a large model starts
+    slower and holds more), and the verdict is the whole models'."""
+    cut = []
+    started_in_pieces = verify.started_in_pieces
+
+    def observed(proto, *args):
+        pieces = started_in_pieces(proto, *args)
+        cut.append(None if pieces is None else pieces.pieces)
+        return pieces
+
+    monkeypatch.setattr(verify, "started_in_pieces", observed)
+    model = long_chain()
+    onnx.save(model, tmp_path / "a.onnx")
+    model.graph.node[-2].op_type = "Sigmoid"
+    onnx.save(model, tmp_path / "b.onnx")
+    cli = in_process_cli(monkeypatch, capfd)
+    same = cli(tmp_path, "compare", "a.onnx", "a.onnx", "--exact")
+    assert same.returncode == 0, same.stderr
+    assert cut == [2, 2]  # the reference's session, then the candidate's
+    cut.clear()
+    differ = cli(tmp_path, "compare", "a.onnx", "b.onnx")
+    assert differ.returncode == 3 and "mismatch" in differ.stderr
+    assert cut == [2, 2]
 
 
 def test_a_large_original_checked_here_is_started_in_pieces(monkeypatch):
