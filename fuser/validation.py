@@ -99,7 +99,7 @@ class Validation:
     def forget_types(self) -> None:
         """Nobody will take the types: drop them, now or as they come."""
         self._wants_types = False
-        if self._outcome is not None:
+        if self._outcome is not None and self._outcome[0] != "invalid":  # an invalid one's is the reason
             self._outcome = (self._outcome[0], None, self._outcome[2])
 
     def close(self) -> None:

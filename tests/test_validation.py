@@ -105,6 +105,24 @@ def test_a_model_the_check_refuses_in_a_child_is_refused_with_the_message_of_a_c
     assert str(beside.value).startswith(f"{tmp_path / 'm.onnx'}: invalid ONNX model: ")
 
 
+@pytest.mark.parametrize("in_a_child", [True, False])
+@pytest.mark.parametrize(
+    "command", [("optimize", "m.onnx", "--no-check"), ("optimize", "m.onnx"), ("compare", "m.onnx", "m.onnx")]
+)
+def test_the_commands_say_why_the_check_refused_a_model(cli, monkeypatch, tmp_path, command, in_a_child):
+    if in_a_child:
+        monkeypatch.setattr(validation, "CHILD_NODES", 0)
+        monkeypatch.setattr(validation, "CORES", 2)
+    onnx.save(invalid_model(), tmp_path / "m.onnx")
+    with pytest.raises(InputError) as refused:
+        Validation(invalid_model(), tmp_path / "m.onnx", apart=False).verdict()
+    reason = str(refused.value).removeprefix(f"{tmp_path / 'm.onnx'}: invalid ONNX model: ")
+    assert reason and reason != "None"
+    result = cli(tmp_path, *command)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"fuser: error: m.onnx: invalid ONNX model: {reason}"
+
+
 def test_a_child_that_dies_before_it_tells_is_replaced_by_a_check_here(apart):
     model = onnx.load(TRANSFORMERS / "gpt2_dynamo.onnx")
     beside = Validation(model, "m.onnx")
