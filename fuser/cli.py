@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import click
+import onnx
 
 import fuser
 from fuser import api, explain, verify
@@ -33,7 +34,14 @@ from fuser.errors import (
     FuserError,
     UsageError,
 )
-from fuser.model import EXTERNAL_DATA_MODES, Model, external_data_files, external_data_path, write_bytes_atomically
+from fuser.model import (
+    EXTERNAL_DATA_MODES,
+    Model,
+    external_data_files,
+    external_data_path,
+    load_for_sessions,
+    write_bytes_atomically,
+)
 from fuser.progress import UNITS
 from fuser.registry import all_rules, select
 from fuser.verify import CheckOptions, load_inputs
@@ -782,16 +790,18 @@ def compare(
 
     try:
         _claim_report_path(report_path, (Path(first), Path(second)), reads=(inputs_path,) if inputs_path else ())
-        a, b = Model.load(first), Model.load(second)
+        # No graph is built: nothing is rewritten (two graphs of a million nodes take 7.6 GB).
+        (a, a_folder), (b, b_folder) = load_for_sessions([first, second])
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
-        options = jobs_module.options_for(a.interface(), options, _from_config())
-        reference, notes = _runnable_here(a, first)
-        candidate, more_notes = _runnable_here(b, second)
+        options = jobs_module.options_for(a, options, _from_config())
+        reference, notes = _runnable_here(a, a_folder, first)
+        candidate, more_notes = _runnable_here(b, b_folder, second)
+        del a, b
         # The reference is the Checker's own, run once: a large one starts in pieces, as the
         # candidate does (the 100k-node MLP stack against its optimized model: 15.6 s at 1.63 GB
         # with the reference's session whole, 11.9 to 12.2 s at 1.42 GB in pieces).
-        checker = Checker(reference, options, base_dir=a.base_dir, own=True)
-        verdict = checker.check(candidate, exact, base_dir=b.base_dir)
+        checker = Checker(reference, options, base_dir=a_folder, own=True)
+        verdict = checker.check(candidate, exact, base_dir=b_folder)
         notes += more_notes
         code = EXIT_OK if verdict.passed else EXIT_MISMATCH
         _emit_report(
@@ -836,20 +846,20 @@ def compare(
         return _fail_with_report("compare", error, ctx.debug, report_path, fmt)
 
 
-def _runnable_here(model: Model, path) -> tuple:
-    """The model as onnxruntime here can run it: one written for another machine's NCHWc block
-    (whose guard would stop it) with its NCHWc operators lowered to standard ones."""
+def _runnable_here(proto: onnx.ModelProto, folder: Path, path) -> tuple:
+    """The model as onnxruntime here can run it (its weights read from `folder`): one written for
+    another machine's NCHWc block (whose guard would stop it) with its NCHWc operators lowered to
+    standard ones."""
     from fuser.context import machine_nchwc_block
     from fuser.nchwc import lower, written_block
     from fuser.tensors import uses_external_data
     from fuser.verify import with_inline_weights
 
-    proto = model.to_proto(in_place=True)
     block, machine = written_block(proto), machine_nchwc_block()
     if block is None or block == machine:
         return proto, []
-    if model.base_dir is not None and any(uses_external_data(t) for t in proto.graph.initializer):
-        proto = with_inline_weights(proto, model.base_dir)  # the lowering reads NCHWc filters as arrays
+    if any(uses_external_data(t) for t in proto.graph.initializer):
+        proto = with_inline_weights(proto, folder)  # the lowering reads NCHWc filters as arrays
     note = (
         f"{path} is written for NCHWc block {block}, this machine's is {machine or 'none'}: its NCHWc "
         "operators ran as standard ones computing the same values (fuser/nchwc.py)"

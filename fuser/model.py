@@ -380,6 +380,26 @@ def _read_model(
     return model, stated, identity, Validation(model, path, apart=apart), read_in
 
 
+def load_for_sessions(paths: list[str | os.PathLike]) -> list[tuple[ModelProto, Path]]:
+    """Each model, read and checked as Model.load reads and checks it, without a graph: what
+    onnxruntime sessions of it need (fuser compare), and the folder they read its weights from.
+    Weights read in place stay references into the model's file. The models' checks run side by
+    side (in child processes, where that pays) while the next model is read; InputError for the
+    first a check refuses."""
+    read = []
+    try:
+        for path in map(Path, paths):
+            proto, _, _, validation, _ = _read_model(path)
+            read.append((proto, path.parent.resolve(), validation))
+        for _, _, validation in read:
+            validation.forget_types()
+            validation.verdict()
+    finally:
+        for _, _, validation in read:
+            validation.close()
+    return [(proto, folder) for proto, folder, _ in read]
+
+
 def _kept_outside_by_main_graph(graph: onnx.GraphProto) -> int:
     """How many initializers (and parts of sparse ones) of the main graph keep their data elsewhere."""
     count = sum(1 for tensor in graph.initializer if uses_external_data(tensor))
