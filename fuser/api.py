@@ -160,6 +160,9 @@ def optimize(
             fixed_shapes=fixed,
         )
         report.notes.extend(_rule_notes(chosen, report.counts))
+        applied = set(report.counts)
+        report.exact = all(r.exact for r in chosen if r.name in applied)
+        report.stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
         if upgraded:
             report.notes.append(f"upgraded from opset {opset_before} to {opset} with onnx's version converter")
         if fixed is not None:
@@ -194,15 +197,7 @@ def optimize(
 
         if not (check and (result.rewrites or upgraded or fixed)):
             return finished(optimized)
-        if any(r.scope != "main" for r in result.rewrites):
-            # A branch the check inputs never take is not verified: widen the inputs, and say so.
-            if options.inputs is None and options.runs == 1:
-                options = options.replace(runs=3)
-            report.notes.append(
-                "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
-                f"iterations its inputs reach ({_input_sets(options.runs)}): "
-                "use --check-runs or --inputs to cover the others"
-            )
+        options = options_for_bodies(options, report)
         with stage("check"):
             # Progress in model runs: the original's input sets, then the optimized model's.
             runs = 1 if options.inputs is not None else options.runs
@@ -233,13 +228,10 @@ def optimize(
                         f"{converted.summary()}; caused by the upgrade to opset {opset} (onnx's version converter)",
                         evidence={"original": handed_out(original), "optimized": handed_out(base), "report": report},
                     )
-            applied = set(report.counts)
-            exact = all(r.exact for r in chosen if r.name in applied)
-            stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
             report.verdict = checker.check(
                 optimized,
-                exact,
-                stabilizing,
+                report.exact,
+                report.stabilizing,
                 progress=lambda name, done, total: stage.progress(name, runs + done, 2 * runs),
                 started=started,
             )
@@ -277,6 +269,22 @@ def optimize(
     finally:
         if prepared is not None:
             prepared.discard()  # the thread is done by now, unless an error cut the run short
+
+
+def options_for_bodies(options: CheckOptions, report: Report) -> CheckOptions:
+    """The check's options for the rewrites of `report`: a branch the check's inputs never take
+    is not verified, so where a rewrite is inside an If/Loop/Scan body the inputs are widened (one
+    input set becomes three), and the report says so."""
+    if not any(r.scope != "main" for r in report.rewrites):
+        return options
+    if options.inputs is None and options.runs == 1:
+        options = options.replace(runs=3)
+    report.notes.append(
+        "some rewrites are inside If/Loop/Scan bodies; the check verifies only the branches and "
+        f"iterations its inputs reach ({_input_sets(options.runs)}): "
+        "use --check-runs or --inputs to cover the others"
+    )
+    return options
 
 
 def _require_steady(checker: Checker | ForeignBlockChecker, original: onnx.ModelProto) -> None:

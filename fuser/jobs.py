@@ -21,9 +21,11 @@ import multiprocessing.resource_tracker
 import os
 import pkgutil
 import select
+import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -160,7 +162,11 @@ def optimize_file(
         return _optimize_file(job, progress, notice)
 
 
-def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable[[str], None] | None = None) -> Outcome:
+def _optimize_file(
+    job: OptimizeJob, progress: Progress | None, notice: Callable[[str], None] | None = None, lean: bool = True
+) -> Outcome:
+    """optimize_file's work. lean: where the check may not fit beside the rewritten graph, it may
+    run once the result is written and the graph let go (_check_written)."""
     started = time.perf_counter()
     source, destination = job.source, job.destination
     progress = progress or silent
@@ -180,10 +186,12 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable
         read = files_read(source, loaded)
         refuse_to_write_over(destination, source, read)
         size_before = sum(_size(f) for f in read)
-        if job.check and notice is not None:
+        warning = None
+        if job.check:
             warning = check_memory_warning(source, loaded.node_count(), size_before, available_memory())
-            if warning:
-                notice(warning)
+        lean = lean and warning is not None and _checks_after_writing(job)
+        if warning and notice is not None:
+            notice(warning + ("; so the check runs once the result is written and its graph let go" if lean else ""))
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
@@ -197,7 +205,7 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable
             enable=job.enable,
             disable=job.disable,
             rule_files=job.rule_files,
-            check=job.check,
+            check=job.check and not lean,
             on_mismatch=job.on_mismatch,
             trace=True,  # the report and -v list every decline
             progress=progress,
@@ -211,16 +219,38 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable
         progress("write", 0, None)
         writing = time.perf_counter()
         digests: dict[Path, str] | None = {} if job.digests else None
-        written = write_model(
-            optimized,
-            destination,
-            source_dir=source.parent,
-            external_data=external_data,
-            progress=progress,
-            tensors=loaded.tensors,
-            digests=digests,
-        )
-        result.timings = _in_stage_order(result.timings, load=load_seconds, write=time.perf_counter() - writing)
+        checked_after = lean and bool(result.rewrites)
+        # Written beside the output and moved into place once the check passed.
+        staging = _staging_folder(destination) if checked_after else None
+        try:
+            written = write_model(
+                optimized,
+                destination if staging is None else staging / destination.name,
+                source_dir=source.parent,
+                external_data=external_data,
+                progress=progress,
+                tensors=loaded.tensors,
+                digests=digests,
+            )
+        except BaseException:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        write_seconds = time.perf_counter() - writing
+        if staging is not None:
+            optimized = loaded = None  # the graph is let go: the check's sessions take its place
+            checking = time.perf_counter()
+            passed = _check_written(job, result, options, written[0], staging, progress)
+            if not passed:
+                if notice is not None:
+                    notice(
+                        f"fuser: {source}: the check found a difference; optimizing again with the check "
+                        "beside the rewrite, to find the rewrites to blame"
+                    )
+                return _optimize_file(job, progress, None, lean=False)  # warned once is enough
+            written, digests = _moved_into_place(written, digests, destination.parent, staging)
+            result.timings["check"] = time.perf_counter() - checking
+        result.timings = _in_stage_order(result.timings, load=load_seconds, write=write_seconds)
         result.output_path = str(destination)
         body = result.to_dict()
         sizes = (size_before, sum(path.stat().st_size for path in written))
@@ -231,7 +261,8 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable
             size_after=sizes[1],
         )
         verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
-        ending.keep(loaded, optimized)
+        if loaded is not None:
+            ending.keep(loaded, optimized)
         return Outcome(
             source=str(source),
             code=EXIT_OK,
@@ -260,6 +291,73 @@ def _optimize_file(job: OptimizeJob, progress: Progress | None, notice: Callable
         )
         told = _error_text(error)
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
+
+
+def _checks_after_writing(job: OptimizeJob) -> bool:
+    """Whether the job's check can run once its result is written (_check_written): a mismatch is
+    then found again by a run that checks beside the rewrite, which alone can blame, drop or
+    keep the evidence. Not for a model the check needs as it was changed before the rewrite (an
+    opset upgrade, fixed shapes), one written for another machine's NCHWc block, or --measure."""
+    return (
+        job.on_mismatch == "fail"
+        and job.opset is None
+        and not job.fix_shapes
+        and job.measure is None
+        and job.nchwc_block == "auto"
+    )
+
+
+def _check_written(job: OptimizeJob, result, options, written: Path, staging: Path, progress: Progress) -> bool:
+    """Check the written result against the job's source (verify.check_written), the verdict in
+    `result`; whether it passed. Whatever fails, the staging folder is removed unless it passed."""
+    passed = False
+    try:
+        progress("check", 0, None)
+        options = api.options_for_bodies(options, result)
+        verdict = verify.check_written(
+            job.source,
+            written,
+            options,
+            result.exact,
+            result.stabilizing,
+            progress=lambda name, done, total: progress("check", done, total),
+        )
+        passed = verdict.passed
+        result.verdict = verdict if passed else None
+        return passed
+    except Exception:  # noqa: BLE001 - the run that checks beside the rewrite meets it again, and says it
+        return False
+    finally:
+        if not passed:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_folder(destination: Path) -> Path:
+    """A new hidden folder beside `destination`, to write the result into before it is checked."""
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".fuser-", dir=destination.parent))
+    except OSError as error:
+        raise OutputPathError(f"{destination}: cannot write beside it ({error.strerror or error})") from error
+
+
+def _moved_into_place(
+    written: list[Path], digests: dict[Path, str] | None, folder: Path, staging: Path
+) -> tuple[list[Path], dict[Path, str] | None]:
+    """The files written into `staging`, moved into `folder` (the data file first: the model
+    names it); the staging folder removed."""
+    moved = []
+    try:
+        for path in sorted(written, key=lambda p: p.suffix != ".data"):
+            os.replace(path, folder / path.name)
+            moved.append(folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    order = {path.name: index for index, path in enumerate(written)}
+    moved.sort(key=lambda p: order[p.name])
+    if digests is not None:
+        digests = {folder / path.name: digest for path, digest in digests.items()}
+    return moved, digests
 
 
 def _input_entry(source: Path, hashing: Callable[[], dict | None] | None, digest: bool = True) -> dict | None:
@@ -527,7 +625,7 @@ def check_memory_warning(source: Path, nodes: int, weight_bytes: int, available:
     if available is None or need <= available:
         return None
     return (
-        f"fuser: warning: {source}: the check of its {nodes:,} nodes needs about {bytes_text(need)} more and "
+        f"fuser: warning: {source}: the check of its {nodes:,} node{'s' * (nodes != 1)} needs about {bytes_text(need)} more and "
         f"{bytes_text(available)} is available: the system may stop fuser when memory runs out "
         "(--no-check optimizes without the check; `fuser compare` checks the result where there is the memory)"
     )

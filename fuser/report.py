@@ -224,6 +224,10 @@ class Report:
     latency: Timing | None = None
     context: Context = field(default_factory=Context)
     fixed_shapes: dict[str, list] | None = None  # --fix-shapes: input -> the dims written into the model
+    # What a check of the result asks of its outputs (Checker.check): bit-identical where every
+    # rewrite applied is exact, and whether a rewrite made it more stable than the original.
+    exact: bool = True
+    stabilizing: bool = False
 
     @property
     def rewrites(self):

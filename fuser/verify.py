@@ -1444,6 +1444,26 @@ def pieces_here(nodes: int) -> bool:
     return available is not None and available < nodes * WHOLE_ORIGINAL_BYTES_PER_NODE
 
 
+def check_written(
+    original: str | os.PathLike,
+    candidate: str | os.PathLike,
+    options: CheckOptions,
+    exact: bool,
+    stabilizing: bool = True,
+    progress=None,
+) -> Verdict:
+    """The check of `candidate` against `original`, two model files read without their graphs
+    (fuser.model.load_for_sessions), each session started in pieces where the model is large:
+    a check that holds no more than its sessions and the two models' protobufs (fuser.jobs checks
+    a result so where memory is short, once it is written and its graph let go)."""
+    from fuser.model import load_for_sessions
+
+    (reference, reference_folder), (written, written_folder) = load_for_sessions([original, candidate])
+    checker = Checker(reference, options, base_dir=reference_folder, own=True)
+    del reference  # the checker's session has what it needs of it
+    return checker.check(written, exact, stabilizing, base_dir=written_folder, progress=progress)
+
+
 class PreparedChecker:
     """A Checker built in a thread of its own while the caller goes on (the rewrite runs).
 

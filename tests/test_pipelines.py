@@ -393,6 +393,55 @@ def test_a_check_that_may_not_fit_in_memory_is_warned_of_before_the_work(cli, zo
     assert roomy.returncode == 0 and "warning" not in roomy.stderr
 
 
+@pytest.mark.parametrize("external_data", ["never", "always"])
+def test_short_of_memory_the_check_runs_once_the_result_is_written_and_its_graph_let_go(
+    cli, zoo, tmp_path, monkeypatch, external_data
+):
+    source = zoo / "resnet_small.onnx"
+    beside = tmp_path / "beside" / "m.onnx"
+    usual = cli(tmp_path, "optimize", source, "-o", beside, "--external-data", external_data)
+    assert usual.returncode == 0 and "warning" not in usual.stderr, usual.stderr
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+    out = tmp_path / "after" / "m.onnx"
+    after = cli(tmp_path, "optimize", source, "-o", out, "--external-data", external_data, "--report", "r.json")
+    assert after.returncode == 0, after.stderr
+    assert after.stderr.splitlines()[0].endswith("so the check runs once the result is written and its graph let go")
+    report = validated(tmp_path / "r.json")
+    assert report["numerics"]["passed"] and {"load", "rewrite", "check", "write"} <= set(report["timings"])
+    assert report["output"]["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    # The files the check beside the rewrite writes, and nothing else left beside them.
+    names = ["m.onnx", "m.onnx.data"] if external_data == "always" else ["m.onnx"]
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(p.name for p in beside.parent.iterdir()) == names
+    assert all((out.parent / name).read_bytes() == (beside.parent / name).read_bytes() for name in names)
+    assert cli(tmp_path, "compare", source, out).returncode == 0
+
+
+def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cli, tmp_path, monkeypatch):
+    (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
+    onnx.save(unary_model("Cos"), tmp_path / "cosine.onnx")
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+    result = cli(tmp_path, "optimize", "cosine.onnx", "-o", "out.onnx", "--rules", "wrong_rules.py", "--report", "r.json")
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.splitlines()
+    assert "optimizing again with the check beside the rewrite" in lines[1]
+    assert sum("needs about" in line for line in lines) == 1  # warned once
+    assert "caused by 1 rewrite(s): wrong-cos" in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "mismatch" and report["blamed"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("fuser-evidence")) == [
+        "cosine.onnx",
+        "r.json",
+        "wrong_rules.py",
+    ]  # nothing written, no staging folder left
+
+
+def test_a_check_the_model_needs_as_changed_before_the_rewrite_stays_beside_it(cli, zoo, tmp_path, monkeypatch):
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+    result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "out.onnx", "--opset", "18")  # an upgrade
+    assert result.returncode == 0, result.stderr
+    assert "needs about" in result.stderr and "once the result is written" not in result.stderr
+
+
 def test_each_worker_warns_of_a_check_that_may_not_fit_as_it_starts(zoo, tmp_path):
     """The workers are processes of their own: every interpreter of the run, the fork server's
     and the workers' included, is told of 1000 bytes available by a sitecustomize module. A
