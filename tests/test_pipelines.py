@@ -420,7 +420,9 @@ def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cl
     (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
     onnx.save(unary_model("Cos"), tmp_path / "cosine.onnx")
     monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
-    result = cli(tmp_path, "optimize", "cosine.onnx", "-o", "out.onnx", "--rules", "wrong_rules.py", "--report", "r.json")
+    result = cli(
+        tmp_path, "optimize", "cosine.onnx", "-o", "out.onnx", "--rules", "wrong_rules.py", "--report", "r.json"
+    )
     assert result.returncode == 3, result.stderr
     lines = result.stderr.splitlines()
     assert "optimizing again with the check beside the rewrite" in lines[1]
