@@ -19,6 +19,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import pickle
 import pkgutil
 import select
 import shutil
@@ -239,6 +240,12 @@ def _optimize_file(
         write_seconds = time.perf_counter() - writing
         if staging is not None:
             optimized = loaded = None  # the graph is let go: the check's sessions take its place
+            # The report's records of the rewrites were made among the graph's objects, and keep
+            # the memory they share from going back to the system: copied afresh, they do not
+            # (the 100k-node ResNet stack's run held 364 MB once its graph was let go, 269 MB
+            # with its records copied, 216 MB without them).
+            result.engine = pickle.loads(pickle.dumps(result.engine))
+            verify.return_freed_memory()
             checking = time.perf_counter()
             passed = _check_written(job, result, options, written[0], staging, progress)
             if not passed:
