@@ -189,10 +189,11 @@ def _optimize_file(
         size_before = sum(_size(f) for f in read)
         warning = None
         if job.check:
-            warning = check_memory_warning(source, loaded.node_count(), size_before, available_memory())
-        lean = lean and warning is not None and _checks_after_writing(job)
+            lean = lean and _checks_after_writing(job)
+            warning = check_memory_warning(source, loaded.node_count(), size_before, available_memory(), lean)
+        lean = lean and warning is not None
         if warning and notice is not None:
-            notice(warning + ("; so the check runs once the result is written and its graph let go" if lean else ""))
+            notice(warning)
         options = options_for(loaded.interface(), job.options, job.from_config)
         external_data = job.external_data
         if writes_external_data(loaded, external_data):  # fail before the long work
@@ -624,17 +625,27 @@ def check_memory_need(nodes: int, weight_bytes: int) -> int:
     return int(nodes * CHECK_BYTES_PER_NODE + weight_bytes * CHECK_BYTES_PER_WEIGHT_BYTE)
 
 
-def check_memory_warning(source: Path, nodes: int, weight_bytes: int, available: int | None) -> str | None:
+def check_memory_warning(
+    source: Path, nodes: int, weight_bytes: int, available: int | None, after_writing: bool = False
+) -> str | None:
     """What to say before a check that needs more memory than is `available` (bytes, None where
     unknown), once the model is loaded; None where it fits. Said, not refused: the need is an
-    estimate, and a run without the check is the user's choice to make."""
+    estimate, and a run without the check is the user's choice to make. after_writing: the check
+    is to run once the result is written and its graph let go (_check_written)."""
     need = check_memory_need(nodes, weight_bytes)
     if available is None or need <= available:
         return None
+    what = f"the check of its {nodes:,} node{'s' * (nodes != 1)} needs about {bytes_text(need)} more"
+    advice = "--no-check optimizes without the check; `fuser compare` checks the result where there is the memory"
+    if after_writing:
+        return (
+            f"fuser: warning: {source}: {what} beside the rewrite and {bytes_text(available)} is available: "
+            f"it runs once the result is written and its graph let go, which holds less (should the system "
+            f"still stop fuser for want of memory: {advice})"
+        )
     return (
-        f"fuser: warning: {source}: the check of its {nodes:,} node{'s' * (nodes != 1)} needs about {bytes_text(need)} more and "
-        f"{bytes_text(available)} is available: the system may stop fuser when memory runs out "
-        "(--no-check optimizes without the check; `fuser compare` checks the result where there is the memory)"
+        f"fuser: warning: {source}: {what} and {bytes_text(available)} is available: "
+        f"the system may stop fuser when memory runs out ({advice})"
     )
 
 
