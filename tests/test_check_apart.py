@@ -29,6 +29,21 @@ def apart(monkeypatch):
     monkeypatch.setattr(validation, "CORES", 2)
 
 
+@pytest.fixture
+def pieces_cut(monkeypatch) -> list:
+    """How many pieces each session started since is made of (None: started whole, or not cut)."""
+    cut = []
+    started_in_pieces = verify.started_in_pieces
+
+    def observed(proto, *args):
+        pieces = started_in_pieces(proto, *args)
+        cut.append(None if pieces is None else pieces.pieces)
+        return pieces
+
+    monkeypatch.setattr(verify, "started_in_pieces", observed)
+    return cut
+
+
 def long_chain(blocks: int = 700) -> onnx.ModelProto:
     """Mul-Add-Tanh blocks with weights of their own: 2,100 nodes, cut into pieces by the child."""
     rng = np.random.default_rng(3)
@@ -136,37 +151,21 @@ def test_many_small_weights_go_to_the_child_and_large_shared_ones_stay(apart, mo
 
 
 @pytest.mark.parametrize(("memory", "cut_into"), [(1_000, 2), (64 << 30, None)])
-def test_an_original_checked_here_starts_in_pieces_where_its_whole_session_may_not_fit(monkeypatch, memory, cut_into):
+def test_an_original_checked_here_starts_in_pieces_where_its_whole_session_may_not_fit(
+    monkeypatch, pieces_cut, memory, cut_into
+):
     monkeypatch.setattr(check_apart, "APART_NODES", 10**9)  # no child
     monkeypatch.setattr(jobs, "available_memory", lambda: memory)
-    cut = []
-    started_in_pieces = verify.started_in_pieces
-
-    def observed(proto, *args):
-        pieces = started_in_pieces(proto, *args)
-        cut.append(None if pieces is None else pieces.pieces)
-        return pieces
-
-    monkeypatch.setattr(verify, "started_in_pieces", observed)
     model = long_chain()  # 2,101 nodes: far below PIECES_HERE_NODES
     checker = PreparedChecker(model, CheckOptions(runs=2)).get()
-    assert cut == ([cut_into] if cut_into else [])  # whole, it is not offered to the cut at all
+    assert pieces_cut == ([cut_into] if cut_into else [])  # whole, it is not offered to the cut at all
     assert checker.check(model, exact=True).passed
 
 
-def test_compare_starts_both_models_in_pieces(monkeypatch, capfd, tmp_path):
+def test_compare_starts_both_models_in_pieces(monkeypatch, capfd, tmp_path, pieces_cut):
     """fuser compare is what checks a model too large to check where it was optimized: its
     reference starts in pieces as the candidate does (a whole session of a large model starts
     slower and holds more), and the verdict is the whole models'."""
-    cut = []
-    started_in_pieces = verify.started_in_pieces
-
-    def observed(proto, *args):
-        pieces = started_in_pieces(proto, *args)
-        cut.append(None if pieces is None else pieces.pieces)
-        return pieces
-
-    monkeypatch.setattr(verify, "started_in_pieces", observed)
     model = long_chain()
     onnx.save(model, tmp_path / "a.onnx")
     model.graph.node[-2].op_type = "Sigmoid"
@@ -174,11 +173,11 @@ def test_compare_starts_both_models_in_pieces(monkeypatch, capfd, tmp_path):
     cli = in_process_cli(monkeypatch, capfd)
     same = cli(tmp_path, "compare", "a.onnx", "a.onnx", "--exact")
     assert same.returncode == 0, same.stderr
-    assert cut == [2, 2]  # the reference's session, then the candidate's
-    cut.clear()
+    assert pieces_cut == [2, 2]  # the reference's session, then the candidate's
+    pieces_cut.clear()
     differ = cli(tmp_path, "compare", "a.onnx", "b.onnx")
     assert differ.returncode == 3 and "mismatch" in differ.stderr
-    assert cut == [2, 2]
+    assert pieces_cut == [2, 2]
 
 
 def test_a_large_original_checked_here_is_started_in_pieces(monkeypatch):
