@@ -252,8 +252,8 @@ def _optimize_file(
             if not passed:
                 if notice is not None:
                     notice(
-                        f"fuser: {source}: the check found a difference; optimizing again with the check "
-                        "beside the rewrite, to find the rewrites to blame"
+                        f"fuser: {source}: the check after writing did not pass; optimizing again with the "
+                        "check beside the rewrite, which finds the rewrites to blame"
                     )
                 return _optimize_file(job, progress, None, lean=False)  # warned once is enough
             written, digests = _moved_into_place(written, digests, destination.parent, staging)
