@@ -255,7 +255,9 @@ def _optimize_file(
                         f"fuser: {source}: the check after writing did not pass; optimizing again with the "
                         "check beside the rewrite, which finds the rewrites to blame"
                     )
-                return _optimize_file(job, progress, None, lean=False)  # warned once is enough
+                again = _optimize_file(job, progress, None, lean=False)  # warned once is enough
+                again.seconds = time.perf_counter() - started  # both runs'
+                return again
             written, digests = _moved_into_place(written, digests, destination.parent, staging)
             result.timings["check"] = time.perf_counter() - checking
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=write_seconds)
