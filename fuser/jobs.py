@@ -356,15 +356,12 @@ def _moved_into_place(
 ) -> tuple[list[Path], dict[Path, str] | None]:
     """The files written into `staging`, moved into `folder` (the data file first: the model
     names it); the staging folder removed."""
-    moved = []
     try:
         for path in sorted(written, key=lambda p: p.suffix != ".data"):
             os.replace(path, folder / path.name)
-            moved.append(folder / path.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    order = {path.name: index for index, path in enumerate(written)}
-    moved.sort(key=lambda p: order[p.name])
+    moved = [folder / path.name for path in written]
     if digests is not None:
         digests = {folder / path.name: digest for path, digest in digests.items()}
     return moved, digests
