@@ -22,11 +22,9 @@ import os
 import pickle
 import pkgutil
 import select
-import shutil
 import signal
 import stat
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +39,7 @@ from fuser import api, ending, validation, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, OutputPathError, UsageError
 from fuser.graph import paused_gc
+from fuser.leftovers import StagingFolder, remove_left
 from fuser.model import (
     Model,
     external_data_files,
@@ -222,12 +221,13 @@ def _optimize_file(
         writing = time.perf_counter()
         digests: dict[Path, str] | None = {} if job.digests else None
         checked_after = lean and bool(result.rewrites)
+        _remove_left(destination, notice)
         # Written beside the output and moved into place once the check passed.
         staging = _staging_folder(destination) if checked_after else None
         try:
             written = write_model(
                 optimized,
-                destination if staging is None else staging / destination.name,
+                destination if staging is None else staging.path / destination.name,
                 source_dir=source.parent,
                 external_data=external_data,
                 progress=progress,
@@ -236,7 +236,7 @@ def _optimize_file(
             )
         except BaseException:
             if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
+                staging.remove()
             raise
         write_seconds = time.perf_counter() - writing
         if staging is not None:
@@ -317,7 +317,9 @@ def _checks_after_writing(job: OptimizeJob) -> bool:
     )
 
 
-def _check_written(job: OptimizeJob, result, options, written: Path, staging: Path, progress: Progress) -> bool:
+def _check_written(
+    job: OptimizeJob, result, options, written: Path, staging: StagingFolder, progress: Progress
+) -> bool:
     """Check the written result against the job's source (verify.check_written), the verdict in
     `result`; whether it passed. Whatever fails, the staging folder is removed unless it passed."""
     passed = False
@@ -339,20 +341,29 @@ def _check_written(job: OptimizeJob, result, options, written: Path, staging: Pa
         return False
     finally:
         if not passed:
-            shutil.rmtree(staging, ignore_errors=True)
+            staging.remove()
 
 
-def _staging_folder(destination: Path) -> Path:
+def _remove_left(destination: Path, notice: Callable[[str], None] | None) -> None:
+    """Remove what a run killed while writing `destination` left beside it (fuser/leftovers.py),
+    and say so."""
+    removed = remove_left(destination.parent, [destination.name, external_data_path(destination).name])
+    if removed and notice is not None:
+        listed = ", ".join(f"{name} ({bytes_text(size)})" for name, size in removed)
+        notice(f"fuser: removed what an interrupted run left beside {destination}: {listed}")
+
+
+def _staging_folder(destination: Path) -> StagingFolder:
     """A new hidden folder beside `destination`, to write the result into before it is checked."""
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=".fuser-", dir=destination.parent))
+        return StagingFolder(destination.parent)
     except OSError as error:
         raise OutputPathError(f"{destination}: cannot write beside it ({error.strerror or error})") from error
 
 
 def _moved_into_place(
-    written: list[Path], digests: dict[Path, str] | None, folder: Path, staging: Path
+    written: list[Path], digests: dict[Path, str] | None, folder: Path, staging: StagingFolder
 ) -> tuple[list[Path], dict[Path, str] | None]:
     """The files written into `staging`, moved into `folder` (the data file first: the model
     names it); the staging folder removed."""
@@ -360,7 +371,7 @@ def _moved_into_place(
         for path in sorted(written, key=lambda p: p.suffix != ".data"):
             os.replace(path, folder / path.name)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        staging.remove()
     moved = [folder / path.name for path in written]
     if digests is not None:
         digests = {folder / path.name: digest for path, digest in digests.items()}

@@ -23,6 +23,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
+from fuser import leftovers
 from fuser.errors import FuserError, InputError, OutputPathError, UsageError
 from fuser.graph import (
     Graph,
@@ -930,10 +931,11 @@ def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digest
     that were there as they were (a model's new data file is not left beside its old model file).
     `digests`, if given, gets the SHA-256 of the last, the model file."""
     written: list[tuple[str, Path]] = []
+    keepers: list[int | None] = []  # each temporary's lock, held until it is in place or removed
     digest = None
     try:
         for index, (path, write) in enumerate(files):
-            temporary, digest = _write_temporary(path, write, digests is not None and index == len(files) - 1)
+            temporary, digest = _write_temporary(path, write, digests is not None and index == len(files) - 1, keepers)
             written.append((temporary, path))
         for position, (temporary, path) in enumerate(written):
             try:
@@ -946,17 +948,24 @@ def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digest
             if temporary:
                 _remove(temporary)
         raise
+    finally:
+        for keeper in keepers:
+            leftovers.release(keeper)
     if digest is not None:
         digests[files[-1][0]] = digest
 
 
-def _write_temporary(path: Path, write: Callable[[IO[bytes]], object], digest: bool) -> tuple[str, str | None]:
+def _write_temporary(
+    path: Path, write: Callable[[IO[bytes]], object], digest: bool, keepers: list[int | None]
+) -> tuple[str, str | None]:
     """A temporary file beside `path` holding what `write` writes, synced to disk; its name, and
-    with `digest` its SHA-256 (None if that could not be worked out)."""
+    with `digest` its SHA-256 (None if that could not be worked out). Its lock (fuser/leftovers.py)
+    is added to `keepers` as it is made: the caller releases it once the file is gone or in place."""
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
         raise OutputPathError.refused(path, error) from error
+    keepers.append(leftovers.held(handle))
     try:
         os.fchmod(handle, 0o666 & ~_umask())
         raw = _DigestingFile(handle) if digest else io.FileIO(handle, "wb")
