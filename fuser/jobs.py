@@ -45,6 +45,7 @@ from fuser.model import (
     external_data_files,
     external_data_path,
     found_as_external_data,
+    put_in_place,
     refuse_input_data_file,
     require_model_file,
     write_bytes_atomically,
@@ -224,6 +225,7 @@ def _optimize_file(
         _remove_left(destination, notice)
         # Written beside the output and moved into place once the check passed.
         staging = _staging_folder(destination) if checked_after else None
+        passed = True
         try:
             written = write_model(
                 optimized,
@@ -234,32 +236,35 @@ def _optimize_file(
                 tensors=loaded.tensors,
                 digests=digests,
             )
+            write_seconds = time.perf_counter() - writing
+            if staging is not None:
+                optimized = loaded = None  # the graph is let go: the check's sessions take its place
+                # The report's records of the rewrites were made among the graph's objects, and keep
+                # the memory they share from going back to the system: copied afresh, they do not
+                # (the 100k-node ResNet stack's run held 364 MB once its graph was let go, 269 MB
+                # with its records copied, 216 MB without them).
+                result.engine = pickle.loads(pickle.dumps(result.engine))
+                verify.return_freed_memory()
+                checking = time.perf_counter()
+                passed = _check_written(job, result, options, written[0], progress)
+                if passed:
+                    written, digests = _moved_into_place(written, digests, destination.parent, staging)
+                    result.timings["check"] = time.perf_counter() - checking
+                else:
+                    staging.discard()
         except BaseException:
             if staging is not None:
-                staging.remove()
+                staging.discard()  # whatever failed, nothing of the staging is left, nor a folder it made
             raise
-        write_seconds = time.perf_counter() - writing
-        if staging is not None:
-            optimized = loaded = None  # the graph is let go: the check's sessions take its place
-            # The report's records of the rewrites were made among the graph's objects, and keep
-            # the memory they share from going back to the system: copied afresh, they do not
-            # (the 100k-node ResNet stack's run held 364 MB once its graph was let go, 269 MB
-            # with its records copied, 216 MB without them).
-            result.engine = pickle.loads(pickle.dumps(result.engine))
-            verify.return_freed_memory()
-            checking = time.perf_counter()
-            passed = _check_written(job, result, options, written[0], staging, progress)
-            if not passed:
-                if notice is not None:
-                    notice(
-                        f"fuser: {source}: the check after writing did not pass; optimizing again with the "
-                        "check beside the rewrite, which finds the rewrites to blame"
-                    )
-                again = _optimize_file(job, progress, None, lean=False)  # warned once is enough
-                again.seconds = time.perf_counter() - started  # both runs'
-                return again
-            written, digests = _moved_into_place(written, digests, destination.parent, staging)
-            result.timings["check"] = time.perf_counter() - checking
+        if not passed:
+            if notice is not None:
+                notice(
+                    f"fuser: {source}: the check after writing did not pass; optimizing again with the "
+                    "check beside the rewrite, which finds the rewrites to blame"
+                )
+            again = _optimize_file(job, progress, None, lean=False)  # warned once is enough
+            again.seconds = time.perf_counter() - started  # both runs'
+            return again
         result.timings = _in_stage_order(result.timings, load=load_seconds, write=write_seconds)
         result.output_path = str(destination)
         body = result.to_dict()
@@ -317,12 +322,9 @@ def _checks_after_writing(job: OptimizeJob) -> bool:
     )
 
 
-def _check_written(
-    job: OptimizeJob, result, options, written: Path, staging: StagingFolder, progress: Progress
-) -> bool:
+def _check_written(job: OptimizeJob, result, options, written: Path, progress: Progress) -> bool:
     """Check the written result against the job's source (verify.check_written), the verdict in
-    `result`; whether it passed. Whatever fails, the staging folder is removed unless it passed."""
-    passed = False
+    `result`; whether it passed."""
     try:
         progress("check", 0, None)
         options = api.options_for_bodies(options, result)
@@ -334,44 +336,37 @@ def _check_written(
             result.stabilizing,
             progress=lambda name, done, total: progress("check", done, total),
         )
-        passed = verdict.passed
-        result.verdict = verdict if passed else None
-        return passed
     except Exception:  # noqa: BLE001 - the run that checks beside the rewrite meets it again, and says it
         return False
-    finally:
-        if not passed:
-            staging.remove()
+    result.verdict = verdict if verdict.passed else None
+    return verdict.passed
 
 
 def _remove_left(destination: Path, notice: Callable[[str], None] | None) -> None:
-    """Remove what a run killed while writing `destination` left beside it (fuser/leftovers.py),
-    and say so."""
+    """Remove what runs killed while writing left beside `destination` (fuser/leftovers.py), and
+    say so."""
     removed = remove_left(destination.parent, [destination.name, external_data_path(destination).name])
     if removed and notice is not None:
         listed = ", ".join(f"{name} ({bytes_text(size)})" for name, size in removed)
-        notice(f"fuser: removed what an interrupted run left beside {destination}: {listed}")
+        notice(f"fuser: removed what an interrupted run left in {destination.parent}: {listed}")
 
 
 def _staging_folder(destination: Path) -> StagingFolder:
     """A new hidden folder beside `destination`, to write the result into before it is checked."""
     try:
-        destination.parent.mkdir(parents=True, exist_ok=True)
         return StagingFolder(destination.parent)
     except OSError as error:
-        raise OutputPathError(f"{destination}: cannot write beside it ({error.strerror or error})") from error
+        raise OutputPathError.refused(destination, error) from error
 
 
 def _moved_into_place(
     written: list[Path], digests: dict[Path, str] | None, folder: Path, staging: StagingFolder
 ) -> tuple[list[Path], dict[Path, str] | None]:
-    """The files written into `staging`, moved into `folder` (the data file first: the model
-    names it); the staging folder removed."""
-    try:
-        for path in sorted(written, key=lambda p: p.suffix != ".data"):
-            os.replace(path, folder / path.name)
-    finally:
-        staging.remove()
+    """The files written into `staging` (the model, then any data file), moved into `folder` as
+    write_model puts files in place: the model last, as it names its data file; the staging
+    folder removed."""
+    put_in_place([(path, folder / path.name) for path in [*written[1:], written[0]]])
+    staging.remove()
     moved = [folder / path.name for path in written]
     if digests is not None:
         digests = {folder / path.name: digest for path, digest in digests.items()}

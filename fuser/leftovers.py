@@ -11,6 +11,7 @@ ends; one that cannot be taken or tested (a file system without locks) marks not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -24,7 +25,7 @@ except ImportError:  # Windows: nothing is marked, nothing is removed
     fcntl = None
 
 STAGING_PREFIX = ".fuser-"
-LOCK_NAME = ".lock"  # inside a staging folder
+LOCK_NAME = ".fuser-staging.lock"  # inside a staging folder: what makes it one, whatever its name
 # Newer than this, an unheld file may be one whose creator has not taken its lock yet.
 SETTLED_SECONDS = 60.0
 
@@ -47,63 +48,105 @@ def release(keeper: int | None) -> None:
 
 
 class StagingFolder:
-    """A new hidden folder in `parent`, marked as in use until `remove` (or this process ends)."""
+    """A new hidden folder in `parent` (made, with the folders above it, where there is none),
+    marked as in use until it is removed or this process ends."""
 
     def __init__(self, parent: Path) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent))
-        handle = os.open(self.path / LOCK_NAME, os.O_CREAT | os.O_WRONLY, 0o600)
+        self._made = _missing_folders(parent)
+        self._keeper = None
+        self.path: Path | None = None
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent))
+            handle = os.open(self.path / LOCK_NAME, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        except BaseException:
+            self.discard()  # no folder a later run could not tell as left is left
+            raise
         try:
             self._keeper = held(handle)
         finally:
             os.close(handle)
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the folder and what it holds; the folders made for it stay."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
         release(self._keeper)
         self._keeper = None
 
+    def discard(self) -> None:
+        """Remove the folder, and the folders made for it that are empty now."""
+        self.remove()
+        for folder in self._made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and the folders above it that do not exist, deepest first."""
+    missing = []
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
 
 def remove_left(folder: Path, names: list[str]) -> list[tuple[str, int]]:
-    """Remove from `folder` the temporaries of the files `names` and the staging folders that a
-    run ended before it could remove them; their names and sizes in bytes."""
-    # mkstemp's names: the prefix, eight random characters, the suffix.
-    found = [(path, path) for name in names for path in folder.glob(f".{_escaped(name)}.{'?' * 8}.tmp")]
-    found += [(path, path / LOCK_NAME) for path in folder.glob(f"{STAGING_PREFIX}*") if path.is_dir()]
+    """Remove from `folder` the temporaries of the files `names` and the staging folders that runs
+    ended before they could remove them; their names and sizes in bytes."""
+    random = "?" * 8  # what mkstemp and mkdtemp put between the prefix and the suffix
+    found = [(path, path) for name in names for path in folder.glob(f".{_escaped(name)}.{random}.tmp")]
+    found += [(path, path / LOCK_NAME) for path in folder.glob(f"{STAGING_PREFIX}{random}")]
     removed = []
     for path, lock in found:
-        if not _abandoned(lock):
+        if path.is_symlink():
             continue
-        size = _size(path)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                path.unlink()
-            except OSError:
-                continue
-        if not path.exists():
-            removed.append((path.name, size))
+        # The lock is held while the path goes: a run cleaning the same folder beside this one
+        # finds it held, or gone, and neither removes it nor says it did.
+        keeper = _claimed(lock)
+        if keeper is None:
+            continue
+        try:
+            size = _size(path)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            if not os.path.lexists(path):
+                removed.append((path.name, size))
+        finally:
+            os.close(keeper)
     return removed
 
 
-def _abandoned(lock: Path) -> bool:
-    """Whether `lock` is a regular file no process holds, unchanged for SETTLED_SECONDS."""
+def _claimed(lock: Path) -> int | None:
+    """A descriptor holding the lock of `lock`, a regular file unchanged for SETTLED_SECONDS that
+    no process held; None for anything else."""
     if fcntl is None:
-        return False
+        return None
     try:
-        handle = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        status = os.lstat(lock)
     except OSError:
-        return False  # a folder without a lock file is not one fuser made
+        return None  # a folder without a lock file is not one fuser made
+    # Only a regular file is opened: opening a pipe would wait for a writer.
+    if not stat.S_ISREG(status.st_mode) or time.time() - status.st_mtime < SETTLED_SECONDS:
+        return None
     try:
-        status = os.fstat(handle)
-        if not stat.S_ISREG(status.st_mode) or time.time() - status.st_mtime < SETTLED_SECONDS:
-            return False
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
+        # Read and write: an exclusive lock over NFS needs a descriptor that may write.
+        handle = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return False  # held, or locks cannot be tested here
-    finally:
-        os.close(handle)
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(handle).st_mode):  # still the file looked at
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+    except OSError:
+        pass  # held, or locks cannot be tested here
+    os.close(handle)
+    return None
 
 
 def _escaped(name: str) -> str:

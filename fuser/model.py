@@ -7,6 +7,7 @@ ir_version is never bumped, because runtimes accept only the IR versions they kn
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import mmap
@@ -937,22 +938,62 @@ def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digest
         for index, (path, write) in enumerate(files):
             temporary, digest = _write_temporary(path, write, digests is not None and index == len(files) - 1, keepers)
             written.append((temporary, path))
-        for position, (temporary, path) in enumerate(written):
-            try:
-                os.replace(temporary, path)
-            except OSError as error:
-                raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
-            written[position] = ("", path)  # in place: nothing to remove
+        put_in_place(written)
     except BaseException:
         for temporary, _ in written:
-            if temporary:
-                _remove(temporary)
+            _remove(temporary)  # gone already where it was put in place
         raise
     finally:
         for keeper in keepers:
             leftovers.release(keeper)
     if digest is not None:
         digests[files[-1][0]] = digest
+
+
+def put_in_place(moves: list[tuple[str | Path, Path]]) -> None:
+    """Rename each (file, path) of `moves` over its path, in order, as one change: should a rename
+    fail, the files the earlier ones replaced are put back (kept meanwhile under a second name,
+    a hard link) and those they added removed, so that a model is never left beside another
+    one's data file. OutputPathError names the path that could not be written. Where the folder
+    cannot hold a second name for a file, what an earlier rename replaced stays replaced."""
+    done: list[tuple[Path, str | None]] = []  # (path, its former file's second name; "" if it had none)
+    try:
+        for position, (source, path) in enumerate(moves):
+            former = _aside(path) if position < len(moves) - 1 else None  # the last one's failure undoes
+            try:
+                os.replace(source, path)
+            except OSError as error:
+                if former:
+                    _remove(former)
+                for placed, kept in reversed(done):
+                    with contextlib.suppress(OSError):  # what cannot be undone stays as it is
+                        if kept:
+                            os.replace(kept, placed)
+                        elif kept == "":
+                            os.unlink(placed)
+                raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
+            done.append((path, former))
+    finally:
+        for _, kept in done:
+            if kept:
+                _remove(kept)
+
+
+def _aside(path: Path) -> str | None:
+    """A second name (a hard link) for the file at `path`, to put it back by; "" where there is
+    no file there, None where the link cannot be made."""
+    if not os.path.lexists(path):
+        return ""
+    for _ in range(8):
+        name = str(path.parent / f".{path.name}.{os.urandom(4).hex()}.tmp")
+        try:
+            os.link(path, name, follow_symlinks=False)
+            return name
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None
 
 
 def _write_temporary(

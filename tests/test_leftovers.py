@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fuser import leftovers
+import fuser.verify
+from fuser import jobs, leftovers
+from fuser.errors import OutputPathError
+from fuser.model import put_in_place
 from tests.helpers import in_process_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +77,7 @@ def test_a_run_killed_while_checking_after_writing_leaves_a_folder_the_next_run_
     out = tmp_path / "out" / "m.onnx"
     killed = subprocess.run(
         [sys.executable, "-m", "fuser.cli", "optimize", str(SAMPLE), "-o", str(out)],
+        check=False,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
@@ -92,7 +96,7 @@ def test_a_run_killed_while_checking_after_writing_leaves_a_folder_the_next_run_
     again = cli(tmp_path, "optimize", SAMPLE, "-o", out, "--force")
     assert again.returncode == 0, again.stderr
     [notice] = [line for line in again.stderr.splitlines() if "interrupted" in line]
-    assert notice.startswith(f"fuser: removed what an interrupted run left beside {out}: {staging.name} (")
+    assert notice.startswith(f"fuser: removed what an interrupted run left in {out.parent}: {staging.name} (")
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.onnx"]
 
 
@@ -100,6 +104,7 @@ def test_the_temporary_of_a_write_killed_halfway_is_removed_by_the_next_run(cli,
     out = tmp_path / "m.onnx"
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_WHILE_WRITING, str(out)],
+        check=False,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -177,3 +182,111 @@ def test_a_temporary_being_written_is_held_until_it_is_in_place(tmp_path):
     _write_files([(tmp_path / "m.onnx.data", write_data), (out, write)], None)
     assert found == [[]]
     assert out.read_bytes() == b"a model" and (tmp_path / "m.onnx.data").read_bytes() == b"weights"
+
+
+def test_a_pipe_a_folder_of_another_name_or_a_file_being_removed_is_left_alone(tmp_path):
+    """Nothing is opened but a regular file (a pipe would wait for a writer); a folder is fuser's
+    only under its own names; one being removed by a run beside this one is that run's to report."""
+    os.mkfifo(tmp_path / ".m.onnx.pipe1234.tmp")
+    (tmp_path / ".fuser-abcdefgh").mkdir()
+    os.mkfifo(tmp_path / ".fuser-abcdefgh" / leftovers.LOCK_NAME)
+    settings = tmp_path / ".fuser-settings"  # a user's, named as fuser names its folders
+    settings.mkdir()
+    (settings / ".lock").write_bytes(b"")
+    (settings / "config.toml").write_text("kept = true\n")
+    taken = tmp_path / ".m.onnx.taken123.tmp"
+    taken.write_bytes(b"x")
+    for path in (tmp_path / ".m.onnx.pipe1234.tmp", tmp_path / ".fuser-abcdefgh" / leftovers.LOCK_NAME, taken):
+        aged(path)
+    aged(settings / ".lock")
+    elsewhere = leftovers._claimed(taken)  # as a run cleaning the same folder holds it
+    assert elsewhere is not None
+    try:
+        # In a process of its own, with a time limit: a regression would wait on the pipe forever.
+        listed = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import sys; from pathlib import Path; from fuser import leftovers; "
+                    "print(leftovers.remove_left(Path(sys.argv[1]), ['m.onnx']))"
+                ),
+                str(tmp_path),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=60,
+        )
+    finally:
+        os.close(elsewhere)
+    assert listed.returncode == 0 and listed.stdout.strip() == "[]", listed.stderr
+    assert (settings / "config.toml").read_text() == "kept = true\n" and taken.exists()
+    assert leftovers.remove_left(tmp_path, ["m.onnx"]) == [(taken.name, 1)]  # no longer held
+
+
+def test_a_failed_rename_puts_back_what_the_earlier_ones_replaced(tmp_path):
+    data, model = tmp_path / "m.onnx.data", tmp_path / "m.onnx"
+    data.write_bytes(b"old weights")
+    model.mkdir()  # nothing can be renamed over a folder that holds something
+    (model / "x").write_bytes(b"")
+    new_data, new_model = tmp_path / "new.data", tmp_path / "new.onnx"
+    new_data.write_bytes(b"new weights")
+    new_model.write_bytes(b"new model")
+    with pytest.raises(OutputPathError, match=f"{model}: cannot write it"):
+        put_in_place([(new_data, data), (new_model, model)])
+    assert data.read_bytes() == b"old weights"  # not the new weights beside the old model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data", "new.onnx"]  # no second name
+
+    data.unlink()  # where there was no data file, the new one does not stay either
+    new_data.write_bytes(b"new weights")
+    with pytest.raises(OutputPathError):
+        put_in_place([(new_data, data), (new_model, model)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "new.onnx"]
+
+
+WRONG_RULES = """\
+from fuser import op, rule, var
+
+
+@rule("wrong-relu", pattern=op.Relu(var("x")))
+def wrong_relu(m, b):
+    \"\"\"Relu(x) -> Sigmoid(x), which is wrong.\"\"\"
+    return b.Sigmoid(m["x"])
+"""
+
+
+def test_a_check_after_writing_that_fails_leaves_no_folder_it_made(cli, tmp_path, monkeypatch):
+    (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+    out = tmp_path / "new" / "deeper" / "m.onnx"
+    result = cli(tmp_path, "optimize", SAMPLE, "-o", out, "--rules", "wrong_rules.py")
+    assert result.returncode == 3, result.stderr
+    assert "the check after writing did not pass" in result.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_error_between_the_write_and_the_check_leaves_nothing(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+
+    def out_of_memory():
+        raise MemoryError
+
+    monkeypatch.setattr(fuser.verify, "return_freed_memory", out_of_memory)
+    out = tmp_path / "new" / "m.onnx"
+    result = cli(tmp_path, "optimize", SAMPLE, "-o", out)
+    assert result.returncode == 4, result.stderr  # what happened is said, as any error's
+    assert not (tmp_path / "new").exists()
+    assert not [link for link in open_files() if link.startswith(str(tmp_path))]  # no lock kept open
+
+
+def open_files() -> list[str]:
+    """What this process's descriptors refer to."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return found
