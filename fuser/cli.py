@@ -68,11 +68,11 @@ def _say(message: str, quiet: bool = False) -> None:
         click.echo(message, err=True)
 
 
-def _fail(error: BaseException, debug: bool) -> int:
+def _fail(error: BaseException, debug: bool, source: Path | None = None) -> int:
     if isinstance(error, BrokenPipeError):  # the reader of our output went away (`| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    code, messages = jobs_module.describe_error(error, debug)
+    code, messages = jobs_module.describe_error(error, debug, source)
     for message in messages:
         click.echo(message, err=True)
     return code
@@ -737,7 +737,7 @@ def check(
             except Exception as error:  # noqa: BLE001
                 if not several:
                     return _fail_with_report("check", error, ctx.debug, report_path, fmt)
-                code = _fail(error, ctx.debug)
+                code = _fail(error, ctx.debug, source)
                 entry = report_module.regular_file_entry(source)
                 reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
                 continue

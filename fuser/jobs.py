@@ -115,8 +115,10 @@ class Outcome:
         nodes = f"nodes {self.report.get('nodes_before')} -> {self.report.get('nodes_after')}"
         rewrites = len(self.report.get("rewrites") or [])
         numerics = self.report.get("numerics")
+        dropped = len(self.report.get("dropped") or [])
         if numerics is not None:
-            check = "check passed"
+            # --on-mismatch drop: what the check left out is said here, not only under -v
+            check = f"check passed after dropping {dropped} rewrite(s)" if dropped else "check passed"
         elif rewrites:
             check = "check SKIPPED"
         else:
@@ -406,12 +408,16 @@ def _in_stage_order(timings: dict[str, float], **more: float) -> dict[str, float
     return {stage: combined[stage] for stage in STAGES if stage in combined}
 
 
-def describe_error(error: BaseException, debug: bool) -> tuple[int, list[str]]:
-    """The exit code of `error` and the lines that tell a person (the traceback first under --debug)."""
+def describe_error(error: BaseException, debug: bool, source: Path | None = None) -> tuple[int, list[str]]:
+    """The exit code of `error` and the lines that tell a person (the traceback first under --debug);
+    the line names `source`, the model among several it is about, where the error does not."""
     messages = ["".join(traceback.format_exception(error)).rstrip()] if debug else []
+    text = _error_text(error)
+    if source is not None and not text.startswith(f"{source}: "):
+        text = f"{source}: {text}"
     if isinstance(error, FuserError):
-        return error.exit_code, [*messages, f"fuser: error: {error}"]
-    return EXIT_INTERNAL, [*messages, f"fuser: internal error: {_error_text(error)}"]
+        return error.exit_code, [*messages, f"fuser: error: {text}"]
+    return EXIT_INTERNAL, [*messages, f"fuser: internal error: {text}"]
 
 
 def _error_text(error: BaseException) -> str:
@@ -431,7 +437,7 @@ def expand_models(arguments: Iterable[str]) -> tuple[list[Path], bool]:
     """The model files the arguments name, and whether they are several (more than one argument,
     or a folder or a glob pattern, whatever it matched).
 
-    A folder stands for its *.onnx files, not those of its subfolders, leaving out fuser's own
+    A folder stands for its *.onnx files, not those of its subfolders nor hidden ones, leaving out fuser's own
     outputs (*.fused.onnx) so that a second run over the folder does not optimize them again. A
     pattern with * ? or [ that names no file is expanded (for shells that leave it as it is). A
     file named twice is optimized once. A name that does not exist is kept: it fails as that model's error.
@@ -447,7 +453,11 @@ def expand_models(arguments: Iterable[str]) -> tuple[list[Path], bool]:
             folder, exists = False, True
         if folder:
             several = True
-            matches = sorted(p for p in path.glob("*.onnx") if p.is_file() and not p.name.endswith(FUSED_SUFFIX))
+            matches = sorted(
+                p
+                for p in path.glob("*.onnx")
+                if p.is_file() and not p.name.endswith(FUSED_SUFFIX) and not p.name.startswith(".")
+            )
             if not matches:
                 raise UsageError(f"{argument}: no .onnx files in this folder")
             found += matches
@@ -475,25 +485,26 @@ def _resolved(path: Path) -> Path:
 
 
 def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list[Path]:
-    """Where each model goes. One model: `output`, else MODEL.fused.onnx beside it. Several: into
+    """Where each model goes. One model: `output`, else MODEL.fused.onnx beside it; an existing
+    folder, or a name ending in a slash, is a folder it goes into under its own name. Several: into
     the folder `output` under their own names, else each beside its input as MODEL.fused.onnx.
     Refused before any work: -o naming a file with several models, two models going to one
     file, and an output that is one of the inputs."""
-    if not several:
+    into_folder = output is not None and (several or _names_a_folder(output))
+    if not several and not into_folder:
         source = sources[0]
         return [Path(output) if output else source.with_name(fused_name(source.name))]
-    if output is not None:
+    if into_folder:
         folder = Path(output)
         try:
             exists, is_folder = folder.exists(), folder.is_dir()
         except OSError as error:  # a folder on the way that may not be searched, a name too long
             raise OutputPathError.refused(f"-o {output}", error) from error
+        why = "with several models -o names a folder" if several else "-o ending in a slash names a folder"
         if exists and not is_folder:
-            raise UsageError(f"-o {output}: with several models -o names a folder, and {output} is a file")
+            raise UsageError(f"-o {output}: {why}, and {output} is a file")
         if not exists and folder.suffix == ".onnx":
-            raise UsageError(
-                f"-o {output}: with several models -o names a folder (created if missing), not a .onnx file"
-            )
+            raise UsageError(f"-o {output}: {why} (created if missing), not a .onnx file")
         destinations = [folder / source.name for source in sources]
     else:
         destinations = [source.with_name(fused_name(source.name)) for source in sources]
@@ -524,6 +535,17 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
                     "choose another -o folder"
                 )
     return destinations
+
+
+def _names_a_folder(output: str) -> bool:
+    """Whether -o with one model names a folder to write into: one that exists, or a name ending
+    in a slash (a shell's glob that matched one file makes a run of one model)."""
+    if output.endswith(("/", os.sep)):
+        return True
+    try:
+        return Path(output).is_dir()
+    except OSError:
+        return False  # said when the output is checked
 
 
 def check_folder(path: Path) -> None:
@@ -887,11 +909,30 @@ def _stops_held():
             signal.raise_signal(held[0])  # to the handler it would have met
 
 
+def ends_on_sigterm() -> None:
+    """Make SIGTERM end this process as an exception unwinds it (SystemExit, 128 + SIGTERM).
+
+    Where it lands in a finalizer or a weakref callback, the exception cannot unwind: Python
+    prints it as ignored (a traceback among a CI log's lines) and carries on. There it is sent
+    again, to land where it can, and not printed."""
+    code = 128 + signal.SIGTERM
+
+    def unraisable(event) -> None:
+        if isinstance(event.exc_value, SystemExit) and event.exc_value.code == code:
+            with contextlib.suppress(RuntimeError):  # no new thread at the interpreter's end, nor need of one
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            return
+        sys.__unraisablehook__(event)
+
+    sys.unraisablehook = unraisable
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(code))
+
+
 def _work(job: OptimizeJob, sender) -> None:
     # Ctrl-C reaches the whole process group: the parent alone handles it, by ending the workers,
     # whose SIGTERM unwinds like an exception so that no temporary file is left half-written.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    ends_on_sigterm()
     sent = _end_with_fuser(sender)
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads

@@ -131,6 +131,26 @@ def test_without_o_each_output_goes_beside_its_input_and_a_second_run_skips_them
     assert not list(zoo.glob("*.fused.fused.onnx"))
 
 
+def test_one_model_goes_into_a_folder_that_exists_or_that_ends_in_a_slash(cli, zoo, tmp_path):
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "afile").write_text("not a folder")
+    for output in ("existing", "new/"):
+        result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", output)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in (tmp_path / output).iterdir()) == ["mlp.onnx"]
+    assert cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "existing").returncode == 2  # not replaced unforced
+    refused = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "afile/")
+    assert refused.returncode == 2 and "-o ending in a slash names a folder, and afile/ is a file" in refused.stderr
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_a_folder_stands_for_its_models_not_its_hidden_files(cli, zoo, tmp_path):
+    (zoo / "._mlp.onnx").write_bytes(b"\x00\x05\x16\x07 an archive's resource fork")
+    result = cli(tmp_path, "optimize", zoo, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(SAMPLES)
+
+
 def test_a_quoted_glob_is_expanded(cli, zoo, tmp_path):
     result = cli(tmp_path, "optimize", str(zoo / "[mc]*.onnx"), "-o", tmp_path / "out", "--report", tmp_path / "r.json")
     assert result.returncode == 0, result.stderr
@@ -273,6 +293,63 @@ def test_check_takes_several_models_and_the_worst_code_wins(cli, zoo, tmp_path):
     worse = cli(tmp_path, "check", zoo / "mlp.onnx", tmp_path / "broken.onnx")
     assert worse.returncode == 2
     assert f"{zoo / 'mlp.onnx'}: " in worse.stderr and "broken.onnx" in worse.stderr
+
+
+RAISING_RULES = """\
+from fuser import op, rule, var
+
+
+@rule("boom-on-relu", pattern=op.Relu(var("x")))
+def boom_on_relu(m, b):
+    \"\"\"Relu(x) -> an error.\"\"\"
+    raise RuntimeError("boom")
+"""
+
+
+def test_check_of_several_models_names_the_model_a_rule_failed_on(cli, zoo, tmp_path):
+    (tmp_path / "raising_rules.py").write_text(RAISING_RULES)
+    result = cli(tmp_path, "check", zoo / "classifier_head.onnx", zoo / "mlp.onnx", "--rules", "raising_rules.py")
+    assert result.returncode == 4
+    assert f"fuser: error: {zoo / 'mlp.onnx'}: rule 'boom-on-relu' failed: RuntimeError: boom" in result.stderr
+    alone = cli(tmp_path, "check", zoo / "mlp.onnx", "--rules", "raising_rules.py")  # one model: as before
+    assert alone.returncode == 4 and "fuser: error: rule 'boom-on-relu' failed" in alone.stderr
+
+
+# SIGTERM lands while a finalizer runs: its SystemExit cannot unwind from there.
+SIGTERM_IN_A_FINALIZER = """\
+import os
+import signal
+import time
+
+from fuser import jobs
+
+jobs.ends_on_sigterm()
+
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+
+
+thing = Finalized()
+del thing
+time.sleep(5)
+print("carried on")
+"""
+
+
+def test_a_worker_ends_quietly_on_sigterm_even_where_it_lands_in_a_finalizer(tmp_path):
+    ended = subprocess.run(
+        [sys.executable, "-c", SIGTERM_IN_A_FINALIZER],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(MODELS.parent)},
+        timeout=60,
+    )
+    assert (ended.returncode, ended.stdout, ended.stderr) == (128 + 15, "", "")  # no traceback, not carried on
 
 
 def planned(sources, **options) -> list[jobs.OptimizeJob]:
@@ -440,6 +517,20 @@ def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cl
         "r.json",
         "wrong_rules.py",
     ]  # nothing written, no staging folder left
+
+
+def test_among_several_models_a_line_says_what_the_check_dropped(cli, zoo, tmp_path):
+    (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
+    onnx.save(unary_model("Cos"), zoo / "cosine.onnx")
+    result = cli(
+        tmp_path, "optimize", zoo / "cosine.onnx", zoo / "mlp.onnx", "-o", "out", "--rules", "wrong_rules.py",
+        "--on-mismatch", "drop",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith(str(zoo / "cosine.onnx"))]
+    assert "0 rewrites, check passed after dropping 1 rewrite(s)" in line
+    [other] = [line for line in result.stderr.splitlines() if line.startswith(str(zoo / "mlp.onnx"))]
+    assert "check passed," in other
 
 
 def test_a_check_the_model_needs_as_changed_before_the_rewrite_stays_beside_it(cli, zoo, tmp_path, monkeypatch):
