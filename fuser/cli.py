@@ -304,8 +304,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
     "-o",
     "--output",
     type=click.Path(),
-    help="One model: the output file (default: MODEL.fused.onnx beside MODEL). Several: a folder, "
-    "created if missing, that gets them under their own names (default: each MODEL.fused.onnx beside its input).",
+    help="One model: the output file (default: MODEL.fused.onnx beside MODEL), or a folder that exists or whose "
+    "name ends in a slash. Several: a folder, created if missing, that gets them under their own names (default: "
+    "each MODEL.fused.onnx beside its input).",
 )
 @click.option("--force", is_flag=True, help="Replace output files that exist.")
 @click.option(
