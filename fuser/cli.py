@@ -442,6 +442,7 @@ def optimize(
 
 def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
     terminal = _terminal_progress(quiet)
+    before = _file_identity(job.destination)
     try:
         try:
             notice = terminal.echo if terminal is not None else (lambda line: _say(line, quiet))
@@ -450,7 +451,8 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
             if terminal is not None:
                 terminal.close()
     except KeyboardInterrupt:
-        entry = _interrupted_entry("optimize", job.source, _shows_json(report_path, fmt))
+        written = _written_since(job.destination, before)
+        entry = _interrupted_entry("optimize", job.source, _shows_json(report_path, fmt), written)
         _report_interrupted("optimize", [entry], report_path, fmt, several=False)
         raise
     for message in outcome.messages:
@@ -474,6 +476,7 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
     terminal = _terminal_progress(quiet)
     say = terminal.echo if terminal is not None else (lambda line: click.echo(line, err=True))
     finished_outcomes: list[jobs_module.Outcome] = []
+    before = {job.destination: _file_identity(job.destination) for job in planned}
 
     def show(outcome: jobs_module.Outcome) -> None:
         """One line as each model finishes (its traceback first under --debug; its summary with -v)."""
@@ -500,7 +503,11 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
         done = {outcome.source: outcome.report for outcome in finished_outcomes}
         shows_json = _shows_json(report_path, fmt)
         reports = [
-            done.get(str(job.source)) or _interrupted_entry("optimize", job.source, shows_json) for job in planned
+            done.get(str(job.source))
+            or _interrupted_entry(
+                "optimize", job.source, shows_json, _written_since(job.destination, before[job.destination])
+            )
+            for job in planned
         ]
         seconds = time.perf_counter() - started
         _report_interrupted("optimize", reports, report_path, fmt, several=True, jobs=workers, seconds=seconds)
@@ -531,11 +538,36 @@ def _make_folder(folder: Path) -> None:
 INTERRUPTED = "interrupted before it was done"
 
 
-def _interrupted_entry(command: str, source: Path, digest: bool) -> dict:
+def _interrupted_entry(command: str, source: Path, digest: bool, written: Path | None = None) -> dict:
     """The report of a model whose work Ctrl-C (or SIGTERM) stopped: named by its input entry,
-    as every model's report is (with its digest in a JSON report, as for any error)."""
+    as every model's report is (with its digest in a JSON report, as for any error). `written`:
+    its output, put in place before the stop came, which its report names."""
     entry = report_module.regular_file_entry(source, digest=digest)
-    return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
+    if written is None:
+        return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
+    return report_module.envelope(
+        command,
+        "error",
+        EXIT_INTERRUPTED,
+        error=f"{source}: interrupted once {written} was written, before its report was done",
+        input=entry,
+        output=report_module.regular_file_entry(written, digest=digest),
+    )
+
+
+def _file_identity(path: Path) -> tuple | None:
+    """What tells the file at `path` from one put there later; None where there is none."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size
+
+
+def _written_since(path: Path, before: tuple | None) -> Path | None:
+    """`path`, where the run put a file there: an output is only ever renamed into place whole."""
+    now = _file_identity(path)
+    return path if now is not None and now != before else None
 
 
 def _report_interrupted(command: str, reports: list[dict], report_path, fmt, several: bool, **fields) -> None:

@@ -952,29 +952,35 @@ def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digest
 
 def put_in_place(moves: list[tuple[str | Path, Path]]) -> None:
     """Rename each (file, path) of `moves` over its path, in order, as one change: should a rename
-    fail, the files the earlier ones replaced are put back (kept meanwhile under a second name,
-    a hard link) and those they added removed, so that a model is never left beside another
-    one's data file. OutputPathError names the path that could not be written. Where the folder
-    cannot hold a second name for a file, what an earlier rename replaced stays replaced."""
-    done: list[tuple[Path, str | None]] = []  # (path, its former file's second name; "" if it had none)
+    fail, or the run be stopped between them (Ctrl-C, SIGTERM), the files the earlier ones
+    replaced are put back (kept meanwhile under a second name, a hard link) and those they added
+    removed, so that a model is never left beside another one's data file. OutputPathError names
+    the path that could not be written. Where the folder cannot hold a second name for a file,
+    what an earlier rename replaced stays replaced."""
+    placed: list[tuple[Path, str | None]] = []  # (path, its former file's second name; "" if it had none)
+    pending = None  # the second name of the file the rename under way replaces
+    complete = False
     try:
         for position, (source, path) in enumerate(moves):
-            former = _aside(path) if position < len(moves) - 1 else None  # the last one's failure undoes
+            pending = _aside(path) if position < len(moves) - 1 else None  # the last one's failure undoes
             try:
                 os.replace(source, path)
             except OSError as error:
-                if former:
-                    _remove(former)
-                for placed, kept in reversed(done):
-                    with contextlib.suppress(OSError):  # what cannot be undone stays as it is
-                        if kept:
-                            os.replace(kept, placed)
-                        elif kept == "":
-                            os.unlink(placed)
                 raise OutputPathError(f"{path}: cannot write it ({error.strerror or error})") from error
-            done.append((path, former))
+            placed.append((path, pending))
+            pending = None
+        complete = True
     finally:
-        for _, kept in done:
+        if pending:
+            _remove(pending)
+        if not complete:
+            for path, kept in reversed(placed):
+                with contextlib.suppress(OSError):  # what cannot be undone stays as it is
+                    if kept:
+                        os.replace(kept, path)
+                    elif kept == "":
+                        os.unlink(path)
+        for _, kept in placed:
             if kept:
                 _remove(kept)
 

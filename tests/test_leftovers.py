@@ -246,6 +246,25 @@ def test_a_failed_rename_puts_back_what_the_earlier_ones_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "new.onnx"]
 
 
+class StoppedHere:
+    """A path whose reading is where Ctrl-C lands: between one rename and the next."""
+
+    def __fspath__(self):
+        raise KeyboardInterrupt
+
+
+def test_a_stop_between_the_renames_puts_back_what_the_earlier_ones_replaced(tmp_path):
+    data, model = tmp_path / "m.onnx.data", tmp_path / "m.onnx"
+    data.write_bytes(b"old weights")
+    model.write_bytes(b"old model")
+    new_data = tmp_path / "new.data"
+    new_data.write_bytes(b"new weights")
+    with pytest.raises(KeyboardInterrupt):
+        put_in_place([(new_data, data), (StoppedHere(), model)])
+    assert (data.read_bytes(), model.read_bytes()) == (b"old weights", b"old model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
 WRONG_RULES = """\
 from fuser import op, rule, var
 

@@ -1140,6 +1140,50 @@ def test_an_interrupted_run_reports_the_models_done_before_it(tmp_path):
     assert report["error"] == "interrupted before it was done: 1 of 2 models not done"
 
 
+# Every interpreter started with it on its path is slow to make its summary, once its output is in place.
+SLOW_AFTER_WRITING = """\
+import os
+import time
+from pathlib import Path
+
+import fuser.report
+
+
+def slow_summary(*args, **kwargs):
+    Path(f"worker-{os.getpid()}.pid").write_text("")
+    time.sleep(600)
+
+
+fuser.report.summary_lines = slow_summary
+"""
+
+
+@pytest.mark.parametrize("names", [("a",), ("a", "b")], ids=["one-model", "workers"])
+def test_a_stop_once_the_output_is_written_is_reported_with_the_output(tmp_path, monkeypatch, names):
+    import signal
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_AFTER_WRITING)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(MODELS.parent)]))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a.onnx").write_bytes(b"an earlier output")  # replaced: --force
+    output = "out/a.onnx" if len(names) == 1 else "out"
+    command = ["fuser.cli", "optimize", *[f"{n}.onnx" for n in names], "-o", output, "-j", "1", "--force"]
+    status, _, _ = _interrupted(tmp_path, names, [*command, "--report", "r.json"], started=1, quick=names)
+    assert status == -signal.SIGINT
+    report = validated(tmp_path / "r.json")
+    first = report["models"][0] if len(names) > 1 else report
+    written = tmp_path / "out" / "a.onnx"
+    assert (first["verdict"], first["exit_code"]) == ("error", 130)
+    assert first["error"] == "a.onnx: interrupted once out/a.onnx was written, before its report was done"
+    assert first["output"]["sha256"] == hashlib.sha256(written.read_bytes()).hexdigest()
+    assert onnx.load(written).graph.node[0].op_type == "Cos"  # the whole model, not the earlier file
+    if len(names) > 1:
+        second = report["models"][1]
+        assert second["error"] == "b.onnx: interrupted before it was done" and second.get("output") is None
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.onnx"]
+
+
 def _earlier_report() -> str:
     from fuser import report
 
