@@ -9,7 +9,6 @@ worker when memory runs out, is that model's failure, reported as such; the othe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import glob
@@ -24,7 +23,6 @@ import pkgutil
 import select
 import signal
 import stat
-import sys
 import threading
 import time
 import traceback
@@ -35,7 +33,7 @@ from pathlib import Path
 
 import onnx
 
-from fuser import api, ending, validation, verify
+from fuser import api, ending, stops, validation, verify
 from fuser import report as report_module
 from fuser.errors import EXIT_INTERNAL, EXIT_OK, FuserError, InputError, NumericsMismatch, OutputPathError, UsageError
 from fuser.graph import paused_gc
@@ -490,6 +488,8 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
     the folder `output` under their own names, else each beside its input as MODEL.fused.onnx.
     Refused before any work: -o naming a file with several models, two models going to one
     file, and an output that is one of the inputs."""
+    if output == "":
+        raise UsageError("-o names no file or folder")
     into_folder = output is not None and (several or _names_a_folder(output))
     if not several and not into_folder:
         source = sources[0]
@@ -846,7 +846,7 @@ def run_jobs(
                 index, job = waiting.pop(0)
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_work, args=(job, sender), name=f"fuser {job.source.name}")
-                with _stops_held():  # a Ctrl-C or SIGTERM now is taken once the worker is known, to be ended
+                with stops.held():  # a Ctrl-C or SIGTERM now is taken once the worker is known, to be ended
                     process.start()
                     running[index] = (job, process, receiver)
                 sender.close()  # the worker holds the only sending end: its death closes the pipe
@@ -878,61 +878,11 @@ def run_jobs(
     return outcomes
 
 
-# The signals that stop a run (fuser.cli.stop_on_sigterm makes SIGTERM one).
-STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _stops_held():
-    """Hold Ctrl-C and SIGTERM back until the block ends: one that lands while a worker starts
-    would stop the run before the worker is listed among those to end, and it would run on,
-    writing its model after fuser has gone. Held, the signal is taken as the block ends.
-
-    Held by Python's handlers, which run in the main thread, not by the thread's signal mask: the
-    system hands a signal to any thread that does not block it (numpy's own threads)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers; it is the one a signal stops anyway
-        return
-    held: list[int] = []
-    # Only what Python handles is held: a signal ignored stays so (a fork server started now
-    # must inherit that), and one whose default ends the process would end it just the same.
-    previous = {number: signal.getsignal(number) for number in STOPPING_SIGNALS}
-    previous = {number: handler for number, handler in previous.items() if callable(handler)}
-    for number in previous:
-        signal.signal(number, lambda number, frame: held.append(number))
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        if held:
-            signal.raise_signal(held[0])  # to the handler it would have met
-
-
-def ends_on_sigterm() -> None:
-    """Make SIGTERM end this process as an exception unwinds it (SystemExit, 128 + SIGTERM).
-
-    Where it lands in a finalizer or a weakref callback, the exception cannot unwind: Python
-    prints it as ignored (a traceback among a CI log's lines) and carries on. There it is sent
-    again, to land where it can, and not printed."""
-    code = 128 + signal.SIGTERM
-
-    def unraisable(event) -> None:
-        if isinstance(event.exc_value, SystemExit) and event.exc_value.code == code:
-            with contextlib.suppress(RuntimeError):  # no new thread at the interpreter's end, nor need of one
-                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
-            return
-        sys.__unraisablehook__(event)
-
-    sys.unraisablehook = unraisable
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(code))
-
-
 def _work(job: OptimizeJob, sender) -> None:
     # Ctrl-C reaches the whole process group: the parent alone handles it, by ending the workers,
     # whose SIGTERM unwinds like an exception so that no temporary file is left half-written.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ends_on_sigterm()
+    stops.end_on_sigterm()
     sent = _end_with_fuser(sender)
     verify.LOG_SEVERITY = 2 if job.debug else verify.QUIET
     verify.SESSION_THREADS = job.threads

@@ -24,7 +24,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import ModelProto, TensorProto
 
-from fuser import leftovers
+from fuser import leftovers, stops
 from fuser.errors import FuserError, InputError, OutputPathError, UsageError
 from fuser.graph import (
     Graph,
@@ -951,12 +951,17 @@ def _write_files(files: list[tuple[Path, Callable[[IO[bytes]], object]]], digest
 
 
 def put_in_place(moves: list[tuple[str | Path, Path]]) -> None:
-    """Rename each (file, path) of `moves` over its path, in order, as one change: should a rename
-    fail, or the run be stopped between them (Ctrl-C, SIGTERM), the files the earlier ones
-    replaced are put back (kept meanwhile under a second name, a hard link) and those they added
-    removed, so that a model is never left beside another one's data file. OutputPathError names
-    the path that could not be written. Where the folder cannot hold a second name for a file,
-    what an earlier rename replaced stays replaced."""
+    """Rename each (file, path) of `moves` over its path, in order, as one change: Ctrl-C and
+    SIGTERM wait until all are done, and should a rename fail, the files the earlier ones replaced
+    are put back (kept meanwhile under a second name, a hard link) and those they added removed,
+    so that a model is never left beside another one's data file. OutputPathError names the path
+    that could not be written. Where the folder cannot hold a second name for a file, what an
+    earlier rename replaced stays replaced."""
+    with stops.held():  # a stop is taken before the renames begin or once all are done
+        _put_in_place(moves)
+
+
+def _put_in_place(moves: list[tuple[str | Path, Path]]) -> None:
     placed: list[tuple[Path, str | None]] = []  # (path, its former file's second name; "" if it had none)
     pending = None  # the second name of the file the rename under way replaces
     complete = False

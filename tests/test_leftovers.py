@@ -4,6 +4,7 @@ writing there (fuser/leftovers.py); what a live run holds, or fuser did not make
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -262,6 +263,34 @@ def test_a_stop_between_the_renames_puts_back_what_the_earlier_ones_replaced(tmp
     with pytest.raises(KeyboardInterrupt):
         put_in_place([(new_data, data), (StoppedHere(), model)])
     assert (data.read_bytes(), model.read_bytes()) == (b"old weights", b"old model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+class SignalledHere:
+    """A path whose reading is where Ctrl-C reaches the process: during the first rename."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __fspath__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return str(self.path)
+
+
+def test_ctrl_c_during_the_renames_is_taken_once_all_are_done(tmp_path):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal gives it
+    try:
+        data, model = tmp_path / "m.onnx.data", tmp_path / "m.onnx"
+        data.write_bytes(b"old weights")
+        model.write_bytes(b"old model")
+        new_data, new_model = tmp_path / "new.data", tmp_path / "new.onnx"
+        new_data.write_bytes(b"new weights")
+        new_model.write_bytes(b"new model")
+        with pytest.raises(KeyboardInterrupt):
+            put_in_place([(SignalledHere(new_data), data), (new_model, model)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (data.read_bytes(), model.read_bytes()) == (b"new weights", b"new model")  # both, not one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
 
 

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import external_data_helper, helper, numpy_helper
 
-from fuser import jobs, wire
+from fuser import jobs, stops, wire
 from fuser.report import REPORT_SCHEMA, SCHEMA_VERSION
 from tests.helpers import fuser_cli, in_process_cli, model_from_text, run
 
@@ -139,6 +139,7 @@ def test_one_model_goes_into_a_folder_that_exists_or_that_ends_in_a_slash(cli, z
         assert result.returncode == 0, result.stderr
         assert sorted(p.name for p in (tmp_path / output).iterdir()) == ["mlp.onnx"]
     assert cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "existing").returncode == 2  # not replaced unforced
+    assert "-o names no file or folder" in cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "").stderr
     refused = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "afile/")
     assert refused.returncode == 2 and "-o ending in a slash names a folder, and afile/ is a file" in refused.stderr
     assert (tmp_path / "afile").read_text() == "not a folder"
@@ -321,9 +322,9 @@ import os
 import signal
 import time
 
-from fuser import jobs
+from fuser import stops
 
-jobs.ends_on_sigterm()
+stops.end_on_sigterm()
 
 
 class Finalized:
@@ -338,6 +339,36 @@ del thing
 time.sleep(5)
 print("carried on")
 """
+
+
+# A second SIGTERM comes as the first unwinds (sent to fuser's process group, then by fuser).
+SIGTERM_TWICE = """\
+import os
+import signal
+
+from fuser import stops
+
+stops.end_on_sigterm()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+finally:
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in range(1000):
+        pass
+    print("cleaned up")
+"""
+
+
+def test_a_second_sigterm_lets_the_cleanup_of_the_first_run_to_its_end():
+    ended = subprocess.run(
+        [sys.executable, "-c", SIGTERM_TWICE],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(MODELS.parent)},
+        timeout=60,
+    )
+    assert (ended.returncode, ended.stdout, ended.stderr) == (128 + 15, "cleaned up\n", "")
 
 
 def test_a_worker_ends_quietly_on_sigterm_even_where_it_lands_in_a_finalizer(tmp_path):
@@ -1306,7 +1337,7 @@ def test_holding_stops_leaves_a_signal_the_run_ignores_ignored():
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with jobs._stops_held():
+        with stops.held():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
