@@ -359,28 +359,25 @@ finally:
 """
 
 
+def python_script(script: str) -> tuple[int, str, str]:
+    """Run `script` in a Python process of its own, with this checkout's fuser: its exit status and output."""
+    ended = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(MODELS.parent)},
+        timeout=60,
+    )
+    return ended.returncode, ended.stdout, ended.stderr
+
+
 def test_a_second_sigterm_lets_the_cleanup_of_the_first_run_to_its_end():
-    ended = subprocess.run(
-        [sys.executable, "-c", SIGTERM_TWICE],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(MODELS.parent)},
-        timeout=60,
-    )
-    assert (ended.returncode, ended.stdout, ended.stderr) == (128 + 15, "cleaned up\n", "")
+    assert python_script(SIGTERM_TWICE) == (128 + 15, "cleaned up\n", "")
 
 
-def test_a_worker_ends_quietly_on_sigterm_even_where_it_lands_in_a_finalizer(tmp_path):
-    ended = subprocess.run(
-        [sys.executable, "-c", SIGTERM_IN_A_FINALIZER],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(MODELS.parent)},
-        timeout=60,
-    )
-    assert (ended.returncode, ended.stdout, ended.stderr) == (128 + 15, "", "")  # no traceback, not carried on
+def test_a_worker_ends_quietly_on_sigterm_even_where_it_lands_in_a_finalizer():
+    assert python_script(SIGTERM_IN_A_FINALIZER) == (128 + 15, "", "")  # no traceback, not carried on
 
 
 def planned(sources, **options) -> list[jobs.OptimizeJob]:
