@@ -472,7 +472,7 @@ def _optimize_one(job: jobs_module.OptimizeJob, report_path, fmt, quiet) -> int:
 def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fmt, verbose, quiet) -> int:
     started = time.perf_counter()
     workers = min(jobs or jobs_module.default_jobs(planned), len(planned))
-    _say(f"fuser: {len(planned)} models, {workers} at a time", quiet)
+    _say(f"fuser: {report_module.models_text(len(planned))}, {workers} at a time", quiet)
     terminal = _terminal_progress(quiet)
     say = terminal.echo if terminal is not None else (lambda line: click.echo(line, err=True))
     finished_outcomes: list[jobs_module.Outcome] = []
@@ -516,7 +516,7 @@ def _optimize_many(planned: list[jobs_module.OptimizeJob], jobs, report_path, fm
     failed = sum(outcome.error is not None for outcome in outcomes)
     elapsed = time.perf_counter() - started
     _say(
-        f"{len(outcomes)} models: {len(outcomes) - failed} written, {failed} failed (exit {code}); "
+        f"{report_module.models_text(len(outcomes))}: {len(outcomes) - failed} written, {failed} failed (exit {code}); "
         f"{workers} at a time, {elapsed:.1f} s",
         quiet and not failed,
     )
@@ -579,7 +579,7 @@ def _report_interrupted(command: str, reports: list[dict], report_path, fmt, sev
     if several:
         combined = report_module.batch_envelope(command, reports, **fields)
         unfinished = sum(r["exit_code"] == EXIT_INTERRUPTED for r in reports)
-        combined["error"] = f"{INTERRUPTED}: {unfinished} of {len(reports)} models not done"
+        combined["error"] = f"{INTERRUPTED}: {unfinished} of {report_module.models_text(len(reports))} not done"
     try:
         _emit_report(combined, report_path, fmt)
     except KeyboardInterrupt:

@@ -344,6 +344,11 @@ def op_type_table(before: dict[str, int], after: dict[str, int]) -> list[str]:
     return ["op types:", *lines]
 
 
+def models_text(count: int) -> str:
+    """`count` models, as a person says it: "1 model", "3 models"."""
+    return f"{count} model" if count == 1 else f"{count} models"
+
+
 def bytes_text(size: int) -> str:
     if size < 1024:
         return f"{size} B"
@@ -445,7 +450,7 @@ def batch_envelope(command: str, reports: list[dict], **fields) -> dict:
     else:
         verdict = worst[0]["verdict"]
     failed = [r for r in reports if r["verdict"] in ("error", "mismatch")]
-    error = f"{len(failed)} of {len(reports)} models failed" if failed else None
+    error = f"{len(failed)} of {models_text(len(reports))} failed" if failed else None
     return envelope(command, verdict, code, error=error, **fields, models=reports)
 
 
@@ -584,7 +589,7 @@ def markdown(report: dict, title: str | None = None) -> str:
 def _batch_markdown(report: dict) -> str:
     """A table of the models, then each model's own section."""
     models = report["models"]
-    lines = [f"## fuser {report['command']}: {len(models)} models, exit {report['exit_code']}", ""]
+    lines = [f"## fuser {report['command']}: {models_text(len(models))}, exit {report['exit_code']}", ""]
     lines += [
         "| model | verdict | exit | nodes | rewrites | numerics | seconds |",
         "| --- | --- | ---: | --- | ---: | --- | ---: |",

@@ -145,6 +145,15 @@ def test_one_model_goes_into_a_folder_that_exists_or_that_ends_in_a_slash(cli, z
     assert (tmp_path / "afile").read_text() == "not a folder"
 
 
+def test_a_folder_of_one_model_is_counted_as_one(cli, zoo, tmp_path):
+    (tmp_path / "one").mkdir()
+    shutil.copy(zoo / "mlp.onnx", tmp_path / "one" / "mlp.onnx")
+    result = cli(tmp_path, "optimize", "one", "-o", "out")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == "fuser: 1 model, 1 at a time" and lines[-1].startswith("1 model: 1 written, 0 failed")
+
+
 def test_a_folder_stands_for_its_models_not_its_hidden_files(cli, zoo, tmp_path):
     (zoo / "._mlp.onnx").write_bytes(b"\x00\x05\x16\x07 an archive's resource fork")
     result = cli(tmp_path, "optimize", zoo, "-o", tmp_path / "out")
