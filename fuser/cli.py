@@ -757,6 +757,7 @@ def check(
     reports: list[dict] = []
     try:
         for source in sources:
+            started = time.perf_counter()
             try:
                 result = api.find_opportunities(
                     source,
@@ -772,7 +773,10 @@ def check(
                     return _fail_with_report("check", error, ctx.debug, report_path, fmt)
                 code = _fail(error, ctx.debug, source)
                 entry = report_module.regular_file_entry(source)
-                reports.append(report_module.envelope("check", "error", code, error=str(error), input=entry))
+                seconds = time.perf_counter() - started
+                reports.append(
+                    report_module.envelope("check", "error", code, error=str(error), input=entry, seconds=seconds)
+                )
                 continue
             found = result.opportunities
             code = EXIT_WORK_FOUND if found and not exit_zero else EXIT_OK
@@ -787,6 +791,7 @@ def check(
                     nchwc_block=block,
                     opportunities=[o.to_dict() for o in found],
                     skipped_rules=result.skipped_rules,
+                    seconds=time.perf_counter() - started,
                 )
             )
             if fmt == "text" and not quiet:

@@ -164,11 +164,19 @@ def optimize_file(
 
 
 def _optimize_file(
-    job: OptimizeJob, progress: Progress | None, notice: Callable[[str], None] | None = None, lean: bool = True
+    job: OptimizeJob,
+    progress: Progress | None,
+    notice: Callable[[str], None] | None = None,
+    lean: bool = True,
+    spent: dict[str, float] | None = None,
+    started: float | None = None,
 ) -> Outcome:
     """optimize_file's work. lean: where the check may not fit beside the rewritten graph, it may
-    run once the result is written and the graph let go (_check_written)."""
-    started = time.perf_counter()
+    run once the result is written and the graph let go (_check_written). spent, started: the
+    seconds per stage of an earlier attempt at the same job, and when it started: the report's
+    times are the job's, not this attempt's."""
+    started = time.perf_counter() if started is None else started
+    spent = spent or {}
     source, destination = job.source, job.destination
     progress = progress or silent
     loaded = None
@@ -247,9 +255,9 @@ def _optimize_file(
                 verify.return_freed_memory()
                 checking = time.perf_counter()
                 passed = _check_written(job, result, options, written[0], progress)
+                result.timings["check"] = time.perf_counter() - checking
                 if passed:
                     written, digests = _moved_into_place(written, digests, destination.parent, staging)
-                    result.timings["check"] = time.perf_counter() - checking
                 else:
                     staging.discard()
         except BaseException:
@@ -262,10 +270,10 @@ def _optimize_file(
                     f"fuser: {source}: the check after writing did not pass; optimizing again with the "
                     "check beside the rewrite, which finds the rewrites to blame"
                 )
-            again = _optimize_file(job, progress, None, lean=False)  # warned once is enough
-            again.seconds = time.perf_counter() - started  # both runs'
-            return again
-        result.timings = _in_stage_order(result.timings, load=load_seconds, write=write_seconds)
+            # Warned once is enough.
+            first = _in_stage_order(result.timings, {"load": load_seconds, "write": write_seconds})
+            return _optimize_file(job, progress, None, lean=False, spent=first, started=started)
+        result.timings = _in_stage_order(result.timings, {"load": load_seconds, "write": write_seconds}, spent)
         result.output_path = str(destination)
         body = result.to_dict()
         sizes = (size_before, sum(path.stat().st_size for path in written))
@@ -278,13 +286,14 @@ def _optimize_file(
         verdict = "optimized" if result.rewrites or result.fixed_shapes else "unchanged"
         if loaded is not None:
             ending.keep(loaded, optimized)
+        seconds = time.perf_counter() - started
         return Outcome(
             source=str(source),
             code=EXIT_OK,
-            report=report_module.envelope("optimize", verdict, EXIT_OK, **body),
+            report=report_module.envelope("optimize", verdict, EXIT_OK, **body, seconds=seconds),
             summary=report_module.summary_lines(result, destination, sizes, job.verbose),
             written=str(destination),
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
         )
     except NumericsMismatch as error:
         folder = keep_evidence(error, source, loaded.tensors)
@@ -292,20 +301,22 @@ def _optimize_file(
         code, messages = describe_error(told, job.debug)
         body = error.evidence["report"].to_dict() if "report" in error.evidence else {}
         if "report" in error.evidence:
-            body["timings"] = _in_stage_order(body["timings"], load=load_seconds)
-        body.update(input=_input_entry(source, hashing), output=None, evidence=str(folder))
+            body["timings"] = _in_stage_order(body["timings"], {"load": load_seconds}, spent)
+        seconds = time.perf_counter() - started
+        body.update(input=_input_entry(source, hashing), output=None, evidence=str(folder), seconds=seconds)
         report = report_module.envelope("optimize", "mismatch", code, error=str(error), **body)
         write_bytes_atomically(folder / "report.json", (report_module.dumps(report) + "\n").encode())
         told = f"{error}; evidence kept in {folder}"
-        return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
+        return Outcome(str(source), code, report, messages=messages, error=told, seconds=seconds)
     except Exception as error:  # noqa: BLE001 - mapped to the exit-code contract
         error = _refused(loaded, error)
         code, messages = describe_error(error, job.debug)
+        seconds = time.perf_counter() - started
         report = report_module.envelope(
-            "optimize", "error", code, error=str(error), input=_input_entry(source, hashing), output=None
+            "optimize", "error", code, error=str(error), input=_input_entry(source, hashing), output=None, seconds=seconds
         )
         told = _error_text(error)
-        return Outcome(str(source), code, report, messages=messages, error=told, seconds=time.perf_counter() - started)
+        return Outcome(str(source), code, report, messages=messages, error=told, seconds=seconds)
 
 
 def _checks_after_writing(job: OptimizeJob) -> bool:
@@ -399,10 +410,12 @@ def _refused(model: Model | None, error: Exception) -> Exception:
     return error
 
 
-def _in_stage_order(timings: dict[str, float], **more: float) -> dict[str, float]:
+def _in_stage_order(timings: dict[str, float], *more: dict[str, float]) -> dict[str, float]:
+    """`timings` with the seconds per stage of `more` added, the stages in the order they run."""
     combined = dict(timings)
-    for stage, seconds in more.items():
-        combined[stage] = combined.get(stage, 0.0) + seconds
+    for seconds_by_stage in more:
+        for stage, seconds in seconds_by_stage.items():
+            combined[stage] = combined.get(stage, 0.0) + seconds
     return {stage: combined[stage] for stage in STAGES if stage in combined}
 
 

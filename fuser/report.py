@@ -158,7 +158,10 @@ REPORT_SCHEMA = {
             "items": {"$ref": "#"},
         },
         "jobs": {"type": "integer", "description": "how many models were optimized at once"},
-        "seconds": {"type": "number", "description": "the whole run's wall-clock time"},
+        "seconds": {
+            "type": "number",
+            "description": "the run's wall-clock time; of a model among several (in models), that model's own",
+        },
         "latency": {
             "type": ["object", "null"],
             "required": ["original_ms", "optimized_ms", "ratio", "noise", "slower", "rounds", "threads", "level"],
@@ -590,19 +593,26 @@ def _batch_markdown(report: dict) -> str:
     """A table of the models, then each model's own section."""
     models = report["models"]
     lines = [f"## fuser {report['command']}: {models_text(len(models))}, exit {report['exit_code']}", ""]
-    lines += [
-        "| model | verdict | exit | nodes | rewrites | numerics | seconds |",
-        "| --- | --- | ---: | --- | ---: | --- | ---: |",
-    ]
+    if report["command"] == "check":  # nothing is rewritten, checked in onnxruntime or timed per stage
+        lines += ["| model | verdict | exit | opportunities | seconds |", "| --- | --- | ---: | ---: | ---: |"]
+    else:
+        lines += [
+            "| model | verdict | exit | nodes | rewrites | numerics | seconds |",
+            "| --- | --- | ---: | --- | ---: | --- | ---: |",
+        ]
     for model in models:
         path = (model.get("input") or {}).get("path", "?")
+        verdict, code = model["verdict"], model["exit_code"]
+        seconds = "" if model.get("seconds") is None else f"{model['seconds']:.2f}"  # none: interrupted
+        if report["command"] == "check":
+            found = "" if verdict == "error" else len(model.get("opportunities") or [])
+            lines.append(f"| `{path}` | {verdict} | {code} | {found} | {seconds} |")
+            continue
         nodes = f"{model['nodes_before']} → {model['nodes_after']}" if "nodes_before" in model else ""
-        rewrites = len(model.get("rewrites") or model.get("opportunities") or [])
+        rewrites = len(model.get("rewrites") or [])
         numerics = model.get("numerics")
         passed = "" if not numerics else ("passed" if numerics["passed"] else "FAILED")
-        seconds = sum((model.get("timings") or {}).values())
-        verdict, code = model["verdict"], model["exit_code"]
-        lines.append(f"| `{path}` | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds:.2f} |")
+        lines.append(f"| `{path}` | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds} |")
     lines.append("")
     for model in models:
         path = (model.get("input") or {}).get("path", "?")

@@ -286,11 +286,28 @@ def test_json_and_markdown_cover_every_model(cli, zoo, tmp_path):
     report = json.loads(result.stdout)
     jsonschema.validate(report, REPORT_SCHEMA)
     assert len(report["models"]) == 3
+    # Each model's wall time is its own, its stages and what lies between them.
+    assert all(m["seconds"] >= sum(m["timings"].values()) > 0 for m in report["models"])
     markdown = cli(tmp_path, "optimize", zoo, "-o", "out", "--force", "--format", "markdown")
     assert markdown.returncode == 0
     assert markdown.stdout.startswith("## fuser optimize: 3 models, exit 0")
     for name in SAMPLES:
         assert f"`{zoo / name}`" in markdown.stdout
+        [row] = [line for line in markdown.stdout.splitlines() if line.startswith(f"| `{zoo / name}` |")]
+        assert float(row.split("|")[-2]) > 0, row
+
+
+def test_the_markdown_of_a_check_of_several_models_counts_what_each_has_left(cli, zoo, tmp_path):
+    assert cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", tmp_path / "done.onnx").returncode == 0
+    result = cli(tmp_path, "check", zoo / "mlp.onnx", tmp_path / "done.onnx", "--format", "markdown")
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[2] == "| model | verdict | exit | opportunities | seconds |"
+    cells = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines[4:6]}
+    left = {name: (verdict.strip(), int(found), float(seconds)) for name, (verdict, _, found, seconds) in cells.items()}
+    assert left[f"`{zoo / 'mlp.onnx'}`"][:2] == ("work-found", 2)
+    assert left[f"`{tmp_path / 'done.onnx'}`"][:2] == ("fully-fused", 0)
+    assert all(seconds > 0 for _, _, seconds in left.values())
 
 
 def test_check_takes_several_models_and_the_worst_code_wins(cli, zoo, tmp_path):
@@ -549,6 +566,9 @@ def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cl
     assert "caused by 1 rewrite(s): wrong-cos" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "mismatch" and report["blamed"]
+    # The times are both attempts': the first one's write and check after it are counted too.
+    assert {"load", "rewrite", "check", "blame", "write"} <= set(report["timings"])
+    assert report["seconds"] >= sum(report["timings"].values())
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("fuser-evidence")) == [
         "cosine.onnx",
         "r.json",
