@@ -755,6 +755,7 @@ def check(
     except Exception as error:  # noqa: BLE001
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
     reports: list[dict] = []
+    run_started = time.perf_counter()
     try:
         for source in sources:
             started = time.perf_counter()
@@ -805,7 +806,8 @@ def check(
         _report_interrupted("check", reports + rest, report_path, fmt, several)
         raise
     try:
-        combined = report_module.batch_envelope("check", reports) if several else reports[0]
+        seconds = time.perf_counter() - run_started
+        combined = report_module.batch_envelope("check", reports, seconds=seconds) if several else reports[0]
         _emit_report(combined, report_path, fmt)
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)

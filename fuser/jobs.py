@@ -255,9 +255,11 @@ def _optimize_file(
                 verify.return_freed_memory()
                 checking = time.perf_counter()
                 passed = _check_written(job, result, options, written[0], progress)
-                result.timings["check"] = time.perf_counter() - checking
+                moving = time.perf_counter()
+                result.timings["check"] = moving - checking
                 if passed:
                     written, digests = _moved_into_place(written, digests, destination.parent, staging)
+                    write_seconds += time.perf_counter() - moving  # putting the files in place ends the write
                 else:
                     staging.discard()
         except BaseException:
@@ -313,7 +315,13 @@ def _optimize_file(
         code, messages = describe_error(error, job.debug)
         seconds = time.perf_counter() - started
         report = report_module.envelope(
-            "optimize", "error", code, error=str(error), input=_input_entry(source, hashing), output=None, seconds=seconds
+            "optimize",
+            "error",
+            code,
+            error=str(error),
+            input=_input_entry(source, hashing),
+            output=None,
+            seconds=seconds,
         )
         told = _error_text(error)
         return Outcome(str(source), code, report, messages=messages, error=told, seconds=seconds)
@@ -861,10 +869,10 @@ def run_jobs(
                 process = context.Process(target=_work, args=(job, sender), name=f"fuser {job.source.name}")
                 with stops.held():  # a Ctrl-C or SIGTERM now is taken once the worker is known, to be ended
                     process.start()
-                    running[index] = (job, process, receiver)
+                    running[index] = (job, process, receiver, time.perf_counter())
                 sender.close()  # the worker holds the only sending end: its death closes the pipe
-            ready = set(wait([r for _, _, r in running.values()] + [p.sentinel for _, p, _ in running.values()]))
-            for index, (job, process, receiver) in list(running.items()):
+            ready = set(wait([r for _, _, r, _ in running.values()] + [p.sentinel for _, p, _, _ in running.values()]))
+            for index, (job, process, receiver, started) in list(running.items()):
                 if receiver not in ready and process.sentinel not in ready:
                     continue
                 outcome = None
@@ -881,12 +889,14 @@ def run_jobs(
                 process.join()
                 receiver.close()
                 del running[index]
-                outcomes[index] = outcome if outcome is not None else _crashed(job, process.exitcode)
+                if outcome is None:
+                    outcome = _crashed(job, process.exitcode, time.perf_counter() - started)
+                outcomes[index] = outcome
                 done(outcomes[index])
     finally:
-        for _, process, _ in running.values():
+        for _, process, _, _ in running.values():
             process.terminate()
-        for _, process, _ in running.values():
+        for _, process, _, _ in running.values():
             process.join()
     return outcomes
 
@@ -932,7 +942,7 @@ def _end_with_fuser(sender) -> threading.Event:
     return sent
 
 
-def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
+def _crashed(job: OptimizeJob, exitcode: int | None, seconds: float) -> Outcome:
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
         how = f"was killed by signal {name}"
@@ -945,8 +955,12 @@ def _crashed(job: OptimizeJob, exitcode: int | None) -> Outcome:
         how = f"ended with exit code {exitcode} before reporting"
     error = f"the worker process optimizing {job.source} {how}"
     entry = report_module.regular_file_entry(job.source)
-    report = report_module.envelope("optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None)
-    return Outcome(str(job.source), EXIT_INTERNAL, report, messages=[f"fuser: error: {error}"], error=error)
+    report = report_module.envelope(
+        "optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None, seconds=seconds
+    )
+    return Outcome(
+        str(job.source), EXIT_INTERNAL, report, messages=[f"fuser: error: {error}"], error=error, seconds=seconds
+    )
 
 
 def _start_fork_server(context) -> None:

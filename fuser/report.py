@@ -160,7 +160,10 @@ REPORT_SCHEMA = {
         "jobs": {"type": "integer", "description": "how many models were optimized at once"},
         "seconds": {
             "type": "number",
-            "description": "the run's wall-clock time; of a model among several (in models), that model's own",
+            "description": (
+                "wall-clock time of the run; of a model among several (in models), that model's own "
+                "(none: the run was stopped before it)"
+            ),
         },
         "latency": {
             "type": ["object", "null"],

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from importlib.resources import files
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from onnx import external_data_helper, helper, numpy_helper
 
 from fuser import jobs, stops, wire
+from fuser import report as report_module
 from fuser.report import REPORT_SCHEMA, SCHEMA_VERSION
 from tests.helpers import fuser_cli, in_process_cli, model_from_text, run
 
@@ -191,6 +193,7 @@ def test_a_killed_worker_is_that_models_failure_and_the_worst_code_wins(cli, zoo
     report = validated(tmp_path / "r.json")
     models = by_input(report)
     assert models["sine.onnx"]["exit_code"] == 4 and models["sine.onnx"]["output"] is None
+    assert models["sine.onnx"]["seconds"] > 0  # how long the worker ran before it was killed
     assert report["exit_code"] == 4
     assert sorted(m["exit_code"] for m in report["models"]) == [0, 0, 0, 2, 4]
 
@@ -299,15 +302,27 @@ def test_json_and_markdown_cover_every_model(cli, zoo, tmp_path):
 
 def test_the_markdown_of_a_check_of_several_models_counts_what_each_has_left(cli, zoo, tmp_path):
     assert cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", tmp_path / "done.onnx").returncode == 0
-    result = cli(tmp_path, "check", zoo / "mlp.onnx", tmp_path / "done.onnx", "--format", "markdown")
+    models = [zoo / "mlp.onnx", tmp_path / "done.onnx"]
+    result = cli(tmp_path, "check", *models, "--format", "markdown", "--report", "r.json")
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     assert lines[2] == "| model | verdict | exit | opportunities | seconds |"
-    cells = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines[4:6]}
-    left = {name: (verdict.strip(), int(found), float(seconds)) for name, (verdict, _, found, seconds) in cells.items()}
-    assert left[f"`{zoo / 'mlp.onnx'}`"][:2] == ("work-found", 2)
-    assert left[f"`{tmp_path / 'done.onnx'}`"][:2] == ("fully-fused", 0)
-    assert all(seconds > 0 for _, _, seconds in left.values())
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[4:6]]
+    assert [row[:4] for row in rows] == [
+        [f"`{models[0]}`", "work-found", "1", "2"],
+        [f"`{models[1]}`", "fully-fused", "0", "0"],
+    ]
+    assert all(re.fullmatch(r"\d+\.\d\d", row[4]) for row in rows)
+    report = validated(tmp_path / "r.json")
+    assert all(model["seconds"] > 0 for model in report["models"]) and report["seconds"] > 0
+
+
+def test_a_model_the_run_was_stopped_before_has_no_time_in_the_markdown_table():
+    done = report_module.envelope("optimize", "unchanged", 0, input={"path": "a.onnx"}, seconds=1.25)
+    stopped = report_module.envelope("optimize", "error", 130, error="b.onnx: interrupted", input={"path": "b.onnx"})
+    lines = report_module.markdown(report_module.batch_envelope("optimize", [done, stopped])).splitlines()
+    assert lines[4].startswith("| `a.onnx` | unchanged | 0 |") and lines[4].endswith("| 1.25 |")
+    assert lines[5].startswith("| `b.onnx` | error | 130 |") and lines[5].endswith("|  |")
 
 
 def test_check_takes_several_models_and_the_worst_code_wins(cli, zoo, tmp_path):
@@ -556,6 +571,13 @@ def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cl
     (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
     onnx.save(unary_model("Cos"), tmp_path / "cosine.onnx")
     monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
+    check_written = jobs._check_written
+
+    def slow_check_written(*args, **kwargs):  # the first attempt's check, long enough to tell apart
+        time.sleep(0.5)
+        return check_written(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "_check_written", slow_check_written)
     result = cli(
         tmp_path, "optimize", "cosine.onnx", "-o", "out.onnx", "--rules", "wrong_rules.py", "--report", "r.json"
     )
@@ -566,8 +588,9 @@ def test_a_difference_the_check_after_writing_finds_is_found_again_and_blamed(cl
     assert "caused by 1 rewrite(s): wrong-cos" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "mismatch" and report["blamed"]
-    # The times are both attempts': the first one's write and check after it are counted too.
+    # The times are both attempts': the first one's check after writing is counted too.
     assert {"load", "rewrite", "check", "blame", "write"} <= set(report["timings"])
+    assert report["timings"]["check"] >= 0.5
     assert report["seconds"] >= sum(report["timings"].values())
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("fuser-evidence")) == [
         "cosine.onnx",
