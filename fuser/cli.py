@@ -542,7 +542,7 @@ def _interrupted_entry(command: str, source: Path, digest: bool, written: Path |
     """The report of a model whose work Ctrl-C (or SIGTERM) stopped: named by its input entry,
     as every model's report is (with its digest in a JSON report, as for any error). `written`:
     its output, put in place before the stop came, which its report names."""
-    entry = report_module.regular_file_entry(source, digest=digest)
+    entry = report_module.input_entry(source, digest=digest)
     if written is None:
         return report_module.envelope(command, "error", EXIT_INTERRUPTED, error=f"{source}: {INTERRUPTED}", input=entry)
     return report_module.envelope(
@@ -773,7 +773,7 @@ def check(
                 if not several:
                     return _fail_with_report("check", error, ctx.debug, report_path, fmt)
                 code = _fail(error, ctx.debug, source)
-                entry = report_module.regular_file_entry(source)
+                entry = report_module.input_entry(source)
                 seconds = time.perf_counter() - started
                 reports.append(
                     report_module.envelope("check", "error", code, error=str(error), input=entry, seconds=seconds)
@@ -787,7 +787,7 @@ def check(
                     "work-found" if found else "fully-fused",
                     code,
                     # A pipe was read by the load.
-                    input=report_module.regular_file_entry(source, digest=_shows_json(report_path, fmt)),
+                    input=report_module.input_entry(source, digest=_shows_json(report_path, fmt)),
                     target=target,
                     nchwc_block=block,
                     opportunities=[o.to_dict() for o in found],
@@ -877,8 +877,8 @@ def compare(
             "error",
             EXIT_INTERRUPTED,
             error=f"{first} against {second}: {INTERRUPTED}",
-            input=report_module.regular_file_entry(first, digest=digest),
-            output=report_module.regular_file_entry(second, digest=digest),
+            input=report_module.input_entry(first, digest=digest),
+            output=report_module.input_entry(second, digest=digest),
         )
         _report_interrupted("compare", [entry], report_path, fmt, several=False)
         raise

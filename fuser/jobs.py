@@ -392,10 +392,11 @@ def _moved_into_place(
     return moved, digests
 
 
-def _input_entry(source: Path, hashing: Callable[[], dict | None] | None, digest: bool = True) -> dict | None:
+def _input_entry(source: Path, hashing: Callable[[], dict | None] | None, digest: bool = True) -> dict:
     """The report's entry of the input, even when it cannot be read as a model: the one `hashing`
     worked out, if it was started, else with its digest if `digest` (an error's report has it)."""
-    return hashing() if hashing is not None else report_module.regular_file_entry(source, digest=digest)
+    entry = hashing() if hashing is not None else None
+    return entry or report_module.input_entry(source, digest=digest)
 
 
 def _output_entry(destination: Path, digests: dict[Path, str] | None) -> dict | None:
@@ -954,7 +955,7 @@ def _crashed(job: OptimizeJob, exitcode: int | None, seconds: float) -> Outcome:
     else:
         how = f"ended with exit code {exitcode} before reporting"
     error = f"the worker process optimizing {job.source} {how}"
-    entry = report_module.regular_file_entry(job.source)
+    entry = report_module.input_entry(job.source)
     report = report_module.envelope(
         "optimize", "error", EXIT_INTERNAL, error=error, input=entry, output=None, seconds=seconds
     )

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from fuser.measure import Timing
     from fuser.verify import Verdict
 
-SCHEMA_VERSION = 7  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
+SCHEMA_VERSION = 8  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
 # 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors);
-# 6: blamed and dropped rewrites say why (`failure`); 7: each output's largest expected magnitude
+# 6: blamed and dropped rewrites say why (`failure`); 7: each output's largest expected magnitude;
+# 8: every model's wall-clock `seconds`; an input that could not be read is named, its sha256 null
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -202,7 +203,13 @@ REPORT_SCHEMA = {
         "file": {
             "type": ["object", "null"],
             "required": ["path", "sha256"],
-            "properties": {"path": {"type": "string"}, "sha256": {"type": "string"}},
+            "properties": {
+                "path": {"type": "string"},
+                "sha256": {
+                    "type": ["string", "null"],
+                    "description": "null: a model that could not be read as a file (missing, a pipe)",
+                },
+            },
         },
     },
 }
@@ -409,6 +416,13 @@ def regular_file_entry(path: str | Path, digest: bool = True) -> dict | None:
         return file_entry(path) if digest else {"path": str(path)}
     except OSError:
         return None
+
+
+def input_entry(path: str | Path, digest: bool = True) -> dict:
+    """The entry of a model a report is about: regular_file_entry(path), or where that is None
+    (a missing file, a pipe the load read once) the path with a null digest, so that every model
+    of a run over several is named in its report."""
+    return regular_file_entry(path, digest=digest) or {"path": str(path), "sha256": None}
 
 
 def file_entry_soon(path: str | Path) -> Callable[[], dict | None]:

@@ -252,7 +252,7 @@ def test_check_reads_a_pipe_once(tmp_path):
     finally:
         writer.join()
     assert result.returncode == 1, result.stderr  # matmul-add-gemm is left to do
-    assert json.loads(result.stdout)["input"] is None
+    assert json.loads(result.stdout)["input"] == {"path": str(pipe), "sha256": None}  # read once, by the load
 
 
 def test_a_file_that_cannot_be_read_has_no_entry(tmp_path):

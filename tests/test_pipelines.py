@@ -317,6 +317,20 @@ def test_the_markdown_of_a_check_of_several_models_counts_what_each_has_left(cli
     assert all(model["seconds"] > 0 for model in report["models"]) and report["seconds"] > 0
 
 
+@pytest.mark.parametrize("command", ["optimize", "check"])
+def test_a_model_that_cannot_be_read_is_named_in_the_report_of_several(cli, zoo, tmp_path, command):
+    missing = tmp_path / "missing.onnx"
+    extra = ["-o", "out", "--force"] if command == "optimize" else []
+    result = cli(tmp_path, command, zoo / "mlp.onnx", missing, *extra, "--format", "json")
+    assert result.returncode == 2, result.stderr
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, REPORT_SCHEMA)
+    entry = report["models"][1]
+    assert entry["verdict"] == "error" and entry["input"] == {"path": str(missing), "sha256": None}
+    markdown = cli(tmp_path, command, zoo / "mlp.onnx", missing, *extra, "--format", "markdown")
+    assert f"| `{missing}` | error | 2 |" in markdown.stdout and f"### `{missing}`: error" in markdown.stdout
+
+
 def test_a_model_the_run_was_stopped_before_has_no_time_in_the_markdown_table():
     done = report_module.envelope("optimize", "unchanged", 0, input={"path": "a.onnx"}, seconds=1.25)
     stopped = report_module.envelope("optimize", "error", 130, error="b.onnx: interrupted", input={"path": "b.onnx"})
