@@ -411,11 +411,27 @@ def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:
 
 
 def find_opportunities(
-    model_or_path, *, rules=None, target="onnx", enable=(), disable=(), rule_files=(), opset=None, nchwc_block="auto"
+    model_or_path,
+    *,
+    rules=None,
+    target="onnx",
+    enable=(),
+    disable=(),
+    rule_files=(),
+    opset=None,
+    nchwc_block="auto",
+    progress: Progress | None = None,
 ):
-    """The rewrites the selected rules would make (after the upgrade to `opset`), without changing anything."""
-    model = load(model_or_path)
+    """The rewrites the selected rules would make (after the upgrade to `opset`), without changing
+    anything. progress: told of the load, and of the nodes the rules are tried at as stage "match"."""
+    progress = progress or silent
+    model = load(model_or_path, progress=progress)
     if opset is not None:
+        progress("upgrade", 0, None)
         model = upgrade(model, opset)
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
-    return Engine(model, chosen, context=resolve_context(nchwc_block)).run(apply=False)
+
+    def matching(stage: str, done: int, total: int | None) -> None:  # the engine's visits rewrite nothing here
+        progress("match" if stage == "rewrite" else stage, done, total)
+
+    return Engine(model, chosen, context=resolve_context(nchwc_block), progress=matching).run(apply=False)

@@ -626,6 +626,7 @@ class TerminalProgress:
         "fix-shapes": "fixing the input sizes",
         "measure": "timing in onnxruntime",
         "rewrite": "rewriting",
+        "match": "looking for fusions",
         "check": "checking numerics",
         "blame": "finding the guilty rewrites",
         "write": "writing",
@@ -756,19 +757,25 @@ def check(
         return _fail_with_report("check", error, ctx.debug, report_path, fmt)
     reports: list[dict] = []
     run_started = time.perf_counter()
+    terminal = _terminal_progress(quiet)
     try:
         for source in sources:
             started = time.perf_counter()
             try:
-                result = api.find_opportunities(
-                    source,
-                    target=target,
-                    enable=enable,
-                    disable=disable,
-                    rule_files=rule_files,
-                    opset=opset,
-                    nchwc_block=block,
-                )
+                try:
+                    result = api.find_opportunities(
+                        source,
+                        target=target,
+                        enable=enable,
+                        disable=disable,
+                        rule_files=rule_files,
+                        opset=opset,
+                        nchwc_block=block,
+                        progress=terminal,
+                    )
+                finally:
+                    if terminal is not None:
+                        terminal.close()  # the model's lines go below its bars
             except Exception as error:  # noqa: BLE001
                 if not several:
                     return _fail_with_report("check", error, ctx.debug, report_path, fmt)

@@ -1,9 +1,10 @@
 """How long stages say where they are: `progress(stage, done, total)`, called by the api, the
 engine, the check and blame; the command line draws it (a bar on a terminal, nothing in CI logs).
 
-stage: "load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame" or "write"; done and total
-count that stage's own units (nodes read into the graph; nodes visited, with those still queued;
-models run on an input set; checks made; tensors written), total None while unknown. A stage's last call has done == total. Callers
+stage: "load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame" or "write" (and "match",
+the visits of `fuser check`, which rewrites nothing); done and total count that stage's own units
+(nodes read into the graph; nodes visited, with those still queued; models run on an input set;
+checks made; tensors written), total None while unknown. A stage's last call has done == total. Callers
 report every so many units, not each one, so the hook costs nothing measurable even on a
 million nodes.
 """
@@ -21,6 +22,7 @@ STAGES = ("load", "upgrade", "fix-shapes", "measure", "rewrite", "check", "blame
 UNITS = {
     "load": "nodes",
     "rewrite": "nodes",
+    "match": "nodes",
     "write": "tensors",
     "check": "model runs",
     "blame": "checks",

@@ -1015,6 +1015,32 @@ def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
     assert code == 0 and drawn == ""
 
 
+def test_check_shows_where_it_is_on_a_terminal_and_not_with_q(tmp_path):
+    onnx.save(chain(2500), tmp_path / "chain.onnx")
+    onnx.save(chain(2400), tmp_path / "short.onnx")
+    code, drawn = run_in_terminal(["check", "chain.onnx", "short.onnx"], tmp_path)
+    assert code == 1, drawn
+    assert re.search(r"fuser: loading .*\] +2500/2500 +[\d,.]+ nodes/s", drawn)
+    assert re.search(r"fuser: looking for fusions .*\] +1250/1250 +[\d,.]+ nodes/s", drawn)  # its Identity nodes
+    assert "rewriting" not in drawn
+    # Each model's lines come below its bars, not drawn over by them.
+    assert re.search(r"nodes/s\S*\r?\nchain\.onnx: identity-elimination", drawn), drawn
+    assert re.search(r"nodes/s\S*\r?\nshort\.onnx: identity-elimination", drawn), drawn
+    code, drawn = run_in_terminal(["check", "chain.onnx", "-q"], tmp_path)
+    assert code == 1 and drawn == ""
+
+
+def test_the_progress_hook_hears_the_load_and_the_match_of_a_check():
+    import fuser
+
+    heard = []
+    found = fuser.find_opportunities(chain(2500), progress=lambda *told: heard.append(told))
+    assert found.opportunities
+    assert list(dict.fromkeys(stage for stage, _, _ in heard)) == ["load", "match"]
+    matched = [(done, total) for stage, done, total in heard if stage == "match"]
+    assert matched[0] == (1000, matched[0][1]) and matched[-1][0] == matched[-1][1] >= 1000  # the Identity nodes
+
+
 def test_a_bars_rate_counts_from_its_first_count():
     from fuser.cli import TerminalProgress
 
