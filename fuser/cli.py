@@ -8,8 +8,10 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -686,12 +688,34 @@ class ReportPathError(UsageError):
     """The report path is unusable, so the error report must not be written there either."""
 
 
+# A name a model or its external data goes by (m.onnx, m.onnx.data, m.onnx_data): never a report's,
+# whose writing would replace a model that is not the run's own.
+MODEL_FILE_NAME = re.compile(r"\.onnx(\.data|_data)?$", re.IGNORECASE)
+
+
+def _require_writable_folder(path: Path, report_path: str) -> None:
+    """Refuse, before the long work, a report that could not be created: its folder is read-only,
+    or one where no file can be made (/proc). A path that exists is written through or replaced,
+    which writing the report checks; a folder still to be made is made then."""
+    folder = path.parent
+    try:
+        if path.exists() or path.is_symlink() or not folder.is_dir():
+            return
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".fuser-report-")
+    except OSError as error:
+        why = error.strerror or str(error)
+        raise ReportPathError(f"--report {report_path}: cannot write in {folder} ({why})") from error
+    os.close(handle)
+    os.unlink(probe)
+
+
 def _claim_report_path(
     report_path: str | None, inputs: tuple[Path, ...], outputs: tuple[Path, ...] = (), reads: tuple = ()
 ) -> None:
     """Make sure the report never lands on a file the run reads or writes: a model, its external
     data, its --inputs or --rules (`--report model.onnx` would destroy it; `--report out.onnx.data`
-    would leave the written model without its weights). Then remove a report an earlier run left
+    would leave the written model without its weights), nor on any file named as a model or its
+    data are, and that it can be made (_require_writable_folder). Then remove a report an earlier run left
     at the path: a run that ends before it writes its own (killed, or stopped while writing it)
     must not leave that one to be read as its own. Only a fuser report is removed; anything else
     there is left to the report's write, as it always was."""
@@ -717,12 +741,8 @@ def _claim_report_path(
     for name in reads:
         if target == Path(name).resolve():
             raise ReportPathError(f"--report {report_path} names a file this run reads; choose another report path")
-    if report_module.is_report_file(path):
-        try:
-            path.unlink()
-        except OSError:
-            pass  # writing the report will say what is wrong with the path
-    elif target.is_file():
+    stale = report_module.is_report_file(path)
+    if not stale and target.is_file():
         # Only a file that exists can be a model's external data; the models are scanned for
         # the files they name only then (a report path is seldom anything but a report).
         for model in inputs:
@@ -730,6 +750,17 @@ def _claim_report_path(
                 raise ReportPathError(
                     f"--report {report_path} names the external data of {model}; choose another report path"
                 )
+    if MODEL_FILE_NAME.search(path.name):
+        raise ReportPathError(
+            f"--report {report_path} names a model file (.onnx, .onnx.data or .onnx_data); "
+            "a report is JSON: choose another report path"
+        )
+    _require_writable_folder(path, report_path)
+    if stale:
+        try:
+            path.unlink()
+        except OSError:
+            pass  # writing the report will say what is wrong with the path
 
 
 @cli.command(epilog=EXIT_CODES_HELP)

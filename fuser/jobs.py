@@ -513,6 +513,9 @@ def plan_outputs(sources: list[Path], output: str | None, several: bool) -> list
     if output == "":
         raise UsageError("-o names no file or folder")
     into_folder = output is not None and (several or _names_a_folder(output))
+    if output is None:
+        for source in sources:
+            _require_a_folder_beside(source)
     if not several and not into_folder:
         source = sources[0]
         return [Path(output) if output else source.with_name(fused_name(source.name))]
@@ -583,18 +586,52 @@ def check_folder(path: Path) -> None:
         raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
 
 
+# The system's folders of streams and devices: a model read from one (/dev/stdin, /dev/fd/63 of a
+# shell's <(...)) has no folder of its own to be written beside.
+STREAM_FOLDERS = (Path("/dev"), Path("/proc"))
+
+
+def _require_a_folder_beside(source: Path) -> None:
+    """Refuse the default output, MODEL.fused.onnx beside MODEL, for a model read from a stream."""
+    try:
+        regular = source.is_file()
+    except OSError:
+        return  # reading the model says what is wrong with it
+    absolute = source.absolute()
+    streamed = any(absolute.is_relative_to(folder) for folder in STREAM_FOLDERS)
+    if source.exists() and (streamed or not regular):
+        raise UsageError(f"{source} is a stream or a device, not a model file to write beside: give the output with -o")
+
+
+# What a path that is not a regular file is, said where -o names one.
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
 def check_destination(source: Path, destination: Path, force: bool) -> None:
+    """Refuse an output that may not be written: one whose folder cannot be, the input, an
+    existing file without `force`, and whatever is not a regular file, `force` or not (a model
+    is written into a file of its own: replacing /dev/null or a link with one is never meant)."""
     check_folder(destination)
     try:
-        exists = destination.exists()
+        mode = destination.lstat().st_mode
+    except FileNotFoundError:
+        return
     except OSError as error:  # a folder on the way that may not be searched, a name too long
         raise OutputPathError.refused(destination, error) from error
-    if exists and _resolved(destination) == _resolved(source):
+    if _resolved(destination) == _resolved(source):
         raise UsageError(f"{destination}: refusing to overwrite the input model; choose another -o")
-    if exists and not force:
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise UsageError(f"{destination} is {kind}: a model is written only to a regular file; choose another -o")
+    if not force:
         raise UsageError(f"{destination} already exists; pass --force to replace it")
-    if exists and destination.is_dir():
-        raise UsageError(f"{destination} is a directory")
 
 
 def files_read(path: Path, model: Model) -> set[Path]:

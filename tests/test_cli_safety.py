@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,79 @@ def test_report_never_overwrites_the_input_model(cli, sample, command):
     result = cli(sample.parent, command, sample.name, "--report", sample.name)
     assert result.returncode == 2 and "names a model file" in result.stderr
     assert sample.read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["other.onnx", "other.onnx.data", "other.ONNX_data"])
+def test_report_never_overwrites_a_model_file_the_run_does_not_know_of(cli, sample, name):
+    (sample.parent / name).write_bytes(b"someone else's weights")
+    result = cli(sample.parent, "optimize", sample.name, "-o", "out.onnx", "--report", name)
+    assert result.returncode == 2 and "names a model file" in result.stderr, result.stderr
+    assert (sample.parent / name).read_bytes() == b"someone else's weights"
+    assert not (sample.parent / "out.onnx").exists()  # refused before the work
+
+
+def test_a_report_that_cannot_be_made_is_refused_before_the_work(cli, sample):
+    result = cli(sample.parent, "optimize", sample.name, "-o", "out.onnx", "--report", "/proc/report.json")
+    assert result.returncode == 2 and "--report /proc/report.json: cannot write in /proc" in result.stderr
+    assert not (sample.parent / "out.onnx").exists()
+    assert not [p for p in sample.parent.iterdir() if p.name.startswith(".fuser")]
+
+
+def _device(path: Path) -> Path | None:
+    """A character device at `path` (/dev/null's numbers), where this user may make one."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (OSError, AttributeError):
+        return None
+    return path
+
+
+@pytest.mark.parametrize("kind", ["pipe", "link", "dangling link", "device"])
+def test_o_never_replaces_what_is_not_a_regular_file_even_with_force(cli, sample, kind):
+    out = sample.parent / "out.onnx"
+    (sample.parent / "other.onnx").write_bytes(b"other")
+    if kind == "pipe":
+        os.mkfifo(out)
+    elif kind == "link":
+        out.symlink_to("other.onnx")
+    elif kind == "dangling link":
+        out.symlink_to("nowhere.onnx")
+    elif _device(out) is None:
+        pytest.skip("this user may not make a device")
+    before = out.lstat()
+    result = cli(sample.parent, "optimize", sample.name, "-o", out.name, "--force")
+    assert result.returncode == 2 and "a model is written only to a regular file" in result.stderr, result.stderr
+    after = out.lstat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert (sample.parent / "other.onnx").read_bytes() == b"other"
+
+
+def test_a_model_read_from_a_stream_needs_o(sample):
+    with open(sample, "rb") as stdin:
+        result = subprocess.run(
+            [sys.executable, "-m", "fuser", "optimize", "/dev/stdin"],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
+    written = Path("/dev/stdin.fused.onnx")
+    if written.exists():
+        written.unlink()  # what the refusal is there to prevent
+    assert result.returncode == 2 and "give the output with -o" in result.stderr, result.stderr
+    with open(sample, "rb") as stdin:
+        piped = subprocess.run(
+            [sys.executable, "-m", "fuser", "optimize", "/dev/stdin", "-o", sample.parent / "out.onnx", "-q"],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
+    assert piped.returncode == 0 and (sample.parent / "out.onnx").exists(), piped.stderr
 
 
 def test_report_never_overwrites_the_output_model(cli, sample):
