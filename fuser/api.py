@@ -375,13 +375,19 @@ def _measure_phases(model: Model, chosen, level, threads, options: CheckOptions,
     """The rules of the phases that do not slow the model down, their notes, the unoptimized
     model and the inputs it is timed on."""
     from fuser.measure import paying_rules, session
-    from fuser.verify import synthesize_inputs
+    from fuser.verify import index_ranges, synthesize_inputs
 
     unoptimized = model.to_proto(in_place=True)
     feeds = options.inputs
     if feeds is None:
+        # Timed on inputs the check would take: embedding indices within their tables (the check's
+        # own ranges), or a Gather fails on a BERT's token types.
         feeds = synthesize_inputs(
-            session(unoptimized, "off", base_dir=model.base_dir), dims=options.dims, shapes=options.shapes
+            session(unoptimized, "off", base_dir=model.base_dir),
+            seed=options.seed,
+            dims=options.dims,
+            shapes=options.shapes,
+            ranges={**index_ranges(unoptimized), **(options.ranges or {})},
         )
     say(f"timing each phase of rules in onnxruntime (optimizations {level})")
     kept, notes = paying_rules(

@@ -71,7 +71,7 @@ def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_d
     ratios moved by up to 20% from run to run (bench/transformers.py's tables had the same noise)."""
     import onnxruntime as ort
 
-    from fuser.verify import open_session
+    from fuser import verify
 
     levels = {
         "off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -86,8 +86,8 @@ def session(model: onnx.ModelProto, level: str = "all", threads: int = 1, base_d
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    return open_session(model, options, base_dir)
+    options.log_severity_level = verify.LOG_SEVERITY  # kept off the terminal, as the check's are
+    return verify.open_session(model, options, base_dir)
 
 
 def interleaved_ms(

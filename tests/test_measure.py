@@ -4,6 +4,8 @@ verdict does not depend on the machine's noise."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -118,3 +120,12 @@ def test_timed_sessions_do_not_spin():
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert options.intra_op_num_threads == 2
 
+
+def test_measure_times_an_export_on_inputs_its_embeddings_take(tmp_path):
+    # BERT's token types index a table of two rows: timed on the integers [0, 10) the check would
+    # never feed it, its Gather failed (an onnxruntime error line, then exit 4).
+    bert = Path(__file__).parent / "data" / "transformers" / "bert_legacy.onnx"
+    out = tmp_path / "out.onnx"
+    result = fuser_cli("optimize", bert, "-o", out, "--measure", "basic", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--measure: latency" in result.stderr and "[E:onnxruntime" not in result.stderr
