@@ -34,6 +34,7 @@ from fuser.errors import (
     EXIT_USAGE,
     EXIT_WORK_FOUND,
     FuserError,
+    OutputPathError,
     UsageError,
 )
 from fuser.model import (
@@ -119,6 +120,18 @@ def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
     return ranges
 
 
+def _out(text: str, nl: bool = True) -> None:
+    """Data on stdout (a report, the rules, the schema). Where the system cannot take it (a full
+    disk, /dev/full) it is the output's error, not fuser's; a reader gone away (`| head`) is
+    told apart by _fail."""
+    try:
+        click.echo(text, nl=nl)
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        raise OutputPathError(f"cannot write to standard output ({error.strerror or error})") from error
+
+
 def _shows_json(report_path: str | None, fmt: str) -> bool:
     """Whether the run's report goes out as JSON, the one form that carries the files' digests."""
     return bool(report_path) or fmt == "json"
@@ -131,9 +144,9 @@ def _emit_report(data: dict, report_path: str | None, fmt: str, *also: Path) -> 
     for path in paths:
         write_text_atomically(path, text)
     if fmt == "json":
-        click.echo(text)
+        _out(text)
     elif fmt == "markdown":
-        click.echo(report_module.markdown(data), nl=False)
+        _out(report_module.markdown(data), nl=False)
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -590,14 +603,16 @@ def _report_interrupted(command: str, reports: list[dict], report_path, fmt, sev
         _fail(error, debug=False)  # the run still ends as interrupted
 
 
-def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt) -> int:
-    """Map the error to its exit code and, when a report was asked for, say so in it too."""
+def _fail_with_report(command: str, error: BaseException, debug: bool, report_path, fmt, **models: Path) -> int:
+    """Map the error to its exit code and, when a report was asked for, say so in it too, with
+    the entries of the `models` it is about (input=, output=)."""
     code = _fail(error, debug)
     if isinstance(error, ReportPathError):
         report_path = None
     if (report_path or fmt == "json") and not isinstance(error, BrokenPipeError):
         try:
-            _emit_report(report_module.envelope(command, "error", code, error=str(error)), report_path, fmt)
+            entries = {field: report_module.input_entry(path) for field, path in models.items()}
+            _emit_report(report_module.envelope(command, "error", code, error=str(error), **entries), report_path, fmt)
         except (OSError, FuserError):
             pass  # the report's own path is unusable; the one-line error above already said why
     return code
@@ -809,7 +824,7 @@ def check(
                         terminal.close()  # the model's lines go below its bars
             except Exception as error:  # noqa: BLE001
                 if not several:
-                    return _fail_with_report("check", error, ctx.debug, report_path, fmt)
+                    return _fail_with_report("check", error, ctx.debug, report_path, fmt, input=source)
                 code = _fail(error, ctx.debug, source)
                 entry = report_module.input_entry(source)
                 seconds = time.perf_counter() - started
@@ -921,7 +936,7 @@ def compare(
         _report_interrupted("compare", [entry], report_path, fmt, several=False)
         raise
     except Exception as error:  # noqa: BLE001
-        return _fail_with_report("compare", error, ctx.debug, report_path, fmt)
+        return _fail_with_report("compare", error, ctx.debug, report_path, fmt, input=first, output=second)
 
 
 def _runnable_here(proto: onnx.ModelProto, folder: Path, path) -> tuple:
@@ -953,10 +968,16 @@ def _runnable_here(proto: onnx.ModelProto, folder: Path, path) -> tuple:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--selftest", is_flag=True, help="Run each rule on random instances of its own pattern and check them.")
 @click.option("--rule", "only", multiple=True, metavar="NAME", help="With --selftest: only this rule (repeatable).")
-@click.option("--seed", type=int, default=0, show_default=True, help="With --selftest: seed of the instances.")
+@click.option(
+    "--seed", type=click.IntRange(0), default=0, show_default=True, help="With --selftest: seed of the instances."
+)
 @click.option("--instances", type=click.IntRange(1), default=4, show_default=True, help="With --selftest: per rule.")
 @click.option(
-    "--save-dir", default="fuser-selftest", show_default=True, help="With --selftest: where failing models go."
+    "--save-dir",
+    type=click.Path(file_okay=False),
+    default="fuser-selftest",
+    show_default=True,
+    help="With --selftest: where failing models go.",
 )
 @click.pass_obj
 def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, instances, save_dir):
@@ -967,6 +988,8 @@ def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, inst
     import json
 
     try:
+        if only and not selftest:
+            raise UsageError("--rule picks the rules of --selftest; without it every rule is listed")
         rules = all_rules(list(rule_files))
         if selftest:
             return _selftest(rules, target, only, seed, instances, save_dir, fmt)
@@ -974,7 +997,7 @@ def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, inst
             names = {r.name for r in select(rules, target, enable=[r.name for r in rules])}
             rules = [r for r in rules if r.name in names]
         if fmt == "json":
-            click.echo(
+            _out(
                 json.dumps(
                     [
                         {
@@ -996,7 +1019,7 @@ def list_rules(ctx: Context, target, rule_files, fmt, selftest, only, seed, inst
         width = max((len(r.name) for r in rules), default=0)
         for r in rules:
             default = "on" if r.enabled_by_default else "off"
-            click.echo(f"{r.name:<{width}}  {r.target:<11}  {default:<3}  {r.description}")
+            _out(f"{r.name:<{width}}  {r.target:<11}  {default:<3}  {r.description}")
         return EXIT_OK
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)
@@ -1022,15 +1045,15 @@ def _selftest(rules, target, only, seed, instances, save_dir, fmt) -> int:
         rules = [r for r in rules if r.target == "onnx" or target == "onnxruntime"]
     results = selftest(rules, seed=seed, instances=instances, save_dir=save_dir)
     if fmt == "json":
-        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+        _out(json.dumps([r.to_dict() for r in results], indent=2))
     else:
         width = max((len(r.rule) for r in results), default=0)
         for r in results:
-            click.echo(f"{r.rule:<{width}}  {r.summary()}")
+            _out(f"{r.rule:<{width}}  {r.summary()}")
             for reason, count in r.declined.most_common():
-                click.echo(f"  {count:>5} x declined: {reason}")
+                _out(f"  {count:>5} x declined: {reason}")
             for problem in r.failures + r.errors:
-                click.echo(f"  FAILED {problem}")
+                _out(f"  FAILED {problem}")
     if any(r.errors for r in results):
         return EXIT_INTERNAL
     return EXIT_MISMATCH if any(r.failures for r in results) else EXIT_OK
@@ -1187,11 +1210,11 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
         if only:
             explained = [e for e in explained if any(fnmatch.fnmatchcase(e.rule, name) for name in only)]
         if fmt == "json":
-            click.echo(
+            _out(
                 json.dumps({"model": str(model), "target": target, "rules": [e.to_dict() for e in explained]}, indent=2)
             )
         else:
-            click.echo("\n".join(explain.render(explained)))
+            _out("\n".join(explain.render(explained)))
         return EXIT_OK
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)
@@ -1204,7 +1227,7 @@ def print_schema(ctx: Context):
     from importlib.resources import files
 
     try:
-        click.echo(files("fuser").joinpath("report.schema.json").read_text(), nl=False)
+        _out(files("fuser").joinpath("report.schema.json").read_text(), nl=False)
         return EXIT_OK
     except Exception as error:  # noqa: BLE001
         return _fail(error, ctx.debug)

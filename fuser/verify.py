@@ -133,6 +133,23 @@ def _scaled(check: OutputCheck) -> str:
     return f" times the largest expected magnitude, {check.max_abs_expected:.3g}" if check.max_abs_expected > 1 else ""
 
 
+INTERFACES_DIFFER = "the models' interfaces differ"
+
+
+def _interface_differences(inputs: list[str], given: list[str], outputs: list[str], produced: list[str]) -> str:
+    """What the second model takes or gives that the first does not, and the other way round;
+    "" when their graph inputs and outputs have the same names."""
+    parts = []
+    for what, first, second in (("inputs", inputs, given), ("outputs", outputs, produced)):
+        only_first = [name for name in first if name not in second]
+        only_second = [name for name in second if name not in first]
+        if only_first:
+            parts.append(f"{what} only the first has: {', '.join(only_first)}")
+        if only_second:
+            parts.append(f"{what} only the second has: {', '.join(only_second)}")
+    return "; ".join(parts)
+
+
 @dataclass
 class Verdict:
     outputs: list[OutputCheck] = field(default_factory=list)
@@ -146,6 +163,8 @@ class Verdict:
         return self.load_error is None and all(o.status != "mismatch" for o in self.outputs)
 
     def summary(self) -> str:
+        if self.load_error and self.load_error.startswith(INTERFACES_DIFFER):
+            return self.load_error  # both models ran: they take or give other tensors
         if self.load_error:
             return f"onnxruntime cannot run the optimized model: {self.load_error}"
         failures = self.failures()
@@ -1241,17 +1260,12 @@ class Checker:
             return Verdict(load_error=str(error).removeprefix("onnxruntime cannot load the model: "))
         ending.hold("check session", after)
         verdict = Verdict()
-        wanted = set(self.input_names)
-        given = {spec.name for spec in after.get_inputs()}
-        produced = {spec.name for spec in after.get_outputs()}
-        missing = [name for name in self.expected[0] if name not in produced] if self.expected else []
-        if given != wanted or missing:
-            return Verdict(
-                load_error=(
-                    f"the models' interfaces differ: inputs {sorted(wanted)} vs {sorted(given)}, "
-                    f"outputs missing from the second: {missing}"
-                )
-            )
+        given = [spec.name for spec in after.get_inputs()]
+        produced = [spec.name for spec in after.get_outputs()]
+        expected = list(self.expected[0]) if self.expected else produced
+        differences = _interface_differences(self.input_names, given, expected, produced)
+        if differences:
+            return Verdict(load_error=f"{INTERFACES_DIFFER}: {differences}")
         actuals = []
         for done, (feeds, expected) in enumerate(zip(self.feeds, self.expected), 1):
             try:

@@ -564,6 +564,67 @@ def test_unknown_names_in_compare_are_usage_errors(cli, tmp_path):
     assert result.returncode == 2 and "no input y (its inputs: x)" in result.stderr
 
 
+def test_compare_names_each_difference_of_the_interfaces_both_ways(cli, tmp_path):
+    head = onnx.load(ROOT / "models" / "classifier_head.onnx")
+    onnx.save(head, tmp_path / "all.onnx")
+    dropped = head.graph.output[1].name
+    del head.graph.output[1]
+    onnx.save(head, tmp_path / "fewer.onnx")
+    forward = cli(tmp_path, "compare", "all.onnx", "fewer.onnx")
+    backward = cli(tmp_path, "compare", "fewer.onnx", "all.onnx")
+    assert forward.returncode == backward.returncode == 3  # an extra output is a difference too
+    assert f"the models' interfaces differ: outputs only the first has: {dropped}" in forward.stderr
+    assert f"the models' interfaces differ: outputs only the second has: {dropped}" in backward.stderr
+    assert "optimized" not in forward.stderr + backward.stderr  # neither model is fuser's output here
+    shutil.copy(ROOT / "models" / "mlp.onnx", tmp_path / "mlp.onnx")
+    other = cli(tmp_path, "compare", "mlp.onnx", "all.onnx")
+    assert "inputs only the first has: x; inputs only the second has: features" in other.stderr, other.stderr
+
+
+@pytest.mark.parametrize("command", [["check", "missing.onnx"], ["compare", "s.onnx", "missing.onnx"]])
+def test_the_report_of_a_model_that_cannot_be_read_names_it(cli, sample, command):
+    result = cli(sample.parent, *command, "--format", "json")
+    assert result.returncode == 2, result.stderr
+    report = json.loads(result.stdout)
+    named = report["output"] if command[0] == "compare" else report["input"]
+    assert named == {"path": "missing.onnx", "sha256": None}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="a device that is always full is Linux's")
+def test_data_stdout_cannot_take_is_the_outputs_error_not_fusers(tmp_path):
+    for command in (
+        ["schema"],
+        ["rules", "--format", "json"],
+        ["check", ROOT / "models" / "mlp.onnx", "--format", "json"],
+    ):
+        with open("/dev/full", "w") as full:
+            result = subprocess.run(
+                [sys.executable, "-m", "fuser", *map(str, command)],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp_path,
+                timeout=300,
+                check=False,
+            )
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == "fuser: error: cannot write to standard output (No space left on device)\n"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--selftest", "--seed", "-3"], "Invalid value for '--seed'"),
+        (["--selftest", "--save-dir", "afile"], "is a file"),
+        (["--rule", "matmul-add-gemm"], "--rule picks the rules of --selftest"),
+    ],
+)
+def test_rules_options_that_cannot_be_used_are_usage_errors(cli, tmp_path, arguments, said):
+    (tmp_path / "afile").write_text("")
+    result = cli(tmp_path, "rules", *arguments)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+
+
 def test_debug_is_accepted_anywhere(cli, tmp_path):
     _symbolic_model(tmp_path)
     for args in (["--debug", "optimize", "missing.onnx"], ["optimize", "missing.onnx", "--debug"]):
