@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import fnmatch
+import math
 import os
 import re
 import signal
@@ -81,18 +82,43 @@ def _fail(error: BaseException, debug: bool, source: Path | None = None) -> int:
     return code
 
 
+class Tolerance(click.FloatRange):
+    """A tolerance of the check: a finite number in the range (click's own lets nan and inf
+    through, and a check with either would say nothing true)."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
+
+
+def _once_each(option: str, pairs: list[tuple[str, object]]) -> dict:
+    """{name: value} of an option given once per name (again with the same value is the same)."""
+    chosen: dict = {}
+    for name, value in pairs:
+        if name in chosen and chosen[name] != value:
+            raise UsageError(f"{option} gives {name} two values, {chosen[name]} and {value}")
+        chosen[name] = value
+    return chosen
+
+
 def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
-    dims = {}
+    pairs = []
     for value in values:
         name, sep, number = value.partition("=")
         if not sep or not number.strip().isdigit():
             raise UsageError(f"--dim expects NAME=SIZE, got '{value}'")
-        dims[name.strip()] = int(number)
-    return dims
+        if int(number) < 1:  # an empty tensor runs, and a check of it compares nothing
+            raise UsageError(f"--dim {value}: a size is 1 or more")
+        pairs.append((name.strip(), int(number)))
+    return _once_each("--dim", pairs)
 
 
 def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
-    shapes = {}
+    pairs = []
     for value in values:
         name, sep, dims = value.rpartition(":")
         try:
@@ -101,12 +127,14 @@ def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
             shape = None
         if not sep or not name or shape is None:
             raise UsageError(f"--input-shape expects NAME:D1,D2,..., got '{value}'")
-        shapes[name] = shape
-    return shapes
+        if any(d < 1 for d in shape):
+            raise UsageError(f"--input-shape {value}: a size is 1 or more")
+        pairs.append((name, shape))
+    return _once_each("--input-shape", pairs)
 
 
 def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    ranges = {}
+    ranges = []
     for value in values:
         name, sep, bounds = value.rpartition(":")
         parts = bounds.split(",")
@@ -114,10 +142,10 @@ def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
             low, high = (float(p) for p in parts)
         except ValueError:
             low = high = None
-        if not sep or not name or low is None or not low < high:
+        if not sep or not name or low is None or not low < high or not math.isfinite(high - low):
             raise UsageError(f"--input-range expects NAME:LO,HI with LO < HI, got '{value}'")
-        ranges[name] = (low, high)
-    return ranges
+        ranges.append((name, (low, high)))
+    return _once_each("--input-range", ranges)
 
 
 def _out(text: str, nl: bool = True) -> None:
@@ -258,8 +286,8 @@ check_options = [
         metavar="NAME:LO,HI",
         help="Value range of one input (integers default to their embedding table's rows, else [0, 10)).",
     ),
-    click.option("--atol", type=click.FloatRange(0), help="Absolute tolerance (default: per dtype)."),
-    click.option("--rtol", type=click.FloatRange(0), help="Relative tolerance (default: per dtype)."),
+    click.option("--atol", type=Tolerance(0), help="Absolute tolerance (default: per dtype)."),
+    click.option("--rtol", type=Tolerance(0), help="Relative tolerance (default: per dtype)."),
 ]
 
 

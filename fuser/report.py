@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -538,6 +539,19 @@ if __name__ == "__main__":
     (Path(__file__).parent / "report.schema.json").write_text(schema_text())
 
 
+def _code(text) -> str:
+    """`text` as a Markdown code span, whatever backticks it holds (a file may be named a`b.onnx)."""
+    text = str(text)
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _cell(text) -> str:
+    """`text` in a table cell: GitHub's tables split cells at a pipe, in a code span too, unless escaped."""
+    return str(text).replace("|", "\\|")
+
+
 def markdown(report: dict, title: str | None = None) -> str:
     """The report as Markdown, for a CI job summary (`--format markdown >> $GITHUB_STEP_SUMMARY`)."""
     if "models" in report:
@@ -545,7 +559,7 @@ def markdown(report: dict, title: str | None = None) -> str:
     lines = [title or f"### fuser {report['command']}: {report['verdict']}", ""]
     if report.get("error"):
         lines += [f"**Error:** {report['error']}", ""]
-    files = [f"`{report[k]['path']}`" for k in ("input", "output") if report.get(k)]
+    files = [_code(report[k]["path"]) for k in ("input", "output") if report.get(k)]
     if files:
         lines += [" → ".join(files), ""]
     if "nodes_before" in report:
@@ -555,14 +569,17 @@ def markdown(report: dict, title: str | None = None) -> str:
     counts = report.get("rule_counts") or {}
     if counts:
         lines += ["| rule | rewrites |", "| --- | ---: |"]
-        lines += [f"| `{name}` | {count} |" for name, count in sorted(counts.items())]
+        lines += [f"| {_cell(_code(name))} | {count} |" for name, count in sorted(counts.items())]
         lines.append("")
     opportunities = report.get("opportunities")
     if opportunities is not None:
         lines += [f"Fusion opportunities: {len(opportunities)}", ""]
         if opportunities:
             lines += ["| rule | scope | nodes |", "| --- | --- | --- |"]
-            lines += [f"| `{o['rule']}` | {o['scope']} | {', '.join(o['nodes'])} |" for o in opportunities]
+            lines += [
+                f"| {_cell(_code(o['rule']))} | {_cell(o['scope'])} | {_cell(', '.join(o['nodes']))} |"
+                for o in opportunities
+            ]
             lines.append("")
     numerics = report.get("numerics")
     if numerics:
@@ -575,7 +592,7 @@ def markdown(report: dict, title: str | None = None) -> str:
                 "| --- | --- | ---: | ---: | ---: |",
             ]
             lines += [
-                f"| `{o['name']}` | {o['status']} | {o['max_abs_error']:.3g} | {o['max_rel_error']:.3g} "
+                f"| {_cell(_code(o['name']))} | {o['status']} | {o['max_abs_error']:.3g} | {o['max_rel_error']:.3g} "
                 f"| {o['fraction_out_of_tolerance']:.2%} |"
                 for o in numerics["outputs"]
             ]
@@ -594,8 +611,7 @@ def markdown(report: dict, title: str | None = None) -> str:
         lines += [f"<details><summary>{len(declines)} declined match(es)</summary>", ""]
         lines += ["| rule | reason | count |", "| --- | --- | ---: |"]
         lines += [
-            f"| `{rule}` | {reason.replace('|', chr(92) + '|')} | {count} |"
-            for (rule, reason), count in reasons.most_common()
+            f"| {_cell(_code(rule))} | {_cell(reason)} | {count} |" for (rule, reason), count in reasons.most_common()
         ]
         lines += ["", "</details>", ""]
     lines += [f"- {note}" for note in report.get("notes") or []]
@@ -623,15 +639,15 @@ def _batch_markdown(report: dict) -> str:
         seconds = "" if model.get("seconds") is None else f"{model['seconds']:.2f}"  # none: interrupted
         if report["command"] == "check":
             found = "" if verdict == "error" else len(model.get("opportunities") or [])
-            lines.append(f"| `{path}` | {verdict} | {code} | {found} | {seconds} |")
+            lines.append(f"| {_cell(_code(path))} | {verdict} | {code} | {found} | {seconds} |")
             continue
         nodes = f"{model['nodes_before']} → {model['nodes_after']}" if "nodes_before" in model else ""
         rewrites = len(model.get("rewrites") or [])
         numerics = model.get("numerics")
         passed = "" if not numerics else ("passed" if numerics["passed"] else "FAILED")
-        lines.append(f"| `{path}` | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds} |")
+        lines.append(f"| {_cell(_code(path))} | {verdict} | {code} | {nodes} | {rewrites} | {passed} | {seconds} |")
     lines.append("")
     for model in models:
         path = (model.get("input") or {}).get("path", "?")
-        lines.append(markdown(model, title=f"### `{path}`: {model['verdict']}"))
+        lines.append(markdown(model, title=f"### {_code(path)}: {model['verdict']}"))
     return "\n".join(lines).rstrip() + "\n"

@@ -625,6 +625,31 @@ def test_rules_options_that_cannot_be_used_are_usage_errors(cli, tmp_path, argum
     assert result.returncode == 2 and said in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--rtol", "nan"], "nan is not a finite number"),
+        (["--atol", "inf"], "inf is not a finite number"),
+        (["--dim", "batch=0"], "--dim batch=0: a size is 1 or more"),
+        (["--dim", "batch=2", "--dim", "batch=3"], "--dim gives batch two values, 2 and 3"),
+        (["--input-shape", "x:0,4"], "--input-shape x:0,4: a size is 1 or more"),
+        (["--input-shape", "x:2,4", "--input-shape", "x:3,4"], "--input-shape gives x two values"),
+        (["--input-range", "x:0,1", "--input-range", "x:0,2"], "--input-range gives x two values"),
+    ],
+)
+def test_check_settings_that_would_make_it_say_nothing_true_are_usage_errors(cli, tmp_path, arguments, said):
+    model = _symbolic_model(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = cli(tmp_path, "optimize", model.name, *arguments)
+    _assert_clean_failure(result, tmp_path, before, said)
+
+
+def test_a_setting_given_twice_alike_is_given_once(cli, tmp_path):
+    model = _symbolic_model(tmp_path)
+    result = cli(tmp_path, "optimize", model.name, "--dim", "batch=2", "--dim", "batch=2", "-o", "out.onnx")
+    assert result.returncode == 0, result.stderr
+
+
 def test_debug_is_accepted_anywhere(cli, tmp_path):
     _symbolic_model(tmp_path)
     for args in (["--debug", "optimize", "missing.onnx"], ["optimize", "missing.onnx", "--debug"]):

@@ -331,6 +331,20 @@ def test_a_model_that_cannot_be_read_is_named_in_the_report_of_several(cli, zoo,
     assert f"| `{missing}` | error | 2 |" in markdown.stdout and f"### `{missing}`: error" in markdown.stdout
 
 
+def test_markdown_keeps_a_table_whole_whatever_the_names():
+    names = ["a|b.onnx", "x`y.onnx", "`z.onnx"]
+    done = [report_module.envelope("check", "fully-fused", 0, input={"path": n}, seconds=0.5) for n in names]
+    lines = report_module.markdown(report_module.batch_envelope("check", done)).splitlines()
+    rows = lines[4:7]
+    assert rows == [
+        "| `a\\|b.onnx` | fully-fused | 0 | 0 | 0.50 |",
+        "| ``x`y.onnx`` | fully-fused | 0 | 0 | 0.50 |",
+        "| `` `z.onnx `` | fully-fused | 0 | 0 | 0.50 |",
+    ]
+    # Each row has its five cells: no pipe in a name splits one (GitHub splits at any unescaped pipe).
+    assert all(len(re.split(r"(?<!\\)\|", row)) == 7 for row in rows)
+
+
 def test_a_model_the_run_was_stopped_before_has_no_time_in_the_markdown_table():
     done = report_module.envelope("optimize", "unchanged", 0, input={"path": "a.onnx"}, seconds=1.25)
     stopped = report_module.envelope("optimize", "error", 130, error="b.onnx: interrupted", input={"path": "b.onnx"})
