@@ -988,7 +988,7 @@ def _runnable_here(proto: onnx.ModelProto, folder: Path, path) -> tuple:
     return lower(proto, block), [note]
 
 
-@cli.command(name="rules")
+@cli.command(name="rules", epilog=EXIT_CODES_HELP)
 @click.option(
     "--target", type=click.Choice(["onnx", "onnxruntime"]), default=None, help="Only rules that run for this target."
 )
@@ -1248,7 +1248,7 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
         return _fail(error, ctx.debug)
 
 
-@cli.command(name="schema")
+@cli.command(name="schema", epilog=EXIT_CODES_HELP)
 @click.pass_obj
 def print_schema(ctx: Context):
     """Print the JSON Schema of the reports (--report, --format json), for pipelines to validate them."""

@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 import threading
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -998,10 +999,16 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
             feeds[tensor.name or f"#{index}"] = onnx.numpy_helper.to_array(tensor)
         return feeds
     try:
+        if not Path(path).exists():
+            raise FileNotFoundError(path)
+        if not zipfile.is_zipfile(path):  # numpy takes any other file for a pickle, and says so
+            raise InputError(f"{path}: not a .npz file (a zip archive of arrays, as numpy.savez writes)")
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
     except FileNotFoundError as error:
         raise InputError(f"{path}: no such file") from error
+    except InputError:
+        raise
     except Exception as error:  # noqa: BLE001 - numpy raises several types for bad files
         raise InputError(f"{path}: not a .npz file of arrays ({error})") from error
 

@@ -899,8 +899,13 @@ def test_load_inputs_bad_files_raise_input_error(tmp_path, name, content):
     path = tmp_path / name
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(InputError, match=name):
+    with pytest.raises(InputError, match=name) as raised:
         load_inputs(str(path))
+    said = str(raised.value)
+    assert "pickle" not in said  # numpy's word for any file that is not a zip archive
+    assert said.endswith(
+        "no such file" if content is None else "not a .npz file (a zip archive of arrays, as numpy.savez writes)"
+    )
 
 
 def test_load_inputs_bad_folders_raise_input_error(tmp_path):
