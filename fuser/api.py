@@ -172,8 +172,8 @@ def optimize(
 
         def handed_out(proto: onnx.ModelProto) -> onnx.ModelProto:
             """A model the caller gets: without weights_apart, one that holds its weights inline
-            rather than references into the input file (a copy, `proto` left as it was)."""
-            if weights_apart or not any(model.tensors.in_model_file(t) for t in proto.graph.initializer):
+            rather than references into the input's files (a copy, `proto` left as it was)."""
+            if weights_apart or not any(uses_external_data(t) for t in proto.graph.initializer):
                 return proto
             copy = onnx.ModelProto()
             copy.CopyFrom(proto)

@@ -215,10 +215,14 @@ class Model:
         return ModelParts(proto, self.graph.initializers(), self.tensors, nodes)
 
     def self_contained(self, proto: ModelProto) -> ModelProto:
-        """`proto`, a model built from this one (changed in place), with the weights read in place
-        from this model's file put back inline, as the file held them: a ModelProto handed to a
-        caller must not depend on the file."""
-        self._read_in(t for graph in all_graph_protos(proto.graph) for t in graph.initializer)
+        """`proto`, a model built from this one (changed in place), with every weight it reads
+        from a file put inline: those read in place from this model's file, as the file held
+        them, and those of its external data. A ModelProto handed to a caller must not depend on
+        the files (their paths are relative to the model's folder, not to where it is used)."""
+        for graph in all_graph_protos(proto.graph):
+            for tensor in graph.initializer:
+                if uses_external_data(tensor):
+                    _inline(tensor, self.tensors.raw_bytes(tensor), self.tensors.states_location(tensor))
         return proto
 
     def _read_in(self, tensors) -> None:

@@ -118,10 +118,37 @@ def test_compare_and_check_work_from_elsewhere(cli, folders):
 
 
 def test_python_api_from_elsewhere(folders, monkeypatch):
+    import onnxruntime as ort
+
     source, _, elsewhere = folders
     monkeypatch.chdir(elsewhere)
-    _, report = fuser.optimize(source)
+    optimized, report = fuser.optimize(source)
     assert report.verdict.passed and report.verdict.input_shapes == {"x": (1, 3, 224, 224)}
+
+
+def test_the_python_api_hands_back_weights_no_rule_touched_inline(tmp_path, monkeypatch):
+    """Gemm takes MatMul's weight and Add's bias as they are: read from the data file, they must
+    still be in the model handed back, which runs anywhere, saved or as bytes."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(3)
+    weights = {"w": rng.standard_normal((64, 64)).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    original = make_model(nodes, [("x", np.float32, [8, 64])], [("y", np.float32, [8, 64])], weights)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "cwd").mkdir()
+    source = tmp_path / "in" / "m.onnx"
+    onnx.save(original, source, save_as_external_data=True, size_threshold=0, location="m.onnx.data")
+    monkeypatch.chdir(tmp_path / "cwd")
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    for check in (True, False):
+        optimized, report = fuser.optimize(source, check=check)
+        assert report.counts == {"matmul-add-gemm": 1}
+        assert not any(t.external_data for t in optimized.graph.initializer)
+        session = ort.InferenceSession(optimized.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(
+            session.run(None, {"x": x})[0], x @ weights["w"] + weights["b"], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_files_get_the_usual_permissions(cli, folders, umask_022):
