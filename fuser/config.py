@@ -34,12 +34,12 @@ else:  # pragma: no cover - Python 3.10
 
 # key -> (expected type, commands it applies to)
 KEYS: dict[str, tuple[type | tuple, tuple[str, ...]]] = {
-    "target": (str, ("optimize", "check")),
-    "opset": (int, ("optimize", "check")),
-    "nchwc-block": ((str, int), ("optimize", "check")),
-    "enable": (list, ("optimize", "check")),
-    "disable": (list, ("optimize", "check")),
-    "rules": (list, ("optimize", "check", "rules")),
+    "target": (str, ("optimize", "check", "explain")),
+    "opset": (int, ("optimize", "check", "explain")),
+    "nchwc-block": ((str, int), ("optimize", "check", "explain")),
+    "enable": (list, ("optimize", "check", "explain")),
+    "disable": (list, ("optimize", "check", "explain")),
+    "rules": (list, ("optimize", "check", "rules", "explain")),
     "atol": ((int, float), ("optimize", "compare")),
     "rtol": ((int, float), ("optimize", "compare")),
     "seed": (int, ("optimize", "compare")),
@@ -114,7 +114,7 @@ def _validate(path: Path, key: str, value) -> None:
 def default_map(start: Path) -> dict[str, dict]:
     """click's default_map built from [tool.fuser]: command -> parameter -> default."""
     path, settings = load_settings(start)
-    defaults: dict[str, dict] = {"optimize": {}, "check": {}, "compare": {}, "rules": {}}
+    defaults: dict[str, dict] = {"optimize": {}, "check": {}, "compare": {}, "rules": {}, "explain": {}}
     for key, value in settings.items():
         parameter = PARAMETERS.get(key, key)
         if key == "rules":

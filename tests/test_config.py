@@ -136,6 +136,20 @@ def test_rule_files_are_relative_to_the_pyproject(cli, tmp_path, where):
     assert optimized.returncode == 0, optimized.stderr
     assert json.loads(optimized.stdout)["rule_counts"] == {"double-relu": 1}
     assert ops(work / "out.onnx") == [("", "Relu")]
+    explained = cli(work, "explain", "relu.onnx", "--rule", "double-relu", "--format", "json")
+    assert explained.returncode == 0, explained.stderr
+    [rule] = json.loads(explained.stdout)["rules"]
+    assert rule["rule"] == "double-relu" and rule["applied"] == 1
+
+
+def test_explain_reads_the_target_and_the_disabled_rules(cli, tmp_path):
+    write_pyproject(tmp_path, 'target = "onnxruntime"\ndisable = ["conv-bn-fold"]\n')
+    copy_resnet(tmp_path)
+    result = cli(tmp_path, "explain", "resnet_small.onnx", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    explained = json.loads(result.stdout)
+    named = {r["rule"] for r in explained["rules"]}
+    assert explained["target"] == "onnxruntime" and "fused-conv" in named and "conv-bn-fold" not in named
 
 
 CHECK_SETTINGS = """\
