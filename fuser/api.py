@@ -15,6 +15,7 @@ from fuser.context import machine_nchwc_block, resolve_context
 from fuser.engine import Engine, Rewrite
 from fuser.errors import InputError, NumericsMismatch, UsageError
 from fuser.graph import ModelParts, all_graph_protos, as_proto
+from fuser.measure import LEVELS as MEASURE_LEVELS
 from fuser.measure import compare as compare_latency
 from fuser.model import Model, count_op_types
 from fuser.nchwc import has_nchwc
@@ -38,11 +39,26 @@ def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: P
 
 
 def resolve_rules(rules: list[Rule] | None, target: str, enable=(), disable=(), rule_files=()) -> list[Rule]:
+    """The rules to run, chosen for `target` as enable/disable leave them (fuser.registry.select):
+    from every registered one (with `rule_files`' rules), or from `rules` alone. A name or a path
+    given as a string, not in a list, counts as one."""
+    enable, disable, rule_files = (_names(value) for value in (enable, disable, rule_files))
     if rules is None:
-        rules = all_rules(list(rule_files))
-    elif rule_files:
+        return select(all_rules(rule_files), target, enable, disable)
+    if rule_files:
         raise UsageError("give either rules= or rule_files=, not both")
-    return select(rules, target, list(enable), list(disable))
+    rules = [rules] if isinstance(rules, (str, Rule)) else list(rules)
+    for given in rules:
+        if not isinstance(given, Rule):
+            raise UsageError(
+                f"rules= takes rules made with @fuser.rule or @fuser.sweep, not {given!r} "
+                "(built-in rules are chosen by name with enable= and disable=)"
+            )
+    return select(rules, target, enable, disable)
+
+
+def _names(value) -> list[str]:
+    return [value] if isinstance(value, (str, os.PathLike)) else list(value)
 
 
 def optimize(
@@ -68,7 +84,9 @@ def optimize(
 ) -> tuple[onnx.ModelProto | ModelParts, Report]:
     """Rewrite a model with the selected rules and (by default) verify it in onnxruntime.
 
-    `rules` defaults to every registered rule for `target`; pass a list to use exactly those.
+    `rules` defaults to every registered rule; a list given is chosen from in the same way: the
+    rules of `target` (onnxruntime's only for target="onnxruntime") that are on by default or
+    named by `enable`, less those `disable` names.
     The check's settings are a `fuser.CheckOptions` (`check_options=`), or its fields as
     keywords: `seed` (0), `runs` (1 input set), `dims` ({name: size} of symbolic dimensions),
     `shapes` ({input: shape}), `ranges` ({input: (low, high)}), `inputs` (real inputs by name),
@@ -95,6 +113,10 @@ def optimize(
     """
     if on_mismatch not in ("fail", "drop"):
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
+    if measure is not None and measure not in MEASURE_LEVELS:
+        raise UsageError(f"measure must be one of {', '.join(MEASURE_LEVELS)} (or None), not {measure!r}")
+    if not (isinstance(measure_threads, int) and not isinstance(measure_threads, bool) and measure_threads >= 1):
+        raise UsageError(f"measure_threads must be a whole number, 1 or more, not {measure_threads!r}")
     options = _check_options(check_options, check_settings)
     context = resolve_context(nchwc_block)
     foreign_block = context.nchwc_block not in (0, machine_nchwc_block())

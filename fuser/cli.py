@@ -1224,6 +1224,9 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
     try:
         enable = tuple(enable) + tuple(only)
         chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
+        for name in only:  # known (resolve_rules said so), but not among the rules of this target
+            if not fnmatch.filter([r.name for r in chosen], name):
+                raise UsageError(f"--rule {name}: onnxruntime's rules are explained with --target onnxruntime")
         _, result = api.optimize(
             Model.load(Path(model)),
             rules=chosen,

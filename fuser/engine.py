@@ -340,6 +340,8 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - any crash in a rule is reported as that rule's bug
                 raise RuleError(candidate, f"{type(error).__name__}: {error}", error) from error
             for change in changes:
+                if not isinstance(change, Change):
+                    raise RuleError(candidate, f"its sweep yielded {change!r}, not a fuser.Change")
                 if self._limit_reached():
                     return touched
                 touched |= self._apply_change(graph, scope, candidate, change, apply)

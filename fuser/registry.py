@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import traceback
 import types
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -53,14 +54,27 @@ def load_rule_file(path: str | Path) -> list[Rule]:
         raise UsageError(f"rule file {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)  # its own modules beside it import, as a script's do
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # noqa: BLE001 - the user's file: report, don't crash
-        raise UsageError(f"rule file {path}: {type(error).__name__}: {error}") from error
+        raise UsageError(f"rule file {_where(path, error)}: {type(error).__name__}: {error}") from error
+    finally:
+        sys.path.remove(folder)
     found = rules_in(module)
     if not found:
         raise UsageError(f"rule file {path}: defines no rules (decorate functions with @fuser.rule)")
     return found
+
+
+def _where(path: Path, error: BaseException) -> str:
+    """`path`, with the line of it the error came from (the innermost one in the file)."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f"{path}:{error.lineno}"
+    resolved = str(path.resolve())
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == resolved]
+    return f"{path}:{lines[-1]}" if lines else str(path)
 
 
 def plugin_rules() -> list[Rule]:

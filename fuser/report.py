@@ -292,6 +292,8 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
     if result.counts:
         width = max(len(n) for n in result.counts)
         lines += [f"  {name:<{width}}  {count:>5}" for name, count in sorted(result.counts.items())]
+    elif result.dropped:
+        lines.append(f"  none left: the check dropped every rewrite ({len(result.dropped)})")
     else:
         lines.append("  no rule applied: nothing to fuse")
     skipped = result.engine.skipped_rules

@@ -73,8 +73,47 @@ class CheckOptions:
     rtol: float | None = None
     atol: float | None = None
 
+    def __post_init__(self) -> None:
+        problem = _options_problem(self)
+        if problem is not None:  # caught here, not as a numpy error deep in the check
+            raise UsageError(f"CheckOptions: {problem}")
+
     def replace(self, **changes) -> CheckOptions:
         return dataclasses.replace(self, **changes)
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least
+
+
+def _finite(value) -> bool:
+    return (
+        isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and np.isfinite(value)
+    )
+
+
+def _options_problem(options: CheckOptions) -> str | None:
+    """What makes `options` unusable, said as its field would be set right; None if nothing."""
+    if not _whole(options.seed, 0):
+        return f"seed must be a whole number, 0 or more, not {options.seed!r}"
+    if not _whole(options.runs, 1):
+        return f"runs must be a whole number, 1 or more, not {options.runs!r}"
+    for name in ("rtol", "atol"):
+        value = getattr(options, name)
+        if value is not None and not (_finite(value) and value >= 0):
+            return f"{name} must be a finite number, 0 or more, or None, not {value!r}"
+    for name, size in options.dims.items():
+        if not _whole(size, 1):
+            return f"dims[{name!r}] must be a size, 1 or more, not {size!r}"
+    for name, shape in options.shapes.items():
+        if not isinstance(shape, (tuple, list)) or not all(_whole(d, 1) for d in shape):
+            return f"shapes[{name!r}] must be a tuple of sizes, each 1 or more, not {shape!r}"
+    for name, bounds in options.ranges.items():
+        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(_finite(b) for b in bounds)):
+            return f"ranges[{name!r}] must be (low, high), two finite numbers, not {bounds!r}"
+        if not bounds[0] < bounds[1]:
+            return f"ranges[{name!r}] must have low < high, not {tuple(bounds)!r}"
+    return None
 
 
 @dataclass

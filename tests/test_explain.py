@@ -76,7 +76,11 @@ def test_verbose_output_shows_declines(cli, model_path, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "declined:" in result.stderr and "match(es)" in result.stderr
     assert sum("softmax-decomposed [main]" in line and REASON in line for line in result.stderr.splitlines()) == 2
-    assert "softmax-decomposed [main]" in result.stderr and REASON in result.stderr and "softmax_decomposed.py:" in result.stderr
+    assert (
+        "softmax-decomposed [main]" in result.stderr
+        and REASON in result.stderr
+        and "softmax_decomposed.py:" in result.stderr
+    )
 
 
 def test_explain_command(cli, model_path, tmp_path):
@@ -102,3 +106,11 @@ def test_explain_command(cli, model_path, tmp_path):
 def test_explain_an_unknown_rule_is_bad_usage(cli, model_path, tmp_path):
     result = cli(tmp_path, "explain", model_path, "--rule", "no-such-rule")
     assert result.returncode == 2 and "no-such-rule" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["fused-conv", "nchwc-*"])
+def test_explain_of_a_rule_of_another_target_says_which_target(cli, model_path, tmp_path, name):
+    result = cli(tmp_path, "explain", model_path, "--rule", name)
+    assert result.returncode == 2, result.stdout
+    assert f"--rule {name}: onnxruntime's rules are explained with --target onnxruntime" in result.stderr
+    assert cli(tmp_path, "explain", model_path, "--rule", name, "--target", "onnxruntime").returncode == 0

@@ -641,6 +641,15 @@ def test_among_several_models_a_line_says_what_the_check_dropped(cli, zoo, tmp_p
     assert "check passed," in other
 
 
+def test_the_summary_of_a_model_whose_every_rewrite_was_dropped_says_so(cli, tmp_path):
+    (tmp_path / "wrong_rules.py").write_text(WRONG_RULES)
+    onnx.save(unary_model("Cos"), tmp_path / "cosine.onnx")
+    result = cli(tmp_path, "optimize", "cosine.onnx", "--rules", "wrong_rules.py", "--on-mismatch", "drop")
+    assert result.returncode == 0, result.stderr
+    assert "none left: the check dropped every rewrite (1)" in result.stderr
+    assert "nothing to fuse" not in result.stderr
+
+
 def test_a_check_the_model_needs_as_changed_before_the_rewrite_stays_beside_it(cli, zoo, tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "available_memory", lambda: 1000)
     result = cli(tmp_path, "optimize", zoo / "mlp.onnx", "-o", "out.onnx", "--opset", "18")  # an upgrade

@@ -145,6 +145,7 @@ def test_emits_is_checked_when_the_rule_is_defined():
 
 def test_a_declared_domain_is_imported_only_when_a_replacement_uses_it():
     """emits= allows a domain; a rewrite that builds only standard operators adds no import."""
+
     def build(m: Match, b: Builder):
         """Sigmoid(x) => 1 / (1 + exp(-x))."""
         return b.Reciprocal(b.Add(b.Exp(b.Neg(m["x"])), np.ones(1, np.float32)))
@@ -208,3 +209,38 @@ def test_the_cli_names_the_rule_file_and_line(tmp_path):
     lines = crashed.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{crash}:7" in lines[0] and "ZeroDivisionError" in lines[0]
     assert "please report" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "said"),
+    [
+        ("from fuser import op, rule, var\nx = 1\ny = undefined_name\n", 3, "NameError: name 'undefined_name'"),
+        ("from fuser import op, rule, var\ndef f(:\n", 2, "SyntaxError"),
+        (
+            (
+                'from fuser import op, rule, var\n\n\n@rule("nn", pattern=op.Neg(op.Neg(var("x"))))\n'
+                'def nn(m, b):\n    """Neg(Neg(x)) => x."""\n    return b.Identity(m["x"])\n'
+            ),
+            4,
+            "two different nodes are named 'Neg'",
+        ),
+    ],
+)
+def test_a_rule_file_that_fails_to_load_is_named_with_its_line(tmp_path, text, line, said):
+    path = tmp_path / "broken_rules.py"
+    path.write_text(text)
+    result = fuser_cli("rules", "--rules", path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"fuser: error: rule file {path}:{line}: ") and said in result.stderr
+
+
+def test_a_rule_file_imports_the_modules_beside_it(tmp_path):
+    (tmp_path / "shared_patterns.py").write_text("DESCRIPTION = 'Neg(Neg(x)) => x.'\n")
+    (tmp_path / "my_rules.py").write_text(
+        "from shared_patterns import DESCRIPTION\nfrom fuser import op, rule, var\n\n\n"
+        '@rule("neg-neg-beside", pattern=op.Neg(op.Neg(var("x"), name="inner")), description=DESCRIPTION)\n'
+        'def neg_neg(m, b):\n    return b.Identity(m["x"])\n'
+    )
+    result = fuser_cli("rules", "--rules", tmp_path / "my_rules.py", cwd=tmp_path.parent)
+    assert result.returncode == 0, result.stderr
+    assert any(line.startswith("neg-neg-beside") for line in result.stdout.splitlines())

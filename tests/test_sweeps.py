@@ -79,6 +79,16 @@ def test_a_crashing_sweep_is_the_rules_bug():
         fuser.optimize(_model(), rules=[crashes])
 
 
+def test_a_sweep_yielding_what_is_not_a_change_is_the_rules_bug():
+    @sweep("yields-a-tuple")
+    def yields_a_tuple(graph):
+        """Yields the parts of a change, not a Change."""
+        yield ("nodes", 1)
+
+    with pytest.raises(RuleError, match=r"yields-a-tuple.*its sweep yielded \('nodes', 1\), not a fuser.Change"):
+        fuser.optimize(_model(), rules=[yields_a_tuple])
+
+
 def test_a_rule_needs_a_pattern_or_a_sweep():
     with pytest.raises(PatternError, match="either a pattern or a sweep"):
         Rule(name="nothing", description="does nothing", pattern=None, build=lambda m, b: None)

@@ -1,0 +1,85 @@
+"""fuser.optimize's arguments from Python: what cannot work is a UsageError saying which argument
+and why, raised before the work (not a numpy or onnxruntime error from deep inside the check, and
+not only when some rule happened to rewrite something)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import fuser
+from fuser.errors import UsageError
+from fuser.registry import builtin_rules
+from tests.helpers import make_model, run
+
+
+def neg_model() -> onnx.ModelProto:
+    """Nothing any built-in rule rewrites: an argument must be refused all the same."""
+    return make_model([helper.make_node("Neg", ["x"], ["y"])], [("x", np.float32, [2, 4])], [("y", np.float32, [2, 4])])
+
+
+def matmul_add() -> onnx.ModelProto:
+    weights = {"w": np.eye(4, dtype=np.float32), "b": np.ones(4, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    return make_model(nodes, [("x", np.float32, [2, 4])], [("y", np.float32, [2, 4])], weights)
+
+
+def rule_named(name: str):
+    return next(r for r in builtin_rules() if r.name == name)
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"runs": 0}, "runs must be a whole number, 1 or more, not 0"),
+        ({"runs": 2.5}, "runs must be a whole number"),
+        ({"seed": -1}, "seed must be a whole number, 0 or more, not -1"),
+        ({"rtol": "1e-3"}, "rtol must be a finite number"),
+        ({"atol": float("nan")}, "atol must be a finite number"),
+        ({"dims": {"batch": 0}}, "dims['batch'] must be a size"),
+        ({"shapes": {"x": (2, -1)}}, "shapes['x'] must be a tuple of sizes"),
+        ({"ranges": {"x": (5, 1)}}, "ranges['x'] must have low < high, not (5, 1)"),
+        ({"measure": "fast"}, "measure must be one of off, basic, extended, all"),
+        ({"measure_threads": 0}, "measure_threads must be a whole number, 1 or more"),
+    ],
+)
+@pytest.mark.parametrize("model", [neg_model, matmul_add])
+def test_unusable_settings_are_refused_whatever_the_rules_do(model, settings, said):
+    with pytest.raises(UsageError, match=said.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        fuser.optimize(model(), **settings)
+
+
+def test_check_options_refuse_what_the_check_cannot_use():
+    with pytest.raises(UsageError, match="CheckOptions: runs must be"):
+        fuser.CheckOptions(runs=0)
+    with pytest.raises(UsageError, match="CheckOptions: seed must be"):
+        fuser.CheckOptions(seed=1).replace(seed=-3)
+    assert fuser.CheckOptions(seed=np.int64(2), rtol=0, atol=np.float32(1e-4)).seed == 2
+
+
+def test_a_rule_list_is_chosen_from_as_the_registered_rules_are():
+    gemm = rule_named("matmul-add-gemm")
+    _, report = fuser.optimize(matmul_add(), rules=[gemm], check=False)
+    assert report.counts == {"matmul-add-gemm": 1}
+    _, alone = fuser.optimize(matmul_add(), rules=gemm, check=False)  # one rule, not in a list
+    assert alone.counts == {"matmul-add-gemm": 1}
+    ort_only = next(r for r in builtin_rules() if r.target == "onnxruntime")
+    _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], check=False)
+    assert report.rules == [gemm.name]  # onnxruntime's rules run for that target only
+    _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], target="onnxruntime", check=False)
+    assert report.rules == [ort_only.name, gemm.name]
+
+
+@pytest.mark.parametrize("given", ["matmul-add-gemm", ["matmul-add-gemm"]])
+def test_rules_by_name_are_told_to_go_through_enable_and_disable(given):
+    with pytest.raises(UsageError, match="rules= takes rules made with @fuser.rule.*not 'matmul-add-gemm'"):
+        fuser.optimize(matmul_add(), rules=given)
+
+
+def test_one_name_as_a_string_is_one_name():
+    optimized, report = fuser.optimize(matmul_add(), disable="matmul-add-gemm", check=False)
+    assert "matmul-add-gemm" not in report.rules and report.counts == {}
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(run(optimized, {"x": x})[0], x + 1)
