@@ -97,10 +97,11 @@ def test_o_never_replaces_what_is_not_a_regular_file_even_with_force(cli, sample
     assert (sample.parent / "other.onnx").read_bytes() == b"other"
 
 
-def test_a_model_read_from_a_stream_needs_o(sample):
-    with open(sample, "rb") as stdin:
-        result = subprocess.run(
-            [sys.executable, "-m", "fuser", "optimize", "/dev/stdin"],
+def _optimize_stdin(model: Path, *arguments) -> subprocess.CompletedProcess:
+    """`fuser optimize /dev/stdin ARGUMENTS` with `model` on its standard input."""
+    with open(model, "rb") as stdin:
+        return subprocess.run(
+            [sys.executable, "-m", "fuser", "optimize", "/dev/stdin", *map(str, arguments)],
             stdin=stdin,
             capture_output=True,
             text=True,
@@ -108,20 +109,15 @@ def test_a_model_read_from_a_stream_needs_o(sample):
             timeout=300,
             check=False,
         )
+
+
+def test_a_model_read_from_a_stream_needs_o(sample):
+    result = _optimize_stdin(sample)
     written = Path("/dev/stdin.fused.onnx")
     if written.exists():
         written.unlink()  # what the refusal is there to prevent
     assert result.returncode == 2 and "give the output with -o" in result.stderr, result.stderr
-    with open(sample, "rb") as stdin:
-        piped = subprocess.run(
-            [sys.executable, "-m", "fuser", "optimize", "/dev/stdin", "-o", sample.parent / "out.onnx", "-q"],
-            stdin=stdin,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=300,
-            check=False,
-        )
+    piped = _optimize_stdin(sample, "-o", sample.parent / "out.onnx", "-q")
     assert piped.returncode == 0 and (sample.parent / "out.onnx").exists(), piped.stderr
 
 
