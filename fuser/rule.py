@@ -41,6 +41,10 @@ TARGETS = ("onnx", "onnxruntime")
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
 
+def _opset_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass
 class Rule:
     """A rewrite rule. Build one with the `rule` decorator."""
@@ -81,8 +85,24 @@ class Rule:
             raise PatternError(f"rule '{self.name}': walks must be a depth (an int, 0 or more), not {self.walks!r}")
         for alternative in self.alternatives:
             validate(alternative)
+        self._check_opsets()
         self._check_emits()
         self._check_pattern_ops()
+
+    def _check_opsets(self) -> None:
+        """(low, high) with low <= high, or (low, None): a range no opset is in would skip the rule everywhere."""
+        if self.opsets is None:
+            return
+        fits = isinstance(self.opsets, (tuple, list)) and len(self.opsets) == 2
+        if fits:
+            low, high = self.opsets
+            fits = _opset_number(low) and (high is None or (_opset_number(high) and low <= high))
+        if not fits:
+            where = f" ({self.source})" if self.source else ""
+            raise PatternError(
+                f"rule '{self.name}'{where}: opsets must be (low, high) with 1 <= low <= high, "
+                f"or (low, None), not {self.opsets!r}"
+            )
 
     def _check_emits(self) -> None:
         where = f" ({self.source})" if self.source else ""

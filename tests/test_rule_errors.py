@@ -244,3 +244,9 @@ def test_a_rule_file_imports_the_modules_beside_it(tmp_path):
     result = fuser_cli("rules", "--rules", tmp_path / "my_rules.py", cwd=tmp_path.parent)
     assert result.returncode == 0, result.stderr
     assert any(line.startswith("neg-neg-beside") for line in result.stdout.splitlines())
+
+
+@pytest.mark.parametrize("opsets", [(20, 14), (0, 3), ("13", None), (13,)])
+def test_an_opset_range_no_opset_is_in_is_refused_where_the_rule_is_written(opsets):
+    with pytest.raises(PatternError, match=r"rule 'no-range'.*opsets must be \(low, high\) with 1 <= low <= high"):
+        rule("no-range", pattern=op.Neg(var("x")), opsets=opsets, description="Neg.")(lambda m, b: m["x"])
