@@ -10,7 +10,7 @@ from pathlib import Path
 
 import onnx
 
-from fuser.blame import Attempt, find_guilty
+from fuser.blame import MISMATCH_ACTIONS, Attempt, find_guilty
 from fuser.context import machine_nchwc_block, resolve_context
 from fuser.engine import Engine, Rewrite
 from fuser.errors import InputError, NumericsMismatch, UsageError
@@ -111,7 +111,7 @@ def optimize(
     loaded model's own tensors rather than a copy of them in the returned ModelProto: for
     writing it (fuser.model.write_model) or checking it without that copy.
     """
-    if on_mismatch not in ("fail", "drop"):
+    if on_mismatch not in MISMATCH_ACTIONS:
         raise UsageError(f"on_mismatch must be 'fail' or 'drop', not '{on_mismatch}'")
     if measure is not None and measure not in MEASURE_LEVELS:
         raise UsageError(f"measure must be one of {', '.join(MEASURE_LEVELS)} (or None), not {measure!r}")

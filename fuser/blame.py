@@ -21,6 +21,9 @@ from fuser.progress import Progress, silent
 from fuser.rule import Rule
 from fuser.verify import Checker, Verdict
 
+# What a run does with the rewrites a failed check blames: fail (write nothing), or drop them.
+MISMATCH_ACTIONS = ("fail", "drop")
+
 
 @dataclass
 class Attempt:
@@ -84,7 +87,11 @@ def find_guilty(
                 low = middle
             else:
                 high, failed = middle, probe.verdict
-        failure = "onnxruntime could not load or run the model with it" if failed.load_error else "it failed the numerics check"
+        failure = (
+            "onnxruntime could not load or run the model with it"
+            if failed.load_error
+            else "it failed the numerics check"
+        )
         culprit = replace(attempt.result.rewrites[high - 1], failure=failure)
         blame.guilty.append(culprit)
         vetoed[culprit.key] = failure

@@ -23,6 +23,7 @@ import onnx
 
 import fuser
 from fuser import api, explain, verify
+from fuser.blame import MISMATCH_ACTIONS
 from fuser import jobs as jobs_module
 from fuser import report as report_module
 from fuser.config import default_map
@@ -370,7 +371,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime numerics check (not recommended).")
 @click.option(
     "--on-mismatch",
-    type=click.Choice(["fail", "drop"]),
+    type=click.Choice(MISMATCH_ACTIONS),
     default="fail",
     show_default=True,
     help="fail: write nothing, keep the evidence; drop: leave out the guilty rewrites.",

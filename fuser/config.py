@@ -21,11 +21,15 @@ Flags on the command line override these.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
+from fuser.blame import MISMATCH_ACTIONS
 from fuser.context import NCHWC_CHOICES
 from fuser.errors import UsageError
+from fuser.model import EXTERNAL_DATA_MODES
+from fuser.rule import TARGETS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -109,6 +113,29 @@ def _validate(path: Path, key: str, value) -> None:
         good = str(value) in NCHWC_CHOICES
     if not good:
         raise UsageError(f"{path}: [tool.fuser] {key} has the wrong type or shape: {value!r}")
+    wanted = _value_problem(key, value)
+    if wanted is not None:  # said here, not as the flag it stands for ("Invalid value for '--target'")
+        raise UsageError(f"{path}: [tool.fuser] {key} must be {wanted}, not {value!r}")
+
+
+# The values a setting takes, where its type alone does not say (the flags' own choices and ranges).
+CHOICES = {"target": TARGETS, "on-mismatch": MISMATCH_ACTIONS, "external-data": EXTERNAL_DATA_MODES}
+
+
+def _value_problem(key: str, value) -> str | None:
+    """What `value` of `key` must be, where it is not; None where it fits."""
+    if key in CHOICES and value not in CHOICES[key]:
+        return "one of " + ", ".join(CHOICES[key])
+    least = {"opset": 1, "seed": 0, "check-runs": 1}.get(key)
+    if least is not None and value < least:
+        return f"{least} or more"
+    if key in ("atol", "rtol") and not (math.isfinite(value) and value >= 0):
+        return "a finite number, 0 or more"
+    if key == "input-shapes" and any(d < 1 for dims in value.values() for d in dims):
+        return "shapes of sizes 1 or more"
+    if key == "input-ranges" and not all(math.isfinite(high - low) and low < high for low, high in value.values()):
+        return "[low, high] pairs of finite numbers with low < high"
+    return None
 
 
 def default_map(start: Path) -> dict[str, dict]:

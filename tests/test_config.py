@@ -270,14 +270,18 @@ def test_wrong_type_inside_a_table_or_list_exits_2(cli, tmp_path, body):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("check-runs = 0\n", "check-runs"),
-        ('on-mismatch = "ignore"\n', "on-mismatch"),
-        ('target = "tpu"\n', "target"),
+        ("check-runs = 0\n", "pyproject.toml: [tool.fuser] check-runs must be 1 or more, not 0"),
+        ('on-mismatch = "ignore"\n', "pyproject.toml: [tool.fuser] on-mismatch must be one of fail, drop"),
+        ('target = "tpu"\n', "pyproject.toml: [tool.fuser] target must be one of onnx, onnxruntime, not 'tpu'"),
+        ('external-data = "sometimes"\n', "pyproject.toml: [tool.fuser] external-data must be one of auto"),
         ('disable = ["no-such-rule"]\n', "no-such-rule"),
         ('rules = ["missing_rules.py"]\n', "missing_rules.py"),
         ('dims = { batch = "many" }\n', "batch"),
-        ("seed = -1\n", "--seed"),
-        ("atol = -0.1\n", "--atol"),
+        ("seed = -1\n", "pyproject.toml: [tool.fuser] seed must be 0 or more, not -1"),
+        ("atol = -0.1\n", "pyproject.toml: [tool.fuser] atol must be a finite number, 0 or more"),
+        ("rtol = nan\n", "pyproject.toml: [tool.fuser] rtol must be a finite number"),
+        ("input-shapes = { image = [0, 3, 32, 32] }\n", "[tool.fuser] input-shapes must be shapes of sizes 1 or more"),
+        ("input-ranges = { image = [5, 1] }\n", "[tool.fuser] input-ranges must be [low, high] pairs"),
     ],
 )
 def test_invalid_values_exit_2(cli, tmp_path, body, message):
