@@ -20,7 +20,7 @@ class RuleExplanation:
     source: str | None
     applied: int = 0
     declined: int = 0
-    reasons: Counter = field(default_factory=Counter)  # reason -> places declined for it
+    reasons: Counter = field(default_factory=Counter)  # reason -> places it was the last reason of
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first place's nodes
     skipped: str | None = None  # why the rule did not run at all
     advice: int = 0
@@ -55,16 +55,22 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
     for advice in result.advice:
         found.setdefault(advice.rule, RuleExplanation(advice.rule, None)).advice += 1
     applied_at = {(r.rule, r.scope, tuple(r.matched)) for r in result.rewrites}
-    places: set[tuple] = set()
+    # Each place counts once, under the last reason it was declined for: the passes decline a
+    # place again as shapes become known ("changes the shape (a, 32) to (a, 'unk', 8)", then
+    # "... to (a, 4, 8)"), and its last reason is why it stayed. A place declined once and
+    # rewritten later (after a neighbour changed) counts as applied.
+    last: dict[tuple, Declined] = {}
     for decline in result.unique_declines():
+        place = (decline.rule, decline.scope, tuple(decline.nodes) or (decline.node,))
+        last.pop(place, None)  # in the order of the last declines
+        last[place] = decline
+    for place, decline in last.items():
         entry = found.setdefault(decline.rule, RuleExplanation(decline.rule, decline.source))
+        if place in applied_at:
+            continue
+        entry.declined += 1
         entry.reasons[decline.reason] += 1
         entry.examples.setdefault(decline.reason, decline.nodes or [decline.node])
-        place = (decline.rule, decline.scope, tuple(decline.nodes) or (decline.node,))
-        # A place declined once and rewritten later (after a neighbour changed) counts as applied.
-        if place not in places and place not in applied_at:
-            places.add(place)
-            entry.declined += 1
     return list(found.values())
 
 
