@@ -292,6 +292,26 @@ check_options = [
 ]
 
 
+def _unused_beside_inputs(inputs_path, dims, shapes, ranges, fix_shapes: bool = False) -> str | None:
+    """A warning for the sizes and ranges the command line gives beside --inputs: they choose the
+    inputs the check synthesizes, and --inputs gives it its own (--fix-shapes still writes the sizes)."""
+    context = click.get_current_context()
+    given = [
+        flag
+        for flag, name, value in (
+            ("--dim", "dims", dims),
+            ("--input-shape", "shapes", shapes),
+            ("--input-range", "ranges", ranges),
+        )
+        if value
+        and context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        and not (fix_shapes and name in ("dims", "shapes"))
+    ]
+    if not inputs_path or not given:
+        return None
+    return f"fuser: warning: {' and '.join(given)} not used: the check runs on the inputs --inputs gives"
+
+
 def with_check_options(function):
     for option in reversed(check_options):
         function = option(function)
@@ -447,6 +467,8 @@ def optimize(
         reads = (*rule_files, *([inputs_path] if inputs_path else []))
         _claim_report_path(report_path, tuple(sources), tuple(destinations), reads=reads)
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        unused = _unused_beside_inputs(inputs_path, dims, shapes, ranges, fix_shapes)
+        _say(unused or "", quiet=quiet or unused is None)
         from_config = _from_config()
         planned = [
             jobs_module.OptimizeJob(
@@ -915,6 +937,8 @@ def compare(
         # No graph is built: nothing is rewritten (two graphs of a million nodes take 7.6 GB).
         (a, a_folder), (b, b_folder) = load_for_sessions([first, second])
         options = _check_options(seed, runs, inputs_path, dims, shapes, ranges, atol, rtol)
+        unused = _unused_beside_inputs(inputs_path, dims, shapes, ranges)
+        _say(unused or "", quiet=unused is None)
         options = jobs_module.options_for(a, options, _from_config())
         reference, notes = _runnable_here(a, a_folder, first)
         candidate, more_notes = _runnable_here(b, b_folder, second)

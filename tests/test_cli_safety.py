@@ -640,6 +640,19 @@ def test_check_settings_that_would_make_it_say_nothing_true_are_usage_errors(cli
     _assert_clean_failure(result, tmp_path, before, said)
 
 
+def test_sizes_given_beside_real_inputs_are_said_to_go_unused(cli, tmp_path):
+    model = _symbolic_model(tmp_path)
+    np.savez(tmp_path / "inputs.npz", x=np.ones((3, 4), np.float32))
+    result = cli(tmp_path, "optimize", model.name, "--inputs", "inputs.npz", "--dim", "batch=2", "-o", "out.onnx")
+    assert result.returncode == 0, result.stderr
+    assert "fuser: warning: --dim not used: the check runs on the inputs --inputs gives" in result.stderr
+    assert "x[3,4]" in result.stderr  # the check's shapes are the given inputs'
+    fixed = cli(
+        tmp_path, "optimize", model.name, "--inputs", "inputs.npz", "--dim", "batch=3", "--fix-shapes", "-o", "f.onnx"
+    )
+    assert fixed.returncode == 0 and "not used" not in fixed.stderr, fixed.stderr  # the size is written
+
+
 def test_a_setting_given_twice_alike_is_given_once(cli, tmp_path):
     model = _symbolic_model(tmp_path)
     result = cli(tmp_path, "optimize", model.name, "--dim", "batch=2", "--dim", "batch=2", "-o", "out.onnx")
