@@ -195,7 +195,8 @@ def optimize(
         def handed_out(proto: onnx.ModelProto) -> onnx.ModelProto:
             """A model the caller gets: without weights_apart, one that holds its weights inline
             rather than references into the input's files (a copy, `proto` left as it was)."""
-            if weights_apart or not any(uses_external_data(t) for t in proto.graph.initializer):
+            held = (t for graph in all_graph_protos(proto.graph) for t in graph.initializer)
+            if weights_apart or not any(uses_external_data(t) for t in held):
                 return proto
             copy = onnx.ModelProto()
             copy.CopyFrom(proto)

@@ -112,9 +112,7 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
         name, sep, number = value.partition("=")
         if not sep or not number.strip().isdigit():
             raise UsageError(f"--dim expects NAME=SIZE, got '{value}'")
-        if int(number) < 1:  # an empty tensor runs, and a check of it compares nothing
-            raise UsageError(f"--dim {value}: a size is 1 or more")
-        pairs.append((name.strip(), int(number)))
+        pairs.append((name.strip(), int(number)))  # 0 too: a KV cache's empty past is a size models take
     return _once_each("--dim", pairs)
 
 
@@ -128,8 +126,8 @@ def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
             shape = None
         if not sep or not name or shape is None:
             raise UsageError(f"--input-shape expects NAME:D1,D2,..., got '{value}'")
-        if any(d < 1 for d in shape):
-            raise UsageError(f"--input-shape {value}: a size is 1 or more")
+        if any(d < 0 for d in shape):
+            raise UsageError(f"--input-shape {value}: a size is 0 or more")
         pairs.append((name, shape))
     return _once_each("--input-shape", pairs)
 
@@ -765,8 +763,12 @@ def _require_writable_folder(path: Path, report_path: str) -> None:
     which writing the report checks; a folder still to be made is made then."""
     folder = path.parent
     try:
-        if path.exists() or path.is_symlink() or not folder.is_dir():
+        if path.exists() or path.is_symlink():
             return
+        while not folder.exists() and folder != folder.parent:  # made when the report is written
+            folder = folder.parent
+        if not folder.is_dir():
+            return  # check_folder refused it already
         handle, probe = tempfile.mkstemp(dir=folder, prefix=".fuser-report-")
     except OSError as error:
         why = error.strerror or str(error)
@@ -1249,9 +1251,13 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
     try:
         enable = tuple(enable) + tuple(only)
         chosen = api.resolve_rules(None, target, enable, _disable_list(enable, disable), rule_files)
-        for name in only:  # known (resolve_rules said so), but not among the rules of this target
+        for name in only:  # known (resolve_rules said so), but left out by the target or --disable
             if not fnmatch.filter([r.name for r in chosen], name):
-                raise UsageError(f"--rule {name}: onnxruntime's rules are explained with --target onnxruntime")
+                everything = api.resolve_rules(None, "onnxruntime", enable, (), rule_files)
+                onnxruntimes = [r.name for r in everything if r.target == "onnxruntime"]
+                if target != "onnxruntime" and fnmatch.filter(onnxruntimes, name):
+                    raise UsageError(f"--rule {name}: onnxruntime's rules are explained with --target onnxruntime")
+                raise UsageError(f"--rule {name}: turned off by --disable")
         _, result = api.optimize(
             Model.load(Path(model)),
             rules=chosen,

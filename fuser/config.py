@@ -101,7 +101,7 @@ def _validate(path: Path, key: str, value) -> None:
     if good and key in ("enable", "disable", "rules"):
         good = all(isinstance(v, str) for v in value)
     elif good and key == "dims":
-        good = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values())
+        good = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())
     elif good and key == "input-shapes":
         good = all(
             isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
@@ -131,8 +131,8 @@ def _value_problem(key: str, value) -> str | None:
         return f"{least} or more"
     if key in ("atol", "rtol") and not (math.isfinite(value) and value >= 0):
         return "a finite number, 0 or more"
-    if key == "input-shapes" and any(d < 1 for dims in value.values() for d in dims):
-        return "shapes of sizes 1 or more"
+    if key == "input-shapes" and any(d < 0 for dims in value.values() for d in dims):
+        return "shapes of sizes 0 or more"
     if key == "input-ranges" and not all(math.isfinite(high - low) and low < high for low, high in value.values()):
         return "[low, high] pairs of finite numbers with low < high"
     return None

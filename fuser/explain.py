@@ -57,10 +57,11 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
     applied_at = {(r.rule, r.scope, tuple(r.matched)) for r in result.rewrites}
     # Each place counts once, under the last reason it was declined for: the passes decline a
     # place again as shapes become known ("changes the shape (a, 32) to (a, 'unk', 8)", then
-    # "... to (a, 4, 8)"), and its last reason is why it stayed. A place declined once and
-    # rewritten later (after a neighbour changed) counts as applied.
+    # "... to (a, 4, 8)"), and its last reason is why it stayed (the engine records a reason once
+    # per place, where it first came). A place declined once and rewritten later (after a
+    # neighbour changed) counts as applied.
     last: dict[tuple, Declined] = {}
-    for decline in result.unique_declines():
+    for decline in result.declined:  # all of them, in order: unique_declines keeps each reason's first
         place = (decline.rule, decline.scope, tuple(decline.nodes) or (decline.node,))
         last.pop(place, None)  # in the order of the last declines
         last[place] = decline

@@ -586,20 +586,22 @@ def check_folder(path: Path) -> None:
         raise UsageError(f"{path}: cannot write there, {folder} is not a folder")
 
 
-# The system's folders of streams and devices: a model read from one (/dev/stdin, /dev/fd/63 of a
-# shell's <(...)) has no folder of its own to be written beside.
-STREAM_FOLDERS = (Path("/dev"), Path("/proc"))
+# The system's folders of streams: a model read from one (/dev/stdin, /dev/fd/63 of a shell's
+# <(...), /proc/self/fd/0) has no folder of its own to be written beside. Files in a folder below
+# /dev (/dev/shm) are files like any other.
+STREAM_FOLDERS = (Path("/dev"), Path("/dev/fd"))
 
 
 def _require_a_folder_beside(source: Path) -> None:
     """Refuse the default output, MODEL.fused.onnx beside MODEL, for a model read from a stream."""
     try:
         regular = source.is_file()
+        exists = source.exists()
     except OSError:
         return  # reading the model says what is wrong with it
     absolute = source.absolute()
-    streamed = any(absolute.is_relative_to(folder) for folder in STREAM_FOLDERS)
-    if source.exists() and (streamed or not regular):
+    streamed = absolute.parent in STREAM_FOLDERS or absolute.is_relative_to("/proc")
+    if exists and (streamed or not regular):
         raise UsageError(f"{source} is a stream or a device, not a model file to write beside: give the output with -o")
 
 

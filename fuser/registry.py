@@ -55,6 +55,7 @@ def load_rule_file(path: str | Path) -> list[Rule]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     folder = str(path.resolve().parent)
+    before = set(sys.modules)
     sys.path.insert(0, folder)  # its own modules beside it import, as a script's do
     try:
         spec.loader.exec_module(module)
@@ -62,18 +63,29 @@ def load_rule_file(path: str | Path) -> list[Rule]:
         raise UsageError(f"rule file {_where(path, error)}: {type(error).__name__}: {error}") from error
     finally:
         sys.path.remove(folder)
+        _forget_neighbours(folder, before)
     found = rules_in(module)
     if not found:
         raise UsageError(f"rule file {path}: defines no rules (decorate functions with @fuser.rule)")
     return found
 
 
+def _forget_neighbours(folder: str, before: set[str]) -> None:
+    """Take the modules a rule file imported from its own folder out of sys.modules (the rule
+    file keeps them): another folder's rule file may have a module of the same name."""
+    for name in set(sys.modules) - before:
+        where = getattr(sys.modules[name], "__file__", None)
+        if where and Path(where).resolve().parent == Path(folder):
+            del sys.modules[name]
+
+
 def _where(path: Path, error: BaseException) -> str:
     """`path`, with the line of it the error came from (the innermost one in the file)."""
     if isinstance(error, SyntaxError) and error.lineno:
         return f"{path}:{error.lineno}"
-    resolved = str(path.resolve())
-    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == resolved]
+    resolved = path.resolve()
+    frames = traceback.extract_tb(error.__traceback__)
+    lines = [frame.lineno for frame in frames if Path(frame.filename).resolve() == resolved]
     return f"{path}:{lines[-1]}" if lines else str(path)
 
 

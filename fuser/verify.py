@@ -103,11 +103,11 @@ def _options_problem(options: CheckOptions) -> str | None:
         if value is not None and not (_finite(value) and value >= 0):
             return f"{name} must be a finite number, 0 or more, or None, not {value!r}"
     for name, size in options.dims.items():
-        if not _whole(size, 1):
-            return f"dims[{name!r}] must be a size, 1 or more, not {size!r}"
+        if not _whole(size, 0):
+            return f"dims[{name!r}] must be a size, 0 or more, not {size!r}"
     for name, shape in options.shapes.items():
-        if not isinstance(shape, (tuple, list)) or not all(_whole(d, 1) for d in shape):
-            return f"shapes[{name!r}] must be a tuple of sizes, each 1 or more, not {shape!r}"
+        if not isinstance(shape, (tuple, list)) or not all(_whole(d, 0) for d in shape):
+            return f"shapes[{name!r}] must be a tuple of sizes, each 0 or more, not {shape!r}"
     for name, bounds in options.ranges.items():
         if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(_finite(b) for b in bounds)):
             return f"ranges[{name!r}] must be (low, high), two finite numbers, not {bounds!r}"
@@ -1217,11 +1217,13 @@ class Checker:
             ) from error
 
     def _meaningless_outputs(self, probe_seed: int, ranges) -> list[str]:
-        """Outputs whose comparison proves little: non-finite everywhere, or blind to the inputs."""
+        """Outputs whose comparison proves little: empty, non-finite everywhere, or blind to the inputs."""
         warnings = []
         first = self.expected[0]
         for name, value in first.items():
-            if value.size and _is_float(value) and not np.isfinite(value.astype(np.float64)).any():
+            if not value.size:  # a size of 0 given for it (--dim batch=0): nothing of it is compared
+                warnings.append(f"output '{name}' is empty on the check inputs {_shape_text(value.shape)}")
+            elif _is_float(value) and not np.isfinite(value.astype(np.float64)).any():
                 warnings.append(f"output '{name}' is entirely inf/NaN on the check inputs")
         if ranges is None and len(self.feeds) < 2:
             return warnings  # real inputs: one set, nothing to vary

@@ -38,7 +38,7 @@ def rule_named(name: str):
         ({"seed": -1}, "seed must be a whole number, 0 or more, not -1"),
         ({"rtol": "1e-3"}, "rtol must be a finite number"),
         ({"atol": float("nan")}, "atol must be a finite number"),
-        ({"dims": {"batch": 0}}, "dims['batch'] must be a size"),
+        ({"dims": {"batch": -1}}, "dims['batch'] must be a size, 0 or more"),
         ({"shapes": {"x": (2, -1)}}, "shapes['x'] must be a tuple of sizes"),
         ({"ranges": {"x": (5, 1)}}, "ranges['x'] must have low < high, not (5, 1)"),
         ({"measure": "fast"}, "measure must be one of off, basic, extended, all"),

@@ -280,7 +280,7 @@ def test_wrong_type_inside_a_table_or_list_exits_2(cli, tmp_path, body):
         ("seed = -1\n", "pyproject.toml: [tool.fuser] seed must be 0 or more, not -1"),
         ("atol = -0.1\n", "pyproject.toml: [tool.fuser] atol must be a finite number, 0 or more"),
         ("rtol = nan\n", "pyproject.toml: [tool.fuser] rtol must be a finite number"),
-        ("input-shapes = { image = [0, 3, 32, 32] }\n", "[tool.fuser] input-shapes must be shapes of sizes 1 or more"),
+        ("input-shapes = { image = [-1, 3, 32, 32] }\n", "[tool.fuser] input-shapes must be shapes of sizes 0 or more"),
         ("input-ranges = { image = [5, 1] }\n", "[tool.fuser] input-ranges must be [low, high] pairs"),
     ],
 )

@@ -116,6 +116,11 @@ def test_explain_of_a_rule_of_another_target_says_which_target(cli, model_path, 
     assert cli(tmp_path, "explain", model_path, "--rule", name, "--target", "onnxruntime").returncode == 0
 
 
+def test_explain_of_a_rule_the_command_line_disables_says_so(cli, model_path, tmp_path):
+    result = cli(tmp_path, "explain", model_path, "--rule", "identity-output", "--disable", "identity-output")
+    assert result.returncode == 2 and "--rule identity-output: turned off by --disable" in result.stderr
+
+
 def test_every_declined_place_has_one_reason_its_last():
     """The passes decline a Reshape of BERT's again as its shapes become known, each time with
     other dims in the reason: counted once, under its last reason, the reasons add up to the
@@ -130,3 +135,14 @@ def test_every_declined_place_has_one_reason_its_last():
     for e in explained:
         assert sum(e.reasons.values()) == e.declined, (e.rule, e.declined, dict(e.reasons))
         assert e.matched == e.applied + e.declined + e.advice
+
+
+def test_a_place_declined_for_several_reasons_counts_under_its_last():
+    from fuser.engine import Declined, EngineResult
+
+    def declined(reason: str, node: str = "r1") -> Declined:
+        return Declined("reshape-noop", "main", node, reason, [node])
+
+    result = EngineResult(declined=[declined("shape unknown"), declined("other"), declined("changes the shape")])
+    [entry] = explain(result, [])
+    assert (entry.declined, dict(entry.reasons)) == (1, {"changes the shape": 1})

@@ -118,11 +118,9 @@ def test_compare_and_check_work_from_elsewhere(cli, folders):
 
 
 def test_python_api_from_elsewhere(folders, monkeypatch):
-    import onnxruntime as ort
-
     source, _, elsewhere = folders
     monkeypatch.chdir(elsewhere)
-    optimized, report = fuser.optimize(source)
+    _, report = fuser.optimize(source)
     assert report.verdict.passed and report.verdict.input_shapes == {"x": (1, 3, 224, 224)}
 
 

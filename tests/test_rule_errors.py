@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import numpy as np
@@ -232,6 +233,31 @@ def test_a_rule_file_that_fails_to_load_is_named_with_its_line(tmp_path, text, l
     result = fuser_cli("rules", "--rules", path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"fuser: error: rule file {path}:{line}: ") and said in result.stderr
+
+
+def test_rule_files_in_two_folders_each_import_their_own_neighbour(tmp_path):
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "shared.py").write_text(f"DESCRIPTION = 'Neg(Neg(x)) => x, from {side}.'\n")
+        (tmp_path / side / f"rules_{side}.py").write_text(
+            "from shared import DESCRIPTION\nfrom fuser import op, rule, var\n\n\n"
+            f'@rule("neg-neg-{side}", pattern=op.Neg(op.Neg(var("x"), name="inner")), description=DESCRIPTION)\n'
+            'def neg_neg(m, b):\n    return b.Identity(m["x"])\n'
+        )
+    result = fuser_cli(
+        "rules", "--rules", tmp_path / "a" / "rules_a.py", "--rules", tmp_path / "b" / "rules_b.py", "--format", "json"
+    )
+    assert result.returncode == 0, result.stderr
+    described = {r["name"]: r["description"] for r in json.loads(result.stdout)}
+    assert described["neg-neg-a"].endswith("from a.") and described["neg-neg-b"].endswith("from b.")
+
+
+def test_the_line_is_found_through_a_linked_folder(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "bad_rules.py").write_text("from fuser import op, rule, var\nx = 1\ny = undefined_name\n")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    result = fuser_cli("rules", "--rules", tmp_path / "link" / ".." / "link" / "bad_rules.py")
+    assert result.returncode == 2 and "bad_rules.py:3: NameError" in result.stderr, result.stderr
 
 
 def test_a_rule_file_imports_the_modules_beside_it(tmp_path):
