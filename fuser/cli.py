@@ -23,9 +23,9 @@ import onnx
 
 import fuser
 from fuser import api, explain, verify
-from fuser.blame import MISMATCH_ACTIONS
 from fuser import jobs as jobs_module
 from fuser import report as report_module
+from fuser.blame import MISMATCH_ACTIONS
 from fuser.config import default_map
 from fuser.context import NCHWC_CHOICES, resolve_nchwc_block
 from fuser.errors import (
