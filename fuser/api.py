@@ -452,7 +452,9 @@ def find_opportunities(
     progress: Progress | None = None,
 ):
     """The rewrites the selected rules would make (after the upgrade to `opset`), without changing
-    anything. progress: told of the load, and of the nodes the rules are tried at as stage "match"."""
+    anything: an EngineResult whose `opportunities` lists them (`opportunity_counts()` per rule;
+    `counts()` counts rewrites made, none here). progress: told of the load, and of the nodes the
+    rules are tried at as stage "match"."""
     progress = progress or silent
     model = load(model_or_path, progress=progress)
     if opset is not None:

@@ -113,7 +113,12 @@ class EngineResult:
     seconds: float = 0.0
 
     def counts(self) -> dict[str, int]:
+        """Rewrites made, per rule."""
         return dict(Counter(r.rule for r in self.rewrites))
+
+    def opportunity_counts(self) -> dict[str, int]:
+        """Rewrites a run that rewrites nothing (fuser.find_opportunities) found to make, per rule."""
+        return dict(Counter(o.rule for o in self.opportunities))
 
     def unique_declines(self) -> list[Declined]:
         """Each decline once, though the worklist may revisit a match."""
