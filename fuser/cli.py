@@ -133,7 +133,7 @@ def _parse_shapes(values: tuple[str, ...]) -> dict[str, tuple]:
 
 
 def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    ranges = []
+    pairs = []
     for value in values:
         name, sep, bounds = value.rpartition(":")
         parts = bounds.split(",")
@@ -143,8 +143,8 @@ def _parse_ranges(values: tuple[str, ...]) -> dict[str, tuple[float, float]]:
             low = high = None
         if not sep or not name or low is None or not low < high or not math.isfinite(high - low):
             raise UsageError(f"--input-range expects NAME:LO,HI with LO < HI, got '{value}'")
-        ranges.append((name, (low, high)))
-    return _once_each("--input-range", ranges)
+        pairs.append((name, (low, high)))
+    return _once_each("--input-range", pairs)
 
 
 def _out(text: str, nl: bool = True) -> None:
