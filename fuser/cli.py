@@ -676,10 +676,15 @@ def _disable_list(enable: tuple[str, ...], disable: tuple[str, ...]) -> tuple[st
 
 
 def _terminal_progress(quiet: bool) -> TerminalProgress | None:
-    """Progress bars on stderr when it is a terminal; nothing in CI logs and with -q."""
-    if quiet or not sys.stderr.isatty():
+    """Progress bars on stderr when it is a terminal; nothing in CI logs and with -q. Some CI
+    runners give the job a pseudo-terminal; they all set CI, and their logs keep every redraw."""
+    if quiet or not sys.stderr.isatty() or _in_ci():
         return None
     return TerminalProgress()
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 class TerminalProgress:

@@ -1001,12 +1001,17 @@ def chain(nodes: int) -> onnx.ModelProto:
     return model_from_text(f"agraph (float[4] r0) => (float[4] r{nodes}) {{\n{text}\n}}")
 
 
-def run_in_terminal(args: list, cwd: Path) -> tuple[int, str]:
-    """Run `python -m fuser.cli ARGS` with stderr on a pseudo-terminal; its exit code and what it drew."""
+def run_in_terminal(args: list, cwd: Path, ci: str | None = None) -> tuple[int, str]:
+    """Run `python -m fuser.cli ARGS` with stderr on a pseudo-terminal; its exit code and what it
+    drew. CI is set to `ci`, or unset (the suite itself may run in CI)."""
     main, secondary = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci is not None:
+        env["CI"] = ci
     process = subprocess.Popen(
         [sys.executable, "-m", "fuser.cli", *map(str, args)],
         cwd=cwd,
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=secondary,
@@ -1036,6 +1041,16 @@ def test_progress_bars_on_a_terminal_and_not_with_q(tmp_path):
     assert "time: load " in drawn
     code, drawn = run_in_terminal(["optimize", "chain.onnx", "-q", "--force"], tmp_path)
     assert code == 0 and drawn == ""
+
+
+@pytest.mark.parametrize(("ci", "drawn_bars"), [("true", False), ("1", False), ("false", True), ("0", True)])
+def test_a_ci_runner_s_terminal_gets_no_bars(tmp_path, ci, drawn_bars):
+    """Some CI runners hand the job a pseudo-terminal; their logs would keep every redraw."""
+    onnx.save(chain(2500), tmp_path / "chain.onnx")
+    code, drawn = run_in_terminal(["optimize", "chain.onnx"], tmp_path, ci=ci)
+    assert code == 0, drawn
+    assert ("nodes/s" in drawn) == drawn_bars
+    assert "time: load " in drawn  # the summary is printed either way
 
 
 def test_check_shows_where_it_is_on_a_terminal_and_not_with_q(tmp_path):
