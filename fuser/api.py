@@ -22,7 +22,7 @@ from fuser.nchwc import has_nchwc
 from fuser.nchwc import lower as lower_nchwc
 from fuser.opset import upgrade
 from fuser.progress import Progress, silent
-from fuser.registry import all_rules, select
+from fuser.registry import all_rules, left_out, select
 from fuser.report import Report
 from fuser.rule import Rule
 from fuser.specialize import fix_shapes as specialize
@@ -86,7 +86,7 @@ def optimize(
 
     `rules` defaults to every registered rule; a list given is chosen from in the same way: the
     rules of `target` (onnxruntime's only for target="onnxruntime") that are on by default or
-    named by `enable`, less those `disable` names.
+    named by `enable`, less those `disable` names; `report.notes` names any other of the list left out.
     The check's settings are a `fuser.CheckOptions` (`check_options=`), or its fields as
     keywords: `seed` (0), `runs` (1 input set), `dims` ({name: size} of symbolic dimensions),
     `shapes` ({input: shape}), `ranges` ({input: (low, high)}), `inputs` (real inputs by name),
@@ -182,6 +182,7 @@ def optimize(
             fixed_shapes=fixed,
         )
         report.notes.extend(_rule_notes(chosen, report.counts))
+        report.notes.extend(_left_out_notes(rules, target, enable, disable))
         applied = set(report.counts)
         report.exact = all(r.exact for r in chosen if r.name in applied)
         report.stabilizing = any(r.stabilizes for r in chosen if r.name in applied)
@@ -429,6 +430,15 @@ def _fixed_shapes_note(fixed: dict[str, list]) -> str:
 def _rule_notes(chosen: list[Rule], counts: dict[str, int]) -> list[str]:
     """The notes of the rules that rewrote something, each once."""
     return list(dict.fromkeys(r.note_text() for r in chosen if counts.get(r.name) and r.note))
+
+
+def _left_out_notes(rules, target: str, enable, disable) -> list[str]:
+    """A rule given in rules= that the run leaves out, not by disable=, is said to be left out."""
+    if rules is None:
+        return []
+    given = [rules] if isinstance(rules, Rule) else list(rules)
+    reasons = left_out(given, target, _names(enable), _names(disable))
+    return [f"rule '{name}' given in rules= did not run: {reason}" for name, reason in reasons.items()]
 
 
 def _mismatch_message(verdict: Verdict, guilty: list[Rewrite]) -> str:

@@ -135,6 +135,22 @@ def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disa
     return chosen
 
 
+def left_out(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()) -> dict[str, str]:
+    """Why select() leaves out those of `rules` that `disable` does not name: {name: reason}."""
+    names = [r.name for r in rules]
+    chosen = {r.name for r in select(rules, target, enable, disable)}
+    disabled = _expand(disable, names) - (set(enable) - set(disable))
+    reasons = {}
+    for candidate in rules:
+        if candidate.name in chosen or candidate.name in disabled:
+            continue
+        if candidate.target == "onnxruntime" and target != "onnxruntime":
+            reasons[candidate.name] = "onnxruntime's rule (target='onnxruntime')"
+        else:
+            reasons[candidate.name] = "off by default (enable= names it)"
+    return reasons
+
+
 def _expand(patterns, names: list[str]) -> set[str]:
     found: set[str] = set()
     for pattern in patterns:

@@ -67,9 +67,23 @@ def test_a_rule_list_is_chosen_from_as_the_registered_rules_are():
     assert alone.counts == {"matmul-add-gemm": 1}
     ort_only = next(r for r in builtin_rules() if r.target == "onnxruntime")
     _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], check=False)
-    assert report.rules == [gemm.name]  # onnxruntime's rules run for that target only
+    assert report.rules == [gemm.name]  # onnxruntime's rules run for that target only, and the report says so
+    assert f"rule '{ort_only.name}' given in rules= did not run: onnxruntime's rule (target='onnxruntime')" in report.notes
     _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], target="onnxruntime", check=False)
     assert report.rules == [ort_only.name, gemm.name]
+    assert not [n for n in report.notes if "did not run" in n]
+
+
+def test_a_rule_given_but_off_by_default_is_said_not_to_run_unless_disabled():
+    gemm = rule_named("matmul-add-gemm")
+    off = next(r for r in builtin_rules() if not r.enabled_by_default and r.target == "onnx")
+    _, report = fuser.optimize(matmul_add(), rules=[off, gemm], check=False)
+    assert report.rules == [gemm.name]
+    assert f"rule '{off.name}' given in rules= did not run: off by default (enable= names it)" in report.notes
+    _, report = fuser.optimize(matmul_add(), rules=[off, gemm], enable=[off.name], check=False)
+    assert report.rules == [off.name, gemm.name] and not [n for n in report.notes if "did not run" in n]
+    _, report = fuser.optimize(matmul_add(), rules=[off, gemm], disable=[gemm.name], check=False)
+    assert report.notes == [f"rule '{off.name}' given in rules= did not run: off by default (enable= names it)"]
 
 
 @pytest.mark.parametrize("given", ["matmul-add-gemm", ["matmul-add-gemm"]])
