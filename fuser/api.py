@@ -31,10 +31,21 @@ from fuser.verify import Checker, CheckOptions, PreparedChecker, Verdict, random
 
 
 def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: Progress | None = None) -> Model:
+    """A model from a path (checked as Model.load checks it), a ModelProto or its serialized bytes."""
     if isinstance(model_or_path, Model):
         return model_or_path
+    if isinstance(model_or_path, (bytes, bytearray)):
+        try:
+            model_or_path = onnx.load_model_from_string(bytes(model_or_path))
+        except Exception as error:  # noqa: BLE001 - protobuf's DecodeError, or onnx's own
+            raise InputError(f"the bytes given are not an ONNX model: {error}") from error
     if isinstance(model_or_path, onnx.ModelProto):
         return Model(model_or_path, progress=progress)
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise UsageError(
+            "the model must be a path, an onnx.ModelProto, its serialized bytes or a fuser Model, "
+            f"not {type(model_or_path).__name__}"
+        )
     return Model.load(Path(model_or_path), progress=progress)
 
 
@@ -58,7 +69,19 @@ def resolve_rules(rules: list[Rule] | None, target: str, enable=(), disable=(), 
 
 
 def _names(value) -> list[str]:
-    return [value] if isinstance(value, (str, os.PathLike)) else list(value)
+    names = [value] if isinstance(value, (str, os.PathLike)) else list(value) if _iterable(value) else [value]
+    for name in names:
+        if not isinstance(name, (str, os.PathLike)):
+            raise UsageError(f"rule names and rule files are strings (or paths), not {name!r}")
+    return names
+
+
+def _iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 def optimize(

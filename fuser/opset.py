@@ -8,6 +8,8 @@ model is checked against the original like any rewrite.
 
 from __future__ import annotations
 
+import numbers
+
 import onnx
 from onnx import version_converter
 
@@ -17,6 +19,9 @@ from fuser.model import Model
 
 def upgrade(model: Model, version: int) -> Model:
     """`model` converted to default-domain opset `version` (the same object when it has it)."""
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+        raise UsageError(f"the opset must be a whole number, not {version!r}")
+    version = int(version)  # onnx's converter takes a Python int only
     current = model.opsets.get("", 1)
     latest = onnx.defs.onnx_opset_version()
     if version < current:

@@ -10,7 +10,7 @@ import pytest
 from onnx import helper
 
 import fuser
-from fuser.errors import UsageError
+from fuser.errors import InputError, UsageError
 from fuser.registry import builtin_rules
 from tests.helpers import make_model, run
 
@@ -97,3 +97,40 @@ def test_one_name_as_a_string_is_one_name():
     assert "matmul-add-gemm" not in report.rules and report.counts == {}
     x = np.ones((2, 4), np.float32)
     np.testing.assert_array_equal(run(optimized, {"x": x})[0], x + 1)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"opset": "17"}, "the opset must be a whole number, not '17'"),
+        ({"opset": 17.0}, "the opset must be a whole number, not 17.0"),
+        ({"enable": 5}, "rule names and rule files are strings"),
+        ({"disable": [None]}, "rule names and rule files are strings"),
+        ({"rule_files": [3]}, "rule names and rule files are strings"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_usage_errors(arguments, said):
+    with pytest.raises(UsageError, match=said):
+        fuser.optimize(matmul_add(), check=False, **arguments)
+
+
+def test_an_opset_as_a_numpy_integer_is_a_number():
+    _, report = fuser.optimize(matmul_add(), opset=np.int64(18))
+    assert report.counts == {"matmul-add-gemm": 1}
+
+
+def test_a_model_may_be_given_as_its_serialized_bytes():
+    optimized, report = fuser.optimize(matmul_add().SerializeToString())
+    assert report.counts == {"matmul-add-gemm": 1} and report.verdict.passed
+    assert fuser.find_opportunities(bytearray(matmul_add().SerializeToString())).opportunity_counts() == {
+        "matmul-add-gemm": 1
+    }
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "said"),
+    [(b"not a model", InputError, "the bytes given are not an ONNX model"), (12, UsageError, "not int")],
+)
+def test_what_is_no_model_is_said_to_be_none(given, error, said):
+    with pytest.raises(error, match=said):
+        fuser.optimize(given)
