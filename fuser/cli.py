@@ -1267,6 +1267,7 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
             Model.load(Path(model)),
             rules=chosen,
             target=target,
+            enable=[r.name for r in chosen],  # chosen already: those off by default that --rule or --enable turned on
             check=False,
             trace=True,
             opset=opset,

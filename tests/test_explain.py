@@ -146,3 +146,29 @@ def test_a_place_declined_for_several_reasons_counts_under_its_last():
     result = EngineResult(declined=[declined("shape unknown"), declined("other"), declined("changes the shape")])
     [entry] = explain(result, [])
     assert (entry.declined, dict(entry.reasons)) == (1, {"changes the shape": 1})
+
+
+OFF_RULE = '''
+from fuser import op, rule, var
+
+
+@rule("exp-off", pattern=op.Exp(var("x"), name="e"), enabled=False)
+def exp_off(m, b):
+    """Exp(x), declined: a rule off by default."""
+    m.require(False, "declined on purpose")
+'''
+
+
+@pytest.mark.parametrize("turned_on", [("--rule", "exp-off"), ("--enable", "exp-off")])
+def test_explain_runs_a_rule_off_by_default_that_it_is_asked_about(cli, model_path, tmp_path, turned_on):
+    """Asked about, a rule off by default is run; it used not to be, and was said to have no match."""
+    (tmp_path / "off.py").write_text(OFF_RULE)
+    result = cli(tmp_path, "explain", model_path, "--rules", "off.py", *turned_on, *KEEP_EXPS, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rules = {r["rule"]: r for r in json.loads(result.stdout)["rules"]}
+    assert rules["exp-off"]["matched"] == 3 and rules["exp-off"]["declined"] == 3
+    assert rules["exp-off"]["reasons"] == [
+        {"reason": "declined on purpose", "count": 3, "example": rules["exp-off"]["reasons"][0]["example"]}
+    ]
+    without = cli(tmp_path, "explain", model_path, "--rules", "off.py", "--format", "json")
+    assert "exp-off" not in {r["rule"] for r in json.loads(without.stdout)["rules"]}
