@@ -7,6 +7,7 @@ engine's safety checks), so matched = applied + declined places.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,6 +46,17 @@ class RuleExplanation:
         }
 
 
+# A dim shape inference made up ('unk__3', 'run2.unk__3' once the rewrite inferred again): a
+# name the model does not have, numbered differently at each place of the same reason.
+_MADE_UP_DIM = re.compile(r"'?(?<![\w.])(?:run\d+\.)?unk__\d+'?")
+
+
+def readable(reason: str) -> str:
+    """`reason` with the dims shape inference made up written as '?', so that places declined
+    for the same reason are counted together."""
+    return _MADE_UP_DIM.sub("?", reason)
+
+
 def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
     """One explanation per rule that ran (or was skipped), in rule order."""
     found = {r.name: RuleExplanation(r.name, str(r.source) if r.source else None) for r in rules}
@@ -69,9 +81,10 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
         entry = found.setdefault(decline.rule, RuleExplanation(decline.rule, decline.source))
         if place in applied_at:
             continue
+        reason = readable(decline.reason)
         entry.declined += 1
-        entry.reasons[decline.reason] += 1
-        entry.examples.setdefault(decline.reason, decline.nodes or [decline.node])
+        entry.reasons[reason] += 1
+        entry.examples.setdefault(reason, decline.nodes or [decline.node])
     return list(found.values())
 
 
@@ -102,5 +115,5 @@ def decline_lines(declines: list[Declined]) -> list[str]:
     lines = [f"  declined: {len(declines)} match(es)"]
     for d in declines:
         where = f" ({d.source})" if d.source else ""
-        lines.append(f"    {d.rule} [{d.scope}] {', '.join(d.nodes or [d.node])}: {d.reason}{where}")
+        lines.append(f"    {d.rule} [{d.scope}] {', '.join(d.nodes or [d.node])}: {readable(d.reason)}{where}")
     return lines

@@ -172,3 +172,27 @@ def test_explain_runs_a_rule_off_by_default_that_it_is_asked_about(cli, model_pa
     ]
     without = cli(tmp_path, "explain", model_path, "--rules", "off.py", "--format", "json")
     assert "exp-off" not in {r["rule"] for r in json.loads(without.stdout)["rules"]}
+
+
+def test_dims_shape_inference_made_up_read_as_question_marks():
+    from fuser.explain import readable
+
+    assert readable("shapes ['unk__17', 'unk__18', 32] and ['run2.unk__2', 'batch', 32]") == (
+        "shapes [?, ?, 32] and [?, 'batch', 32]"
+    )
+    assert readable("(a, unk__3) and 'my.unk__1', 'funk__2'") == "(a, ?) and 'my.unk__1', 'funk__2'"
+
+
+def test_places_declined_for_one_reason_but_other_made_up_dims_count_together(tmp_path, monkeypatch, capfd):
+    """BERT's skip-layer-norm declines: each place's made-up dims are numbered apart, so every place
+    was a reason of its own (six lines of '1 x')."""
+    from pathlib import Path
+
+    bert = Path(__file__).parent / "data" / "transformers" / "bert_legacy.onnx"
+    cli = in_process_cli(monkeypatch, capfd)
+    result = cli(tmp_path, "explain", bert, "--rule", "skip-layer-norm", "--target", "onnxruntime", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    (entry,) = json.loads(result.stdout)["rules"]
+    assert entry["declined"] == sum(r["count"] for r in entry["reasons"]) >= 6
+    assert not [r for r in entry["reasons"] if "unk__" in r["reason"]]
+    assert max(r["count"] for r in entry["reasons"]) >= 6
