@@ -210,6 +210,9 @@ class Engine:
         # the nodes a rewrite of the pass touched, which every rule is tried at again.
         self._nominated: dict[int, set[int]] = {}  # id(rule) -> node ids
         self._released: set[int] = set()
+        # Rules from outside fuser (rule files, plugins, Python), whose matched nodes are compared
+        # before and after the rule runs: an edit in place would reach the output unlogged.
+        self._unvetted = {id(r) for r in self.rules if not r.builtin}
 
     # ------------------------------------------------------------------ driving
 
@@ -526,7 +529,7 @@ class Engine:
                     keep, escaping = self._checked_interior(graph, candidate, match)
                     builder = Builder(graph, match.root.name or candidate.name, rule=candidate)
                     try:
-                        outputs = as_outputs(candidate.build(match, builder), match.root.outputs)
+                        outputs = as_outputs(self._build(candidate, match, builder), match.root.outputs)
                     except Decline:
                         _require_no_escape(escaping, {})  # the interior's reason comes first
                         raise
@@ -557,6 +560,23 @@ class Engine:
                     self.result.opportunities.append(Opportunity(candidate.name, scope, [n.label for n in match.nodes]))
                 return touched
         return set()
+
+    def _build(self, candidate: Rule, match: Match, builder: Builder):
+        """What the rule builds for `match`; RuleError if it changed a matched node in place."""
+        if id(candidate) not in self._unvetted:
+            return candidate.build(match, builder)
+        nodes = match.nodes
+        before = [n.proto.SerializeToString() for n in nodes]
+        try:
+            return candidate.build(match, builder)
+        finally:
+            for node, was in zip(nodes, before):
+                if node.proto.SerializeToString() != was:
+                    raise RuleError(
+                        candidate,
+                        f"it changed node '{node.label}' in place: the matched nodes are the model as "
+                        "read, which the check compares against; build the replacement with the Builder",
+                    )
 
     def _rules_at(self, graph: Graph, op_type: str) -> list[Rule]:
         """The running phase's rules rooted at `op_type` that can match in `graph`: a pattern of

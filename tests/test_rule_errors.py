@@ -276,3 +276,45 @@ def test_a_rule_file_imports_the_modules_beside_it(tmp_path):
 def test_an_opset_range_no_opset_is_in_is_refused_where_the_rule_is_written(opsets):
     with pytest.raises(PatternError, match=r"rule 'no-range'.*opsets must be \(low, high\) with 1 <= low <= high"):
         rule("no-range", pattern=op.Neg(var("x")), opsets=opsets, description="Neg.")(lambda m, b: m["x"])
+
+
+def _edits_the_sigmoid(then: str):
+    def build(m: Match, b: Builder):
+        """Sigmoid => edited in place."""
+        m.node("s").proto.op_type = "Relu"
+        if then == "declines":
+            m.require(False, "declined after the edit")
+        return b.Sigmoid(m["x"])
+
+    return rule("edits", pattern=op.Sigmoid(var("x"), name="s"))(build)
+
+
+@pytest.mark.parametrize("then", ["declines", "rewrites"])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_rule_that_edits_a_matched_node_in_place_is_the_rules_error(then, check):
+    """Declined after the edit, it changed the output with no rewrite logged, and unchecked."""
+    with pytest.raises(RuleError, match="rule 'edits' failed: it changed node 'Sigmoid->y' in place"):
+        fuser.optimize(model_from_text(SIGMOID_MODEL), rules=[_edits_the_sigmoid(then)], check=check)
+
+
+def test_a_rule_that_edits_an_attribute_in_place_from_a_rule_file_exits_4(tmp_path):
+    onnx.save(model_from_text("g (float[2, 3] x) => (float[2, 3] y) { y = LeakyRelu <alpha = 0.1> (x) }"), tmp_path / "m.onnx")
+    (tmp_path / "edits.py").write_text(
+        textwrap.dedent(
+            '''
+            from fuser import op, rule, var
+
+
+            @rule("alpha-edit", pattern=op.LeakyRelu(var("x"), name="r"))
+            def alpha_edit(m, b):
+                """LeakyRelu, its alpha edited in place, then declined."""
+                m.node("r").proto.attribute[0].f = 0.5
+                m.require(False, "never mind")
+            '''
+        )
+    )
+    result = fuser_cli("optimize", "m.onnx", "--rules", "edits.py", cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    assert "rule 'alpha-edit' failed: it changed node 'LeakyRelu->y' in place" in result.stderr
+    assert f"{tmp_path / 'edits.py'}:" in result.stderr
+    assert not (tmp_path / "m.fused.onnx").exists()
