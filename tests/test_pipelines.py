@@ -1476,19 +1476,27 @@ def test_the_fork_server_imports_with_ctrl_c_held_back():
     # Its imports take a second or more; a Ctrl-C to the process group meanwhile printed its
     # traceback below fuser's own "interrupted". Started in a process of its own, so that the
     # fork server is new.
+    # The server's command line names it once it has started Python (a busy machine may not have
+    # got there yet when it is first looked for).
     script = """
-import os
+import os, time
 from fuser import jobs
 jobs._start_fork_server(jobs._process_context())
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        status = open(f"/proc/{pid}/status").read()
-        command = open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        continue
-    if f"PPid:\\t{os.getpid()}\\n" in status and b"forkserver" in command:
-        blocked = next(line for line in status.splitlines() if line.startswith("SigBlk:"))
-        print(int(blocked.split()[1], 16))
+found = []
+for _ in range(600):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = open(f"/proc/{pid}/status").read()
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"PPid:\\t{os.getpid()}\\n" in status and b"forkserver" in command:
+            blocked = next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+            found.append(int(blocked.split()[1], 16))
+    if found:
+        break
+    time.sleep(0.1)
+print(*found)
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=MODELS.parent, timeout=300, check=True
