@@ -74,6 +74,12 @@ def blocked_filter(weight: np.ndarray, block: int, blocked_input: bool) -> np.nd
     return np.ascontiguousarray(ordered).reshape(w.shape)
 
 
+def require_reorderable(m: Match, channels: int, what: str = "channels") -> None:
+    """Decline unless onnxruntime's ReorderInput can take `channels`: its MLAS reorder of a
+    plain tensor handles multiples of 4 only (a model with 3 would be written and fail to run)."""
+    m.require(channels % 4 == 0, f"{channels} {what} are not a multiple of 4 (ReorderInput)")
+
+
 def channel_count(m: Match, tensor: str) -> int:
     """The channel count of a 4-D NCHW tensor; declines if unknown."""
     shape = m.shape_of(tensor)

@@ -27,6 +27,7 @@ from fuser.rules._nchwc import (
     reorder_output,
     require_block_size,
     require_region_pays,
+    require_reorderable,
 )
 
 
@@ -46,10 +47,10 @@ def _nchwc_conv(m: Match, b: Builder, residual: str | None, **fused) -> str:
         )
     # Few input channels (an image's 3) are read straight from NCHW; all others blocked.
     blocked_input = group > 1 or in_channels >= block
-    # onnxruntime's ReorderInput takes channel counts that are multiples of 4 only.
-    x_channels = in_channels * group
-    m.require(not blocked_input or x_channels % 4 == 0, f"{x_channels} input channels are not a multiple of 4")
-    m.require(residual is None or out_channels % 4 == 0, f"{out_channels} residual channels are not a multiple of 4")
+    if blocked_input:
+        require_reorderable(m, in_channels * group, "input channels")
+    if residual is not None:
+        require_reorderable(m, out_channels, "residual channels")
     bias = m.value("b")
     m.require(bias is None or bias.shape == (out_channels,), "the bias is not one value per output channel")
     filter_layout = blocked_filter(weight, block, blocked_input=blocked_input and not depthwise)

@@ -11,7 +11,7 @@ z must have the sum's shape: the Sum input does not broadcast.
 from __future__ import annotations
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._nchwc import EMITS, NCHWC, channels_of, is_float32, nchwc, reorder_output
+from fuser.rules._nchwc import EMITS, NCHWC, channels_of, is_float32, nchwc, reorder_output, require_reorderable
 
 
 @rule(
@@ -35,7 +35,7 @@ def nchwc_conv_add(m: Match, b: Builder):
         conv_shape is not None and conv_shape == z_shape and "?" not in conv_shape,
         f"the addend {z_shape} does not have the convolution's shape {conv_shape}",
     )
-    m.require(channels % 4 == 0, f"{channels} channels are not a multiple of 4 (ReorderInput)")
+    require_reorderable(m, channels)
     summed = b.op("ReorderInput", m["z"], domain=NCHWC)
     blocked = b.op("Conv", m["x"], m["w"], m["b"], summed, domain=NCHWC, **m.attrs("conv"))
     return reorder_output(b, blocked, channels)

@@ -6,7 +6,8 @@ ReduceMean and ReduceMax over both spatial axes, keeping them: torch's dynamo ex
 a squeeze-and-excitation block's global pooling that way (a ReduceMean only over at most
 MAX_AVERAGED_PIXELS pixels).
 MaxPool and AveragePool also move into it from a plain input (after an LRN, say), as
-the next convolution would reorder that input anyway. The channel count need not be a
+the next convolution would reorder that input anyway, when its channel count is a multiple of
+4 (what onnxruntime's ReorderInput takes: not an image's 3). The channel count need not be a
 multiple of the block size (onnxruntime's own layout pass asks that it be): the kernels pool
 the padding channels like the others, finite values into finite values, and the reorder out
 drops them (MobileNetV3 pools 72 and 120 channels).
@@ -24,6 +25,7 @@ from fuser.rules._nchwc import (
     nchwc,
     reorder_output,
     require_block_size,
+    require_reorderable,
 )
 
 
@@ -111,4 +113,5 @@ def nchwc_pool_input(m: Match, b: Builder):
     """MaxPool/AveragePool(x)  =>  ReorderOutput(NCHWc Pool(ReorderInput(x)))."""
     is_float32(m, m["x"])
     channels = channel_count(m, m["x"])
+    require_reorderable(m, channels)
     return _pool(m, b, b.op("ReorderInput", m["x"], domain=NCHWC), channels)

@@ -1232,6 +1232,22 @@ def test_pool_input_of_unaligned_channels_runs_blocked():
     assert len(nchwc_nodes(after, "MaxPool")) == 1
 
 
+@pytest.mark.parametrize("pool", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("channels", [3, 5, 6])
+@pytest.mark.parametrize("check", [True, False])
+def test_pool_input_of_channels_reorder_input_cannot_take_stays_plain(pool, channels, check):
+    """onnxruntime's ReorderInput takes multiples of 4 channels only: a pool of an RGB image was
+    written blocked and failed to run (with the check, the whole model was refused)."""
+    net = Net(32)
+    net.add(pool, "x", kernel_shape=[2, 2], output="y")
+    model = net.model([("x", [1, channels, 6, 6])], ["y"])
+    after, _ = assert_not_converted(
+        model, "nchwc-pool-input", f"{channels} channels are not a multiple of 4 (ReorderInput)", check=check
+    )
+    x = np.random.default_rng(channels).standard_normal((1, channels, 6, 6), dtype=np.float32)
+    np.testing.assert_array_equal(run(after, {"x": x})[0], run(model, {"x": x})[0])
+
+
 def two_conv_concat(axis: int, c_first: int) -> onnx.ModelProto:
     net = Net(31)
     a, b = net.conv("x", 2 * B, c_first), net.conv("x", 2 * B, 2 * B)
