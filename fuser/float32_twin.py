@@ -27,13 +27,76 @@ from fuser.tensors import TensorStore, uses_external_data
 
 SIXTEEN_BIT_FLOATS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SIXTEEN_BIT_FLOAT_NAMES = ("float16", "bfloat16")
+_NAMES = dict(zip(SIXTEEN_BIT_FLOATS, SIXTEEN_BIT_FLOAT_NAMES))
 # Integer attributes that name an element type, as the standard operators spell them (the
 # type a result is cast to or made in, and the one a norm or attention computes in).
 _TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype", "stash_type", "softmax_precision")
+# The operators that bring a 16-bit float into a graph of none (looked for in every node of a
+# large model: the others are not read).
+_TYPE_MAKERS = frozenset({"Cast", "Constant", "ConstantOfShape", "EyeLike", "RandomNormal", "RandomUniform"})
 
 
-def has_sixteen_bit_float_output(model: ModelProto) -> bool:
-    return any(_names_sixteen_bit(value.type) for value in model.graph.output)
+def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
+    """The main graph's outputs computed through a 16-bit float, each with that float's name
+    ("float16" or "bfloat16"): 16-bit outputs, and those of another type that a 16-bit tensor
+    reaches (a model converted to float16 with its inputs and outputs kept float32 rounds in
+    float16 all the same). A tensor is 16-bit when the graph states it so (an input, an
+    initializer, an annotation, the type a node casts to or makes); a node reading one makes
+    its results so. Nodes are in the graph's order, which onnx's check makes topological."""
+    graph = model.graph
+    if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
+        return {}
+    reached: dict[str, str] = {}
+    for value in (*graph.input, *graph.value_info):
+        found = _sixteen_bit_type(value.type)
+        if found is not None:
+            reached[value.name] = _NAMES[found]
+    for tensor in graph.initializer:
+        if tensor.data_type in SIXTEEN_BIT_FLOATS:
+            reached[tensor.name] = _NAMES[tensor.data_type]
+    for node in graph.node:
+        kind = next((reached[name] for name in node.input if name in reached), None)
+        if kind is None and node.op_type in _TYPE_MAKERS:
+            kind = _made_type(node)
+        if kind is not None:
+            for name in node.output:
+                reached.setdefault(name, kind)
+    computed = {}
+    for value in graph.output:
+        found = _sixteen_bit_type(value.type)
+        if found is not None or value.name in reached:
+            computed[value.name] = _NAMES[found] if found is not None else reached[value.name]
+    return computed
+
+
+def _made_type(node: NodeProto) -> str | None:
+    """The 16-bit float a type maker (Cast, Constant, ...) makes, if it makes one."""
+    for a in node.attribute:
+        if a.name in _TYPE_ATTRIBUTES and a.i in SIXTEEN_BIT_FLOATS:
+            return _NAMES[a.i]
+        if a.t.data_type in SIXTEEN_BIT_FLOATS:
+            return _NAMES[a.t.data_type]
+    return None
+
+
+def sixteen_bit_float_in(model: ModelProto) -> str | None:
+    """The 16-bit float ("float16" or "bfloat16") the main graph states first, if any: in an
+    output, an input, an initializer, an annotation or the type a node casts to or makes. A model
+    converted to float16 with its inputs and outputs kept float32 rounds in float16 all the same."""
+    graph = model.graph
+    for value in (*graph.output, *graph.input, *graph.value_info):
+        found = _sixteen_bit_type(value.type)
+        if found is not None:
+            return _NAMES[found]
+    for tensor in graph.initializer:
+        if tensor.data_type in SIXTEEN_BIT_FLOATS:
+            return _NAMES[tensor.data_type]
+    for node in graph.node:
+        if node.op_type in _TYPE_MAKERS:
+            made = _made_type(node)
+            if made is not None:
+                return made
+    return None
 
 
 def float32_twin(model: ModelProto, base_dir: str | os.PathLike | None = None) -> ModelProto:
@@ -128,12 +191,14 @@ def _widen_type(type_proto: TypeProto) -> None:
         _widen_type(type_proto.map_type.value_type)
 
 
-def _names_sixteen_bit(type_proto: TypeProto) -> bool:
+def _sixteen_bit_type(type_proto: TypeProto) -> int | None:
+    """The 16-bit float element type `type_proto` names, if it names one."""
     kind = type_proto.WhichOneof("value")
     if kind in ("tensor_type", "sparse_tensor_type"):
-        return getattr(type_proto, kind).elem_type in SIXTEEN_BIT_FLOATS
+        elem_type = getattr(type_proto, kind).elem_type
+        return elem_type if elem_type in SIXTEEN_BIT_FLOATS else None
     if kind == "sequence_type":
-        return _names_sixteen_bit(type_proto.sequence_type.elem_type)
+        return _sixteen_bit_type(type_proto.sequence_type.elem_type)
     if kind == "optional_type":
-        return _names_sixteen_bit(type_proto.optional_type.elem_type)
-    return False
+        return _sixteen_bit_type(type_proto.optional_type.elem_type)
+    return None

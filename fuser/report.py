@@ -27,10 +27,11 @@ if TYPE_CHECKING:
     from fuser.measure import Timing
     from fuser.verify import Verdict
 
-SCHEMA_VERSION = 8  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
+SCHEMA_VERSION = 9  # 2: declines; 3: nchwc_block; 4: several models in one report (`models`), stage times by stage;
 # 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors);
 # 6: blamed and dropped rewrites say why (`failure`); 7: each output's largest expected magnitude;
-# 8: every model's wall-clock `seconds`; an input that could not be read is named, its sha256 null
+# 8: every model's wall-clock `seconds`; an input that could not be read is named, its sha256 null;
+# 9: a float32 output of a model computing in a 16-bit float says which (`computed_in`), whose tolerance it gets
 
 _OUTPUT_CHECK = {
     "type": "object",
@@ -63,6 +64,7 @@ _OUTPUT_CHECK = {
         "reference_error": {"type": ["number", "null"]},
         "original_reference_error": {"type": ["number", "null"]},
         "twins_error": {"type": ["number", "null"]},
+        "computed_in": {"enum": ["float16", "bfloat16", None]},
     },
 }
 
@@ -321,6 +323,11 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
             f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {error:.3g}{scale}"
         )
         lines += [f"  {o.rounding_text()}" for o in result.verdict.rounded]
+        computed_in = next((o.computed_in for o in result.verdict.outputs if o.computed_in), None)
+        if computed_in is not None:
+            lines.append(
+                f"  float32 outputs compared at {computed_in}'s tolerance: the model computes in {computed_in}"
+            )
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:
         lines.append("numerics check: SKIPPED")

@@ -27,8 +27,8 @@ from fuser.errors import InputError, UsageError
 from fuser.float32_twin import (
     SIXTEEN_BIT_FLOAT_NAMES,
     SIXTEEN_BIT_FLOATS,
+    computed_in_sixteen_bit_float,
     float32_twin,
-    has_sixteen_bit_float_output,
     is_sixteen_bit_float,
     widen_array,
 )
@@ -138,6 +138,9 @@ class OutputCheck:
     reference_error: float | None = None
     original_reference_error: float | None = None
     twins_error: float | None = None
+    # The 16-bit float a float32 output was computed in (the model computes in it inside), whose
+    # tolerance it gets.
+    computed_in: str | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -157,12 +160,13 @@ class OutputCheck:
             "reference_error": self.reference_error,
             "original_reference_error": self.original_reference_error,
             "twins_error": self.twins_error,
+            "computed_in": self.computed_in,
         }
 
     def rounding_text(self) -> str:
         """Why a "rounding" output passed, in one line."""
         return (
-            f"{self.dtype} rounding: '{self.name}' differs by up to {self.max_abs_error:.3g}; against the "
+            f"{self.computed_in or self.dtype} rounding: '{self.name}' differs by up to {self.max_abs_error:.3g}; against the "
             f"original computed in float32 it is {self.reference_error:.3g} off, the original itself "
             f"{self.original_reference_error:.3g}, and in float32 the two agree to {self.twins_error:.3g}"
         )
@@ -244,7 +248,8 @@ class Verdict:
 
     @property
     def rounded(self) -> list[OutputCheck]:
-        """The 16-bit float outputs beyond their tolerance that the float32 twins show to be rounding."""
+        """The float outputs of a model computing in a 16-bit float, beyond their tolerance, that
+        the float32 twins show to be rounding."""
         return [o for o in self.outputs if o.status == "rounding"]
 
     def failures(self) -> list[OutputCheck]:
@@ -941,17 +946,22 @@ def compare(
     rtol: float | None = None,
     atol: float | None = None,
     allow_stabilized: bool = True,
+    computed_in: str | None = None,
 ) -> OutputCheck:
     """Compare one output; NaN/Inf positions compare as values, not as comparison failures.
 
     With allow_stabilized, a finite value where the original is inf/NaN counts as
     "stabilized"; without it (no applied rule claims to stabilize), as a mismatch.
+    computed_in: the 16-bit float the output is computed through, if any: a float32 output
+    computed so is no more precise than that, and gets its tolerance.
     """
     same_layout = getattr(expected, "layout", None) == getattr(actual, "layout", None)
     expected = np.asarray(expected)
     actual = np.asarray(actual)
     dtype = str(expected.dtype)
     check = OutputCheck(name=name, dtype=dtype, shape=expected.shape, status="ok")
+    if computed_in is not None and dtype == "float32":
+        check.computed_in = computed_in
     if not same_layout or expected.shape != actual.shape or expected.dtype != actual.dtype:
         check.status = "mismatch"
         check.fraction_out_of_tolerance = 1.0
@@ -963,11 +973,12 @@ def compare(
     # rounds back) depends on the graph around them: removing the Identity between a weight and
     # a LayerNormalization that shares it with a Conv moves float16 results by an ulp or two,
     # which grow through the layers after it. Rewiring of 16-bit floats gets their tolerance.
-    bit_exact = exact and dtype not in ("float16", "bfloat16")
+    precision = check.computed_in or dtype
+    bit_exact = exact and precision not in SIXTEEN_BIT_FLOAT_NAMES
     if not floating or bit_exact:
         default_rtol = default_atol = 0.0
     else:
-        default_rtol, default_atol = TOLERANCES.get(dtype, TOLERANCES["float32"])
+        default_rtol, default_atol = TOLERANCES.get(precision, TOLERANCES["float32"])
     check.rtol = default_rtol if rtol is None else rtol
     check.atol = default_atol if atol is None else atol
     if not floating:
@@ -1090,9 +1101,11 @@ class Checker:
         other copy)."""
         self._prepare(options, base_dir, weights if weights is not None else WeightFeeds())
         check_names(original, options)
-        # What the original's float32 twin is made of, should a 16-bit float output differ:
-        # copied now, as the caller may change `original` once the session has its copy.
-        self._twin_source = _twin_source(original, base_dir, self.weights)
+        # The outputs computed through a 16-bit float, and what the original's float32 twin is
+        # made of, should one of them differ: copied now, as the caller may change `original`
+        # once the session has its copy.
+        self._computed_in = computed_in_sixteen_bit_float(original)
+        self._twin_source = _twin_source(original, base_dir, self.weights) if self._computed_in else None
         copied: list[bytes] = []
 
         def serialized(data: bytes) -> None:
@@ -1128,13 +1141,23 @@ class Checker:
 
     @classmethod
     def of_runs(
-        cls, runs: OriginalRuns, copy: bytes, options: CheckOptions, *, base_dir=None, weights=None, twin_source=None
+        cls,
+        runs: OriginalRuns,
+        copy: bytes,
+        options: CheckOptions,
+        *,
+        base_dir=None,
+        weights=None,
+        twin_source=None,
+        computed_in: dict[str, str] | None = None,
     ) -> Checker:
         """A Checker of what a session of the original made elsewhere gave (fuser/check_apart.py).
-        copy: the serialized original it ran; twin_source: see _twin_source."""
+        copy: the serialized original it ran; twin_source: see _twin_source; computed_in: the
+        original's outputs computed through a 16-bit float (computed_in_sixteen_bit_float)."""
         checker = cls.__new__(cls)
         checker._prepare(options, base_dir, weights if weights is not None else WeightFeeds())
         checker._twin_source = twin_source
+        checker._computed_in = computed_in or {}
         checker._original_copy = (copy, {})
         checker._take(runs)
         return checker
@@ -1266,7 +1289,11 @@ class Checker:
             name
             for name, value in self.expected[0].items()
             if any(
-                compare(name, value, again[name], False, self.rtol, self.atol, False).status != "ok" for again in runs
+                compare(
+                    name, value, again[name], False, self.rtol, self.atol, False, self._computed_in.get(name)
+                ).status
+                != "ok"
+                for again in runs
             )
         ]
 
@@ -1324,7 +1351,9 @@ class Checker:
                 return Verdict(load_error=f"onnxruntime fails running it: {_first_line(error)}")
             actuals.append(actual)
             for name, value in expected.items():
-                check = compare(name, value, actual[name], exact, self.rtol, self.atol, stabilizing)
+                check = compare(
+                    name, value, actual[name], exact, self.rtol, self.atol, stabilizing, self._computed_in.get(name)
+                )
                 previous = next((o for o in verdict.outputs if o.name == name), None)
                 if previous is None:
                     verdict.outputs.append(check)
@@ -1337,15 +1366,18 @@ class Checker:
     def _weigh_rounding(
         self, verdict: Verdict, candidate: onnx.ModelProto | ModelParts, base_dir, actuals: list[dict]
     ) -> None:
-        """Call a 16-bit float output beyond its tolerance "rounding" when the float32 twins show
-        it to be: in float32 the optimized model computes what the original does (float32's
-        tolerance), and in its own dtype it is, at worst and on average, at most ROUNDING_FACTOR
-        times as far from the original's twin as the original is. Tolerances the user gave are
-        the contract: they are not weighed."""
+        """Call an output beyond its tolerance "rounding" when the float32 twins show it to be: in
+        float32 the optimized model computes what the original does (float32's tolerance), and
+        as it is, it is at worst and on average at most ROUNDING_FACTOR times as far from the
+        original's twin as the original is. The outputs weighed are the 16-bit float ones, and
+        the float32 ones computed through a 16-bit float (computed_in). Tolerances the user gave
+        are the contract: they are not weighed."""
         suspects = [
             o
             for o in verdict.outputs
-            if o.status == "mismatch" and o.dtype in SIXTEEN_BIT_FLOAT_NAMES and not o.nonfinite_mismatches
+            if o.status == "mismatch"
+            and (o.dtype in SIXTEEN_BIT_FLOAT_NAMES or o.computed_in)
+            and not o.nonfinite_mismatches
         ]
         if not suspects or self._twin_source is None or self.rtol is not None or self.atol is not None:
             return
@@ -1366,8 +1398,6 @@ class Checker:
         # nothing: the mismatch stands.
         try:
             candidate_source = _twin_source(candidate, base_dir, self.weights)
-            if candidate_source is None:
-                return
             if self._reference is None:
                 self._reference = _twin_session(*self._twin_source, base_dir=self.base_dir, widened=self._widened)
             # The weights both models share are widened once; the candidate's own, for this check only.
@@ -1385,7 +1415,7 @@ class Checker:
 
 
 class _Weighing:
-    """One 16-bit output's errors against the original's float32 twin, over the input sets."""
+    """One output's errors against the original's float32 twin, over the input sets."""
 
     def __init__(self) -> None:
         self.comparable = True  # same dtype, shape and inf/NaN in every input set: rounding can explain the rest
@@ -1428,11 +1458,8 @@ class _Weighing:
 
 
 def _twin_source(model: onnx.ModelProto | ModelParts, base_dir, weights: WeightFeeds):
-    """A model's float32 twin's makings, for a model with a 16-bit float output: a copy of the
-    model without the weights `weights` feeds, and those weights; None for other models."""
-    proto = model.proto if isinstance(model, ModelParts) else model
-    if not has_sixteen_bit_float_output(proto):
-        return None
+    """A model's float32 twin's makings, for a model computing in a 16-bit float: a copy of the
+    model without the weights `weights` feeds, and those weights."""
     skeleton, feeds = weights.split(model, base_dir)
     if skeleton is not model:
         return skeleton, feeds  # built by split: a copy already
@@ -1553,14 +1580,15 @@ class PreparedChecker:
         self.answered_apart = False  # the original's side was the child's (fuser/check_apart.py)
         build, args = self._build, (original, options, base_dir)
         if worth_apart(original):
-            twin_source = _twin_source(original, base_dir, self.weights)
+            computed_in = computed_in_sixteen_bit_float(original)
+            twin_source = _twin_source(original, base_dir, self.weights) if computed_in else None
             data = original.SerializeToString()
             try:
                 self._apart = OriginalApart(data, options, base_dir)
             except ChildFailed:
                 build, args = self._build_own, (data, options, base_dir)
             else:
-                build, args = self._build_apart, (data, twin_source, options, base_dir)
+                build, args = self._build_apart, (data, twin_source, computed_in, options, base_dir)
             self._copied.set()
         elif pieces_here(len(original.graph.node)):
             build, args = self._build_own, (original.SerializeToString(), options, base_dir)
@@ -1596,7 +1624,7 @@ class PreparedChecker:
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()
             self._error = error
 
-    def _build_apart(self, data: bytes, twin_source, options, base_dir) -> None:
+    def _build_apart(self, data: bytes, twin_source, computed_in, options, base_dir) -> None:
         """The Checker of what the child gives; where it gives nothing, of this process's own work."""
         try:
             try:
@@ -1606,7 +1634,13 @@ class PreparedChecker:
                     self._build_own(data, options, base_dir)
                 return
             self._checker = Checker.of_runs(
-                runs, data, options, base_dir=base_dir, weights=self.weights, twin_source=twin_source
+                runs,
+                data,
+                options,
+                base_dir=base_dir,
+                weights=self.weights,
+                twin_source=twin_source,
+                computed_in=computed_in,
             )
             self.answered_apart = True
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread by get()

@@ -8,6 +8,7 @@ real onnxruntime.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -15,9 +16,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fuser.float32_twin import float32_twin
+from fuser.float32_twin import computed_in_sixteen_bit_float, float32_twin
 from fuser.report import REPORT_SCHEMA
-from fuser.verify import ROUNDING_FACTOR, Checker, CheckOptions, OutputCheck, _Weighing, session
+from fuser.verify import ROUNDING_FACTOR, TOLERANCES, Checker, CheckOptions, OutputCheck, _Weighing, session
 from tests.helpers import in_process_cli
 
 F16, F32 = TensorProto.FLOAT16, TensorProto.FLOAT
@@ -316,3 +317,97 @@ def test_fuser_compare_says_why_a_float16_output_passed(cli, tmp_path):
     jsonschema.validate(report, REPORT_SCHEMA)
     (output,) = report["numerics"]["outputs"]
     assert output["status"] == "rounding" and output["twins_error"] < 1e-4
+
+
+# ------------------------------------------------------- float16 inside, float32 at the edges
+
+
+def keep_io_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` converted to float16 inside, its inputs and outputs kept float32 with Casts (as
+    mixed-precision converters' keep_io_types writes it)."""
+    converted = onnx.ModelProto()
+    converted.CopyFrom(model)
+    graph = converted.graph
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type == F32:
+            value = numpy_helper.to_array(tensor).astype(np.float16)
+            graph.initializer[index].CopyFrom(numpy_helper.from_array(value, tensor.name))
+    entry = [helper.make_node("Cast", [f"{v.name}_f32"], [v.name], to=F16) for v in graph.input]
+    exit_ = [helper.make_node("Cast", [f"{v.name}_f16"], [v.name], to=F32) for v in graph.output]
+    for node in graph.node:
+        node.output[:] = [f"{o}_f16" if o in {v.name for v in graph.output} else o for o in node.output]
+        for attribute in node.attribute:
+            if attribute.name == "to" and attribute.i == F32:
+                attribute.i = F16
+    nodes = [*entry, *graph.node, *exit_]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in graph.input:
+        value.name = f"{value.name}_f32"
+        value.type.tensor_type.elem_type = F32
+    for value in graph.output:
+        value.type.tensor_type.elem_type = F32
+    del graph.value_info[:]
+    onnx.checker.check_model(converted, full_check=True)
+    return converted
+
+
+def test_a_float32_output_of_a_float16_computation_gets_float16_s_tolerance():
+    """The rounding a float16 model makes does not vanish when its edges are float32: such a
+    model's rewrites were held to float32's tolerance and refused."""
+    verdict = checker(keep_io_float16(cancelling()), ranges={"x_f32": (-1.0, 1.0)}).check(
+        keep_io_float16(cancelling(BIG + 1 / 32)), exact=False
+    )
+    (output,) = verdict.outputs
+    assert output.dtype == "float32" and output.computed_in == "float16"
+    assert (output.rtol, output.atol) == TOLERANCES["float16"]
+    assert verdict.passed
+
+
+def test_a_wrong_rewrite_of_a_float16_computation_with_float32_edges_stays_a_mismatch():
+    verdict = checker(keep_io_float16(scaled(1.0)), ranges={"x_f32": (-1.0, 1.0)}).check(
+        keep_io_float16(scaled(1.05)), exact=False
+    )
+    (output,) = verdict.outputs
+    assert not verdict.passed and output.status == "mismatch" and output.computed_in == "float16"
+
+
+def test_a_float32_model_s_outputs_keep_float32_s_tolerance():
+    plain = _model([helper.make_node("Mul", ["x", "f"], ["y"])], [_constant("f", 1.0, np.float32)], elem=F32)
+    (output,) = checker(plain).check(plain, exact=False).outputs
+    assert output.computed_in is None and (output.rtol, output.atol) == TOLERANCES["float32"]
+
+
+def test_a_float16_resnet_with_float32_edges_is_optimized_and_says_at_what_tolerance(cli, tmp_path):
+    """conv-bn-fold rounds the folded weights to float16: beyond float32's tolerance on a model
+    that computes in float16 anyway (exit 3 before)."""
+    resnet = Path(__file__).parent.parent / "models" / "resnet_small.onnx"
+    onnx.save(keep_io_float16(onnx.load(resnet)), tmp_path / "half.onnx")
+    result = cli(tmp_path, "optimize", "half.onnx", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    assert "float32 outputs compared at float16's tolerance: the model computes in float16" in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert report["rule_counts"]["conv-bn-fold"] == 8
+    assert [o["computed_in"] for o in report["numerics"]["outputs"]] == ["float16"]
+
+
+def test_only_the_outputs_a_sixteen_bit_tensor_reaches_are_computed_in_it():
+    """A model with a float16 branch and a float32 one: the float32 branch keeps its tolerance."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["x"], ["h"], to=F16),
+            helper.make_node("Relu", ["h"], ["h2"]),
+            helper.make_node("Cast", ["h2"], ["through_half"], to=F32),
+            helper.make_node("Relu", ["x"], ["plain"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", F32, [2])],
+        [helper.make_tensor_value_info(n, F32, [2]) for n in ("through_half", "plain")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert computed_in_sixteen_bit_float(model) == {"through_half": "float16"}
+    statuses = {o.name: (o.computed_in, o.rtol) for o in Checker(model).check(model, exact=True).outputs}
+    assert statuses == {"through_half": ("float16", TOLERANCES["float16"][0]), "plain": (None, 0.0)}
+    assert computed_in_sixteen_bit_float(cancelling()) == {"y": "float16"}
+    assert computed_in_sixteen_bit_float(keep_io_float16(scaled(1.0))) == {"y": "float16"}
