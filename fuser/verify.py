@@ -625,9 +625,9 @@ _SAME_SHAPE = {"DequantizeLinear", "Cast", "Identity"}
 def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     """[0, rows) for each integer graph input that indexes an embedding table (Gather's indices).
 
-    The input is followed through Cast/Unsqueeze/Add and the like; when it reaches several
-    tables the smallest one bounds it. Only tables of known size count: initializers and Constants,
-    read directly or through _SAME_SHAPE ops.
+    The input is followed through Cast/Unsqueeze/Add and the like, into If/Loop/Scan bodies
+    that read it by name; when it reaches several tables the smallest one bounds it. Only tables
+    of known size count: initializers and Constants, read directly or through _SAME_SHAPE ops.
     """
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
@@ -638,12 +638,16 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     ]
     if not indices:
         return {}
+    # Every scope at once: a body reads the outer graph's tensors by their names, which no
+    # inner tensor may take again.
+    scopes = list(all_graph_protos(graph))
+    nodes = [node for scope in scopes for node in scope.node]
     consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
+    for node in nodes:
         for name in node.input[:]:
             consumers.setdefault(name, []).append(node)
-    rows: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
-    for node in graph.node:
+    rows: dict[str, list[int]] = {t.name: list(t.dims) for scope in scopes for t in scope.initializer}
+    for node in nodes:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             rows[node.output[0]] = list(node.attribute[0].t.dims)
         elif node.op_type in _SAME_SHAPE and node.input and node.input[0] in rows and node.output:

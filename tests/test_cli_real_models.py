@@ -124,6 +124,51 @@ def test_an_index_reaching_two_tables_is_bounded_by_the_smaller():
     assert index_ranges(model) == {"ids": (0, 3)}
 
 
+def embedding_in_a_branch() -> onnx.ModelProto:
+    """token ids read by an If's branches by name, each gathering from a table of 2 rows (kept in
+    the main graph, and in the branch's own initializers)."""
+
+    def branch(name: str, table: str, initializers=()) -> onnx.GraphProto:
+        return helper.make_graph(
+            [
+                helper.make_node("Gather", [table, "ids"], [f"{name}_rows"]),
+                helper.make_node("Identity", [f"{name}_rows"], [f"{name}_y"]),
+            ],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_y", onnx.TensorProto.FLOAT, [1, 8, 4])],
+            list(initializers),
+        )
+
+    own = onnx.numpy_helper.from_array(np.ones((2, 4), np.float32), "own_table")
+    model = make_model(
+        [
+            helper.make_node(
+                "If",
+                ["cond"],
+                ["y"],
+                then_branch=branch("then", "table"),
+                else_branch=branch("else", "own_table", [own]),
+            )
+        ],
+        [("ids", np.int64, [1, 8]), ("cond", np.bool_, [])],
+        [("y", np.float32, [1, 8, 4])],
+        {"table": np.arange(8, dtype=np.float32).reshape(2, 4)},
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_indices_read_inside_a_branch_stay_inside_its_table(cli, tmp_path):
+    """The check drew token ids from [0, 10) for a table of 2 rows and could not run the original."""
+    model = embedding_in_a_branch()
+    assert index_ranges(model) == {"ids": (0, 2)}
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", "m.onnx")
+    assert result.returncode == 0, result.stderr
+    assert "identity-output" in result.stderr and "numerics check: passed" in result.stderr
+
+
 def test_a_sequence_length_the_model_fixes_is_found_and_the_batch_stays_1():
     checker = Checker(bert_like())
     assert checker.input_shapes == {
