@@ -167,6 +167,7 @@ def optimize(
     opset_before = model.opsets.get("", 1)
     if opset is not None:
         with stage("upgrade"):
+            model.validate()  # the converted model is another, whose end would not wait for this verdict
             model = upgrade(model, opset)
     upgraded = model.opsets.get("", 1) != opset_before
     fixed = None

@@ -189,3 +189,17 @@ def test_an_import_a_rewrite_added_goes_when_no_node_uses_it(imports_microsoft):
     assert ("com.microsoft" in opsets_of(optimized)) == imports_microsoft
     halfway, _ = fuser.optimize(_relu_model(False), rules=rules[:1], check=False)
     assert opsets_of(halfway)["com.microsoft"] == 1
+
+
+@pytest.mark.parametrize("check", [[], ["--no-check"]])
+def test_an_invalid_model_is_refused_with_opset_as_without(cli, tmp_path, check):
+    """The converted model is another: the run's end waited for the original's verdict only without --opset."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    model = make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])], opset=17)
+    model.graph.output.append(helper.make_tensor_value_info("r", onnx.TensorProto.FLOAT, None))  # onnx: needs a shape
+    onnx.save(model, tmp_path / "m.onnx")
+    for opset in ([], ["--opset", "18"]):
+        result = cli(tmp_path, "optimize", "m.onnx", *opset, *check, "--force")
+        assert result.returncode == 2, (opset, result.stderr)
+        assert "invalid ONNX model: Field 'shape' of 'type' is required but missing" in result.stderr
+    assert not (tmp_path / "m.fused.onnx").exists()
