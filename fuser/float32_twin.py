@@ -36,13 +36,27 @@ _TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype", "stash_type", "softmax_precis
 _TYPE_MAKERS = frozenset({"Cast", "Constant", "ConstantOfShape", "EyeLike", "RandomNormal", "RandomUniform"})
 
 
+# Operators whose results are no floats whatever they read (a float16 tensor's shape, a
+# comparison of float16 values): 16-bit rounding does not reach past them.
+_NO_FLOAT_RESULTS = frozenset(
+    {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"}
+    | {"IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero"}
+)
+# Results of index outputs: TopK's and MaxPool's indices, Unique's indices and counts.
+_INDEX_RESULTS = {"TopK": (1,), "MaxPool": (1,), "Unique": (1, 2, 3)}
+_FLOATS = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+
+
 def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     """The main graph's outputs computed through a 16-bit float, each with that float's name
     ("float16" or "bfloat16"): 16-bit outputs, and those of another type that a 16-bit tensor
     reaches (a model converted to float16 with its inputs and outputs kept float32 rounds in
     float16 all the same). A tensor is 16-bit when the graph states it so (an input, an
     initializer, an annotation, the type a node casts to or makes); a node reading one makes
-    its results so. Nodes are in the graph's order, which onnx's check makes topological."""
+    its float results so, not its integer or boolean ones (_NO_FLOAT_RESULTS, _INDEX_RESULTS, a
+    Cast to an integer). Nodes are in the graph's order, which onnx's check makes topological;
+    16-bit floats inside If/Loop/Scan bodies are not looked for (their outputs keep their own
+    dtype's tolerance, the stricter)."""
     graph = model.graph
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
         return {}
@@ -56,10 +70,17 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
             reached[tensor.name] = _NAMES[tensor.data_type]
     for node in graph.node:
         kind = next((reached[name] for name in node.input if name in reached), None)
-        if kind is None and node.op_type in _TYPE_MAKERS:
-            kind = _made_type(node)
-        if kind is not None:
-            for name in node.output:
+        if node.op_type in _TYPE_MAKERS:
+            made = _made_type(node)
+            if made is not None:
+                kind = made
+            elif node.op_type == "Cast" and not _casts_to_float(node):
+                kind = None
+        if kind is None or node.op_type in _NO_FLOAT_RESULTS:
+            continue
+        skipped = _INDEX_RESULTS.get(node.op_type, ())
+        for index, name in enumerate(node.output):
+            if index not in skipped:
                 reached.setdefault(name, kind)
     computed = {}
     for value in graph.output:
@@ -67,6 +88,10 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
         if found is not None or value.name in reached:
             computed[value.name] = _NAMES[found] if found is not None else reached[value.name]
     return computed
+
+
+def _casts_to_float(node: NodeProto) -> bool:
+    return any(a.name == "to" and a.i in _FLOATS for a in node.attribute)
 
 
 def _made_type(node: NodeProto) -> str | None:

@@ -323,10 +323,10 @@ def summary_lines(result: Report, destination: Path, sizes=None, verbose: bool =
             f"numerics check: {status}{on}, {len(result.verdict.outputs)} outputs, max abs error {error:.3g}{scale}"
         )
         lines += [f"  {o.rounding_text()}" for o in result.verdict.rounded]
-        computed_in = next((o.computed_in for o in result.verdict.outputs if o.computed_in), None)
-        if computed_in is not None:
+        for computed_in in dict.fromkeys(o.computed_in for o in result.verdict.outputs if o.computed_in):
+            named = ", ".join(f"'{o.name}'" for o in result.verdict.outputs if o.computed_in == computed_in)
             lines.append(
-                f"  float32 outputs compared at {computed_in}'s tolerance: the model computes in {computed_in}"
+                f"  float32 output(s) {named} compared at {computed_in}'s tolerance: computed through {computed_in}"
             )
         lines += [f"  warning: {warning}" for warning in result.verdict.warnings]
     elif result.rewrites:

@@ -385,7 +385,7 @@ def test_a_float16_resnet_with_float32_edges_is_optimized_and_says_at_what_toler
     onnx.save(keep_io_float16(onnx.load(resnet)), tmp_path / "half.onnx")
     result = cli(tmp_path, "optimize", "half.onnx", "--report", "r.json")
     assert result.returncode == 0, result.stderr
-    assert "float32 outputs compared at float16's tolerance: the model computes in float16" in result.stderr
+    assert "float32 output(s) 'logits' compared at float16's tolerance: computed through float16" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     jsonschema.validate(report, REPORT_SCHEMA)
     assert report["rule_counts"]["conv-bn-fold"] == 8
@@ -411,3 +411,34 @@ def test_only_the_outputs_a_sixteen_bit_tensor_reaches_are_computed_in_it():
     assert statuses == {"through_half": ("float16", TOLERANCES["float16"][0]), "plain": (None, 0.0)}
     assert computed_in_sixteen_bit_float(cancelling()) == {"y": "float16"}
     assert computed_in_sixteen_bit_float(keep_io_float16(scaled(1.0))) == {"y": "float16"}
+
+
+def test_a_float16_tensor_read_only_for_its_shape_leaves_float32_s_tolerance():
+    """A float16 input whose shape reshapes a float32 result: no float16 value reaches it, and a
+    rewrite 0.5% wrong must fail as in a float32 model."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Tanh", ["x"], ["t"]),
+            helper.make_node("Shape", ["h"], ["s"]),
+            helper.make_node("Reshape", ["t", "s"], ["y"]),
+            helper.make_node("ArgMax", ["h"], ["index"], axis=1),
+            helper.make_node("Cast", ["h"], ["h_int"], to=TensorProto.INT32),
+            helper.make_node("Cast", ["h_int"], ["z"], to=F32),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", F32, [4, 8]), helper.make_tensor_value_info("h", F16, [8, 4])],
+        [helper.make_tensor_value_info(n, t, None) for n, t in (("y", F32), ("index", TensorProto.INT64), ("z", F32))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert computed_in_sixteen_bit_float(model) == {}
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(model)
+    wrong.graph.node[0].op_type = "Sigmoid"
+    verdict = Checker(model).check(wrong, exact=False)
+    assert not verdict.passed and [o.name for o in verdict.failures()] == ["y"]
+
+
+def test_tolerances_the_user_gives_are_not_replaced_by_float16_s():
+    half = keep_io_float16(scaled(1.0))
+    (output,) = checker(half, ranges={"x_f32": (-1.0, 1.0)}, rtol=1e-6, atol=1e-7).check(half, exact=False).outputs
+    assert output.computed_in is None and (output.rtol, output.atol) == (1e-6, 1e-7)
