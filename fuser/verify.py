@@ -638,41 +638,68 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     ]
     if not indices:
         return {}
-    # Every scope at once: a body reads the outer graph's tensors by their names, which no
-    # inner tensor may take again.
-    scopes = list(all_graph_protos(graph))
-    nodes = [node for scope in scopes for node in scope.node]
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in nodes:
-        for name in node.input[:]:
-            consumers.setdefault(name, []).append(node)
-    rows: dict[str, list[int]] = {t.name: list(t.dims) for scope in scopes for t in scope.initializer}
-    for node in nodes:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            rows[node.output[0]] = list(node.attribute[0].t.dims)
-        elif node.op_type in _SAME_SHAPE and node.input and node.input[0] in rows and node.output:
-            rows[node.output[0]] = rows[node.input[0]]
+    # Tensors are keyed by the scope that declares them: a body reads an outer tensor by its
+    # name, unless it declares that name itself (a Loop body's own input may shadow it).
+    scopes = _scopes(graph)
+    declared = [
+        {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+        for g, _ in scopes
+    ]
+
+    def key(scope: int | None, name: str) -> tuple[int | None, str]:
+        while scope is not None and name not in declared[scope]:
+            scope = scopes[scope][1]
+        return scope, name
+
+    consumers: dict[tuple, list[tuple[int, onnx.NodeProto]]] = {}
+    rows: dict[tuple, list[int]] = {}
+    for index, (scope, _) in enumerate(scopes):
+        rows.update({(index, t.name): list(t.dims) for t in scope.initializer})
+        for node in scope.node:
+            for name in node.input[:]:
+                consumers.setdefault(key(index, name), []).append((index, node))
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                rows[(index, node.output[0])] = list(node.attribute[0].t.dims)
+            elif node.op_type in _SAME_SHAPE and node.input and key(index, node.input[0]) in rows and node.output:
+                rows[(index, node.output[0])] = rows[key(index, node.input[0])]
     result = {}
     for name in indices:
         bounds = []
-        seen, frontier = {name}, [name]
+        start = key(0, name)
+        seen, frontier = {start}, [start]
         while frontier:
             tensor = frontier.pop()
-            for node in consumers.get(tensor, []):
-                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == tensor:
-                    table = rows.get(node.input[0])
+            for index, node in consumers.get(tensor, []):
+                if node.op_type == "Gather" and len(node.input) > 1 and key(index, node.input[1]) == tensor:
+                    table = rows.get(key(index, node.input[0]))
                     axis = next((a.i for a in node.attribute[:] if a.name == "axis"), 0)
                     if table and -len(table) <= axis < len(table) and table[axis] > 0:
                         bounds.append(table[axis])
                         continue
                 if node.op_type in _INDEX_PASSTHROUGH:
                     for output in node.output[:]:
-                        if output and output not in seen:
-                            seen.add(output)
-                            frontier.append(output)
+                        if output and (index, output) not in seen:
+                            seen.add((index, output))
+                            frontier.append((index, output))
         if bounds:
             result[name] = (0, min(bounds))
     return result
+
+
+def _scopes(graph: onnx.GraphProto) -> list[tuple[onnx.GraphProto, int | None]]:
+    """`graph` and every If/Loop/Scan body in it, each with the index of the scope it is in."""
+    found: list[tuple[onnx.GraphProto, int | None]] = []
+
+    def visit(scope: onnx.GraphProto, outer: int | None) -> None:
+        index = len(found)
+        found.append((scope, outer))
+        for node in scope.node:
+            for attribute in node.attribute:
+                for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                    visit(body, index)
+
+    visit(graph, None)
+    return found
 
 
 _INTEGER_TYPES = {

@@ -169,6 +169,46 @@ def test_indices_read_inside_a_branch_stay_inside_its_table(cli, tmp_path):
     assert "identity-output" in result.stderr and "numerics check: passed" in result.stderr
 
 
+def test_a_body_s_own_input_of_the_same_name_is_another_tensor():
+    """A Loop body's input named like the outer ids, gathering from a table of 2 rows: the outer
+    ids index a table of 1000, and only those 2 would have been drawn."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Gather", ["small", "ids"], ["rows"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Identity", ["ids"], ["ids_out"]),
+            helper.make_node("ReduceSum", ["rows"], ["total"], keepdims=0),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 8]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("ids_out", onnx.TensorProto.INT64, [1, 8]),
+            helper.make_tensor_value_info("total", onnx.TensorProto.FLOAT, []),
+        ],
+    )
+    model = make_model(
+        [
+            helper.make_node("Gather", ["big", "ids"], ["y"]),
+            helper.make_node("Loop", ["trip", "", "zeros"], ["final", "totals"], body=body),
+        ],
+        [("ids", np.int64, [1, 8])],
+        [("y", np.float32, [1, 8, 4]), ("totals", np.float32, [2])],
+        {
+            "big": np.ones((1000, 4), np.float32),
+            "small": np.ones((2, 4), np.float32),
+            "trip": np.array(2, np.int64),
+            "zeros": np.zeros((1, 8), np.int64),
+        },
+    )
+    onnx.checker.check_model(model, full_check=True)
+    assert index_ranges(model) == {"ids": (0, 1000)}
+
+
 def test_a_sequence_length_the_model_fixes_is_found_and_the_batch_stays_1():
     checker = Checker(bert_like())
     assert checker.input_shapes == {
