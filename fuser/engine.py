@@ -18,7 +18,7 @@ from onnx import NodeProto
 
 from fuser.context import Context, resolve_context
 from fuser.errors import RewriteLimitExceeded, RuleError
-from fuser.graph import SUBGRAPH_SLOT, Graph, paused_gc
+from fuser.graph import SUBGRAPH_SLOT, Graph, node_fingerprint, paused_gc
 from fuser.match import Decline, Match, NotACandidate, TypeInfo, find_matches, matches_where_it_may, may_match
 from fuser.model import Model
 from fuser.pattern import OpPattern
@@ -561,17 +561,19 @@ class Engine:
                 return touched
         return set()
 
-    def _build(self, candidate: Rule, match: Match, builder: Builder):
-        """What the rule builds for `match`; RuleError if it changed a matched node in place."""
+    def _build(self, candidate: Rule, match: Match, builder: Builder | None):
+        """What the rule builds for `match` (an advisory rule: its message); RuleError if it
+        changed a matched or absorbed node in place."""
         if id(candidate) not in self._unvetted:
             return candidate.build(match, builder)
-        nodes = match.nodes
-        before = [n.proto.SerializeToString() for n in nodes]
+        match.watched = {n.id: node_fingerprint(n.proto) for n in match.nodes}
         try:
             return candidate.build(match, builder)
         finally:
-            for node, was in zip(nodes, before):
-                if node.proto.SerializeToString() != was:
+            watched, match.watched = match.watched, None
+            for node_id, was in watched.items():
+                node = match.graph.node(node_id)
+                if node_fingerprint(node.proto) != was:
                     raise RuleError(
                         candidate,
                         f"it changed node '{node.label}' in place: the matched nodes are the model as "
@@ -669,7 +671,7 @@ class Engine:
             return
         self._advised.add(key)
         nodes = [n.label for n in match.nodes]
-        message = candidate.build(match, None)
+        message = self._build(candidate, match, None)
         if not isinstance(message, str):
             raise RuleError(candidate, "an advisory rule must return its message as a string")
         self.result.advice.append(Advice(candidate.name, scope, nodes, message))

@@ -105,6 +105,35 @@ _NO_BODIES: dict = {}
 _NO_READS: dict = {}  # of a weight nothing reads; never written to
 
 
+# Attributes a node fingerprint takes the size of rather than the bytes: a large Constant's value, a body.
+_BULKY_ATTRIBUTES = frozenset(
+    {
+        AttributeProto.TENSOR,
+        AttributeProto.SPARSE_TENSOR,
+        AttributeProto.GRAPH,
+        AttributeProto.TENSORS,
+        AttributeProto.SPARSE_TENSORS,
+        AttributeProto.GRAPHS,
+    }
+)
+
+
+def node_fingerprint(proto: NodeProto) -> tuple:
+    """What an edit of `proto` in place changes: its fields and its attributes, those holding a
+    tensor or a graph by their size (not copied: a Constant may hold megabytes)."""
+    return (
+        proto.op_type,
+        proto.domain,
+        proto.name,
+        tuple(proto.input),
+        tuple(proto.output),
+        tuple(
+            (a.name, a.type, a.ByteSize()) if a.type in _BULKY_ATTRIBUTES else a.SerializeToString()
+            for a in proto.attribute
+        ),
+    )
+
+
 class NodeInfo:
     """What a rule or the engine may read about one op node.
 

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from fuser.context import Context
-from fuser.graph import Graph, NodeInfo, valueless_long_vectors
+from fuser.graph import Graph, NodeInfo, node_fingerprint, valueless_long_vectors
 from fuser.pattern import Const, OpPattern
 from fuser.skim import graphs_and_outputs, infer_serialized, skimmed
 from fuser.tensors import read_only
@@ -268,6 +268,9 @@ class Match:
         self.root: NodeInfo = graph.node(bindings.nodes[pattern.name])
         self.absorbed: list[int] = []
         self._nodes: tuple[NodeInfo, ...] | None = None  # asked several times by the engine's checks
+        # While the engine watches a rule from outside fuser build: node id -> node_fingerprint
+        # before, of the matched nodes and of those absorbed, as they are absorbed.
+        self.watched: dict[int, tuple] | None = None
 
     def __getitem__(self, name: str) -> str | None:
         if name in self._bindings.tensors:
@@ -296,6 +299,8 @@ class Match:
             if node_id not in self._bindings.nodes.values():
                 self._bindings.nodes[f"absorbed:{node_id}"] = node_id
                 self.absorbed.append(node_id)
+                if self.watched is not None:
+                    self.watched.setdefault(node_id, node_fingerprint(self.graph.node(node_id).proto))
         self._nodes = None
 
     @property

@@ -318,3 +318,27 @@ def test_a_rule_that_edits_an_attribute_in_place_from_a_rule_file_exits_4(tmp_pa
     assert "rule 'alpha-edit' failed: it changed node 'LeakyRelu->y' in place" in result.stderr
     assert f"{tmp_path / 'edits.py'}:" in result.stderr
     assert not (tmp_path / "m.fused.onnx").exists()
+
+
+def test_an_absorbed_node_edited_in_place_and_an_advisory_rule_s_edit_are_the_rule_s_error():
+    model = model_from_text("g (float[2, 3] x) => (float[2, 3] y) { r = Relu (x) y = Neg (r) }")
+
+    @rule("absorbs-and-edits", pattern=op.Neg(var("x"), name="neg"))
+    def absorbs_and_edits(m: Match, b: Builder):
+        """Neg(Relu(x)): the Relu absorbed, edited, then declined."""
+        producer = next(n for n in m.graph.nodes() if n.op_type == "Relu")
+        m.absorb([producer.id])
+        producer.proto.op_type = "Sigmoid"
+        m.require(False, "never mind")
+
+    with pytest.raises(RuleError, match="it changed node 'Relu->r' in place"):
+        fuser.optimize(model, rules=[absorbs_and_edits], check=False)
+
+    @rule("advises-and-edits", pattern=op.Neg(var("x"), name="neg"), advisory=True)
+    def advises_and_edits(m: Match, b: Builder):
+        """Neg: advice, after an edit."""
+        m.node("neg").proto.op_type = "Abs"
+        return "a note"
+
+    with pytest.raises(RuleError, match="it changed node 'Neg->y' in place"):
+        fuser.optimize(model_from_text(SIGMOID_MODEL.replace("Sigmoid", "Neg")), rules=[advises_and_edits], check=False)
