@@ -39,6 +39,8 @@ def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: P
             model_or_path = onnx.load_model_from_string(bytes(model_or_path))
         except Exception as error:  # noqa: BLE001 - protobuf's DecodeError, or onnx's own
             raise InputError(f"the bytes given are not an ONNX model: {error}") from error
+        if not model_or_path.HasField("graph"):  # protobuf reads empty bytes as an empty message
+            raise InputError("the bytes given are not an ONNX model: they hold no graph")
     if isinstance(model_or_path, onnx.ModelProto):
         return Model(model_or_path, progress=progress)
     if not isinstance(model_or_path, (str, os.PathLike)):
@@ -161,6 +163,10 @@ def optimize(
             original = model.unchanged_proto()
             if original is None:
                 original = model.to_proto(in_place=True)
+    # Read once: an iterator given would be empty for the report's notes.
+    enable, disable = _names(enable), _names(disable)
+    if rules is not None and not isinstance(rules, (str, Rule)):
+        rules = list(rules)
     chosen = resolve_rules(rules, target, enable, disable, rule_files)
     nodes_before = model.node_count()
     op_types_before = model.op_counts()

@@ -129,8 +129,20 @@ def test_a_model_may_be_given_as_its_serialized_bytes():
 
 @pytest.mark.parametrize(
     ("given", "error", "said"),
-    [(b"not a model", InputError, "the bytes given are not an ONNX model"), (12, UsageError, "not int")],
+    [
+        (b"not a model", InputError, "the bytes given are not an ONNX model"),
+        (b"", InputError, "the bytes given are not an ONNX model: they hold no graph"),
+        (b"\x08\x07", InputError, "they hold no graph"),
+        (12, UsageError, "not int"),
+    ],
 )
 def test_what_is_no_model_is_said_to_be_none(given, error, said):
     with pytest.raises(error, match=said):
         fuser.optimize(given)
+
+
+def test_names_given_as_an_iterator_are_read_once():
+    gemm = rule_named("matmul-add-gemm")
+    off = next(r for r in builtin_rules() if not r.enabled_by_default and r.target == "onnx")
+    _, report = fuser.optimize(matmul_add(), rules=iter([off, gemm]), enable=iter([off.name]), check=False)
+    assert report.rules == [off.name, gemm.name] and not [n for n in report.notes if "did not run" in n]
