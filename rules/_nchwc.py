@@ -236,6 +236,14 @@ def _reached(graph, tensor: str) -> list[str]:
     return reached
 
 
+def read_by_region(graph, tensor: str) -> bool:
+    """Whether an operator a NCHWc region can hold reads `tensor` (or what carried element-wise
+    operators compute from it): there, a result computed blocked saves a reorder."""
+    return any(
+        graph.node(c).op_type in _REGION_OPS for name in _reached(graph, tensor) for c in graph.op_consumers(name)
+    )
+
+
 def region_cost(m: Match, start: int) -> tuple[int, int] | None:
     """(multiply-adds per output element, tensors reordered) for a convolution none of whose
     neighbours can stay blocked; None when a neighbour can (the region is then taken to pay).

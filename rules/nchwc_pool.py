@@ -6,8 +6,10 @@ ReduceMean and ReduceMax over both spatial axes, keeping them: torch's dynamo ex
 a squeeze-and-excitation block's global pooling that way (a ReduceMean only over at most
 MAX_AVERAGED_PIXELS pixels).
 MaxPool and AveragePool also move into it from a plain input (after an LRN, say), as
-the next convolution would reorder that input anyway, when its channel count is a multiple of
-4 (what onnxruntime's ReorderInput takes: not an image's 3). The channel count need not be a
+the next convolution would reorder that input anyway: when something that runs blocked reads
+the pool (a lone pool would pay two reorders for nothing), and its channel count is a multiple of
+4 (what onnxruntime's ReorderInput takes: not an image's 3) and at least a block (fewer, the
+convolution reads them plain). The channel count need not be a
 multiple of the block size (onnxruntime's own layout pass asks that it be): the kernels pool
 the padding channels like the others, finite values into finite values, and the reorder out
 drops them (MobileNetV3 pools 72 and 120 channels).
@@ -23,6 +25,7 @@ from fuser.rules._nchwc import (
     channels_of,
     is_float32,
     nchwc,
+    read_by_region,
     reorder_output,
     require_block_size,
     require_reorderable,
@@ -114,4 +117,15 @@ def nchwc_pool_input(m: Match, b: Builder):
     is_float32(m, m["x"])
     channels = channel_count(m, m["x"])
     require_reorderable(m, channels)
-    return _pool(m, b, b.op("ReorderInput", m["x"], domain=NCHWC), channels)
+    pooled = _pool(m, b, b.op("ReorderInput", m["x"], domain=NCHWC), channels)
+    # Whether it pays comes last, after what the kernels cannot take. Fewer channels than a
+    # block: a convolution after the pool reads them plain (nchwc-conv), and the blocked pool
+    # would pad them to a block and reorder twice for nothing (a lone MaxPool of 4 channels ran
+    # 3 times slower).
+    block = m.context.nchwc_block
+    m.require(channels >= block, f"{channels} channels are fewer than the block of {block}: pooled plain")
+    m.require(
+        read_by_region(m.graph, m.node("pool").outputs[0]),
+        "nothing that runs blocked reads the pool: two reorders would cost more than the blocked pool saves",
+    )
+    return pooled

@@ -586,15 +586,32 @@ def test_pool_after_conv(pool, attrs):
 
 @pytest.mark.parametrize("pool,attrs", POOLS[:-2], ids=POOL_IDS[:-2])
 def test_pool_of_graph_input(pool, attrs):
-    """MaxPool/AveragePool of a plain 2B-channel graph input moves into NCHWc
-    (nchwc-pool-input); without a convolution there is no guard to plant."""
+    """MaxPool/AveragePool of a plain 2B-channel graph input that a convolution reads moves into
+    NCHWc (nchwc-pool-input): the convolution's reorder in cancels against the pool's out."""
     net = Net(13)
-    net.add(pool, "x", output="y", **attrs)
+    net.conv(net.add(pool, "x", **attrs), 2 * B, 2 * B, kernel=1, output="y")
     model = net.model([("x", [1, 2 * B, 10, 11])], ["y"])
     after, report = optimize_and_compare(model)
-    assert report.counts == {"nchwc-pool-input": 1}
-    assert Counter(n.op_type for n in nchwc_nodes(after)) == {"ReorderInput": 1, pool: 1, "ReorderOutput": 1}
-    assert guards(after) == []
+    assert report.counts["nchwc-pool-input"] == 1 and report.counts["nchwc-reorder-cancel"] == 1
+    # Two ReorderInputs: the pool's input's, and the block-size guard's probe the convolution plants.
+    assert Counter(n.op_type for n in nchwc_nodes(after)) == {"ReorderInput": 2, pool: 1, "Conv": 1, "ReorderOutput": 1}
+    assert standard_nodes(after, pool) == [] and len(guards(after)) == 1
+
+
+@pytest.mark.parametrize("channels", [4, B // 2, B])
+def test_a_lone_pool_of_graph_input_stays_plain(channels):
+    """Nothing blocked reads it, or (fewer than a block) a convolution after it reads it plain: the
+    reorders around a blocked pool cost more than it saves (a lone MaxPool of 4 channels ran 3
+    times slower)."""
+    net = Net(14)
+    pooled = net.add("MaxPool", "x", kernel_shape=[2, 2], **({"output": "y"} if channels == B else {}))
+    if channels != B:
+        net.conv(pooled, channels, 2 * B, kernel=1, output="y")
+    model = net.model([("x", [1, channels, 10, 11])], ["y"])
+    reason = "nothing that runs blocked reads the pool" if channels == B else "fewer than the block"
+    after, report = fuser.optimize(model, target="onnxruntime", trace=True)
+    assert any(reason in r for r in declines(report, "nchwc-pool-input")), declines(report, "nchwc-pool-input")
+    assert nchwc_nodes(after, "MaxPool") == [] and len(standard_nodes(after, "MaxPool")) == 1
 
 
 CEIL_INCLUDE_PAD = {
