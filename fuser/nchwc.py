@@ -77,14 +77,15 @@ def lower(model: onnx.ModelProto, block: int) -> onnx.ModelProto:
     constants = {t.name: t for g in graphs for t in g.initializer}
     names = {n for g in graphs for node in g.node for n in (node.name, *node.input, *node.output)} | set(constants)
     for graph in graphs:
-        _Lowering(graph, block, constants, names).run()
+        _Lowering(graph, block, constants, names, opset).run()
     return lowered
 
 
 class _Lowering:
-    def __init__(self, graph: onnx.GraphProto, block: int, constants: dict, names: set[str]):
+    def __init__(self, graph: onnx.GraphProto, block: int, constants: dict, names: set[str], opset: int):
         self.graph = graph
         self.block = block
+        self.opset = opset  # the default domain's: the standard operators written are of it
         self.constants = constants
         self.names = names
         self.counter = itertools.count()
@@ -216,6 +217,8 @@ class _Lowering:
         kind = kind.decode() if isinstance(kind, bytes) else kind
         if not kind:
             return y
+        if kind == "HardSwish" and self.opset < 14:  # no HardSwish yet: x * HardSigmoid(x, 1/6, 1/2)
+            return self._op("Mul", y, self._op("HardSigmoid", y, alpha=1 / 6, beta=0.5))
         if kind in ("Relu", "Sigmoid", "Tanh", "HardSwish"):
             return self._op(kind, y)
         if kind == "LeakyRelu":
@@ -227,6 +230,31 @@ class _Lowering:
             low, high = (self._constant(np.array(v, np.float32), "clip") for v in params)
             return self._op("Min", self._op("Max", y, low), high)
         raise LoweringError(f"cannot check a NCHWc Conv with activation '{kind}' at another block size")
+
+    def _Upsample(self, node: onnx.NodeProto, attrs: dict) -> None:
+        """By whole factors on H and W: nearest repeats each pixel (o // factor), linear
+        interpolates with the coordinate mode given (rules/nchwc_upsample.py)."""
+        factors = np.array(attrs["scales"], np.float32)  # all four axes
+        plain = self._unblocked(node.input[0])
+        if self.opset >= 11:
+            linear = attrs.get("mode", b"nearest") in ("linear", b"linear")
+            coordinates = attrs.get("coordinate_transformation_mode", "asymmetric") if linear else "asymmetric"
+            coordinates = coordinates.decode() if isinstance(coordinates, bytes) else coordinates
+            resized = self._op(
+                "Resize",
+                plain,
+                "",
+                self._constant(factors, "scales"),
+                mode="linear" if linear else "nearest",
+                coordinate_transformation_mode=coordinates,
+                **({} if linear else {"nearest_mode": "floor"}),
+            )
+        elif self.opset == 9:  # asymmetric coordinates, floor rounding: what the rule took
+            mode = attrs.get("mode", b"nearest")
+            resized = self._op("Upsample", plain, self._constant(factors, "scales"), mode=mode)
+        else:
+            raise LoweringError(f"cannot check a NCHWc Upsample at another block size at opset {self.opset}")
+        self._blocked(resized, output=node.output[0])
 
     def _pool(self, node: onnx.NodeProto, attrs: dict) -> None:
         pooled = self._op(node.op_type, self._unblocked(node.input[0]), **attrs)

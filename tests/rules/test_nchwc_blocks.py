@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from fuser.rules._nchwc import conv_activations
 from onnx import helper, numpy_helper
 
 import fuser
 from fuser.context import machine_nchwc_block
 from fuser.errors import UsageError
 from fuser.nchwc import NCHWC, lower
-from fuser.rules._nchwc import conv_activations
 from tests.helpers import make_model, run
 
 BLOCKS = (8, 16)
@@ -318,15 +318,70 @@ def test_measure_refuses_a_block_this_machine_cannot_run():
 def test_an_operator_the_lowering_does_not_know_is_a_clear_error():
     """The check of a model for another machine's block cannot run what it cannot lower."""
     model = make_model(
-        [helper.make_node("Upsample", ["x"], ["y"], domain=NCHWC, scales=[2, 2])],
+        [helper.make_node("Softmax", ["x"], ["y"], domain=NCHWC)],
         [("x", np.float32, [1, 8, 2, 2])],
-        [("y", np.float32, [1, 8, 4, 4])],
+        [("y", np.float32, [1, 8, 2, 2])],
         extra_opsets={NCHWC: 1},
         check=False,
     )
-    with pytest.raises(UsageError, match="cannot check NCHWc operator 'Upsample' at another block size") as caught:
+    with pytest.raises(UsageError, match="cannot check NCHWc operator 'Softmax' at another block size") as caught:
         lower(model, 8)
     assert "--nchwc-block auto" in str(caught.value)
+
+
+def neck(mode: str) -> onnx.ModelProto:
+    """A detector's neck: a convolution, a Resize by 2, a convolution (nchwc-upsample)."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], mode=mode),
+        helper.make_node("Conv", ["r", "w2"], ["y"]),
+    ]
+    inits = {"w1": _weight(rng, 16, 16, 3, 3), "w2": _weight(rng, 16, 16, 1, 1)}
+    inits["scales"] = np.array([1, 1, 2, 2], np.float32)
+    return make_model(nodes, [("x", np.float32, [1, 16, 5, 6])], [("y", np.float32, [1, 16, 10, 12])], inits, 17)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_an_upsample_is_checked_at_either_block(mode, block):
+    """The check of a model for another block lowered no NCHWc Upsample: a neck written for an AVX2
+    machine (block 8) was refused on an AVX-512 one, and the other way round."""
+    model = neck(mode)
+    after, report = fuser.optimize(model, target="onnxruntime", nchwc_block=block)
+    assert report.counts.get("nchwc-upsample") == 1 and report.verdict.passed
+    feeds = _feeds(model)
+    _assert_close(run(lower(after, block), feeds), run(model, feeds), **TOL)
+    if block == machine_nchwc_block():  # the lowering computes what the kernel does
+        _assert_close(run(lower(after, block), feeds), run(after, feeds), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_a_hard_swish_activation_is_lowered_below_opset_14(block):
+    """Opset 13 has no HardSwish: x * HardSigmoid(x, 1/6, 1/2), as the model wrote it, fused into
+    the NCHWc Conv, was lowered to a HardSwish node the check could not run."""
+    if "HardSwish" not in conv_activations():
+        pytest.skip("this onnxruntime's NCHWc Conv applies no HardSwish")
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("HardSigmoid", ["c"], ["gate"], alpha=1 / 6, beta=0.5),
+        helper.make_node("Mul", ["c", "gate"], ["y"]),
+    ]
+    model = make_model(
+        nodes,
+        [("x", np.float32, [1, 16, 6, 6])],
+        [("y", np.float32, [1, 16, 6, 6])],
+        {"w": _weight(rng, 16, 16, 3, 3)},
+        13,
+    )
+    after, report = fuser.optimize(model, target="onnxruntime", nchwc_block=block)
+    activations = [a.s for n in after.graph.node if n.domain == NCHWC for a in n.attribute if a.name == "activation"]
+    assert activations == [b"HardSwish"] and report.verdict.passed
+    lowered = lower(after, block)
+    assert "HardSwish" not in {n.op_type for n in lowered.graph.node}
+    feeds = _feeds(model)
+    _assert_close(run(lowered, feeds), run(model, feeds), **TOL)
 
 
 def test_a_computed_filter_other_than_a_gate_is_a_clear_error():
