@@ -97,18 +97,20 @@ def test_the_float_twin_of_those_convolutions_is_fused_and_made_nchwc():
 
 
 def quantized_max_pool(quantized: bool = True) -> onnx.ModelProto:
-    """onnxruntime runs DequantizeLinear -> MaxPool -> QuantizeLinear as an int8 MaxPool."""
+    """onnxruntime runs DequantizeLinear -> MaxPool -> QuantizeLinear as an int8 MaxPool. A
+    convolution reads the pool too (a pool nothing blocked reads stays plain anyway)."""
     source = "x_dq" if quantized else "x"
     nodes = [
         *(quantize("x") if quantized else []),
         helper.make_node("MaxPool", [source], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
         *(quantize("p") if quantized else []),
         helper.make_node("Relu", ["p_dq" if quantized else "p"], ["y"]),
+        helper.make_node("Conv", ["p", "w_pool"], ["z"]),
     ]
     pooled = [1, C, 4, 4]
-    return make_model(
-        nodes, [("x", np.float32, SHAPE)], [("y", np.float32, pooled)], ACT if quantized else {}, opset=13
-    )
+    weights = {"w_pool": (RNG.normal(size=(C, C, 1, 1)) / C).astype(np.float32)}
+    outputs = [("y", np.float32, pooled), ("z", np.float32, pooled)]
+    return make_model(nodes, [("x", np.float32, SHAPE)], outputs, {**(ACT if quantized else {}), **weights}, opset=13)
 
 
 def test_a_quantized_max_pool_stays_plain():
@@ -116,9 +118,7 @@ def test_a_quantized_max_pool_stays_plain():
 
 
 def test_the_float_twin_of_that_max_pool_goes_into_the_nchwc_layout():
-    assert_rewritten(
-        quantized_max_pool(False), "nchwc-pool-input", counts={"nchwc-pool-input": 1}, target="onnxruntime"
-    )
+    assert_rewritten(quantized_max_pool(False), "nchwc-pool-input", target="onnxruntime")
 
 
 def matmul_add(quantized_weight: bool) -> onnx.ModelProto:
