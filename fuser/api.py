@@ -37,7 +37,7 @@ def load(model_or_path: onnx.ModelProto | str | os.PathLike | Model, progress: P
     if isinstance(model_or_path, (bytes, bytearray)):
         try:
             model_or_path = onnx.load_model_from_string(bytes(model_or_path))
-        except Exception as error:  # noqa: BLE001 - protobuf's DecodeError, or onnx's own
+        except Exception as error:  # protobuf's DecodeError, or onnx's own
             raise InputError(f"the bytes given are not an ONNX model: {error}") from error
         if not model_or_path.HasField("graph"):  # protobuf reads empty bytes as an empty message
             raise InputError("the bytes given are not an ONNX model: they hold no graph")
