@@ -135,7 +135,9 @@ def select(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disa
     return chosen
 
 
-def left_out(rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()) -> dict[str, str]:
+def left_out(
+    rules: list[Rule], target: str = "onnx", enable: list[str] = (), disable: list[str] = ()
+) -> dict[str, str]:
     """Why select() leaves out those of `rules` that `disable` does not name: {name: reason}."""
     names = [r.name for r in rules]
     chosen = {r.name for r in select(rules, target, enable, disable)}

@@ -68,7 +68,9 @@ def test_a_rule_list_is_chosen_from_as_the_registered_rules_are():
     ort_only = next(r for r in builtin_rules() if r.target == "onnxruntime")
     _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], check=False)
     assert report.rules == [gemm.name]  # onnxruntime's rules run for that target only, and the report says so
-    assert f"rule '{ort_only.name}' given in rules= did not run: onnxruntime's rule (target='onnxruntime')" in report.notes
+    assert (
+        f"rule '{ort_only.name}' given in rules= did not run: onnxruntime's rule (target='onnxruntime')" in report.notes
+    )
     _, report = fuser.optimize(matmul_add(), rules=[ort_only, gemm], target="onnxruntime", check=False)
     assert report.rules == [ort_only.name, gemm.name]
     assert not [n for n in report.notes if "did not run" in n]

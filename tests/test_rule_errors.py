@@ -298,7 +298,9 @@ def test_a_rule_that_edits_a_matched_node_in_place_is_the_rules_error(then, chec
 
 
 def test_a_rule_that_edits_an_attribute_in_place_from_a_rule_file_exits_4(tmp_path):
-    onnx.save(model_from_text("g (float[2, 3] x) => (float[2, 3] y) { y = LeakyRelu <alpha = 0.1> (x) }"), tmp_path / "m.onnx")
+    onnx.save(
+        model_from_text("g (float[2, 3] x) => (float[2, 3] y) { y = LeakyRelu <alpha = 0.1> (x) }"), tmp_path / "m.onnx"
+    )
     (tmp_path / "edits.py").write_text(
         textwrap.dedent(
             '''
