@@ -61,10 +61,13 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
         return {}
     reached: dict[str, str] = {}
-    for value in (*graph.input, *graph.value_info):
+    not_float = set()  # annotated with another type (an index an operator not listed here makes)
+    for value in (*graph.input, *graph.value_info, *graph.output):
         found = _sixteen_bit_type(value.type)
         if found is not None:
             reached[value.name] = _NAMES[found]
+        elif value.type.WhichOneof("value") == "tensor_type" and value.type.tensor_type.elem_type not in (0, *_FLOATS):
+            not_float.add(value.name)
     for tensor in graph.initializer:
         if tensor.data_type in SIXTEEN_BIT_FLOATS:
             reached[tensor.name] = _NAMES[tensor.data_type]
@@ -80,7 +83,7 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
             continue
         skipped = _INDEX_RESULTS.get(node.op_type, ())
         for index, name in enumerate(node.output):
-            if index not in skipped:
+            if index not in skipped and name not in not_float:
                 reached.setdefault(name, kind)
     computed = {}
     for value in graph.output:

@@ -442,3 +442,23 @@ def test_tolerances_the_user_gives_are_not_replaced_by_float16_s():
     half = keep_io_float16(scaled(1.0))
     (output,) = checker(half, ranges={"x_f32": (-1.0, 1.0)}, rtol=1e-6, atol=1e-7).check(half, exact=False).outputs
     assert output.computed_in is None and (output.rtol, output.atol) == (1e-6, 1e-7)
+
+
+def test_a_result_annotated_as_integers_stops_float16_whatever_makes_it():
+    """NonMaxSuppression is not among the operators known to give integers: its annotation says so."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("NonMaxSuppression", ["boxes", "scores"], ["index"]),
+            helper.make_node("Cast", ["index"], ["y"], to=F32),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("boxes", F16, [1, 4, 4]),
+            helper.make_tensor_value_info("scores", F16, [1, 1, 4]),
+        ],
+        [helper.make_tensor_value_info("y", F32, None)],
+        value_info=[helper.make_tensor_value_info("index", TensorProto.INT64, None)],
+    )
+    assert computed_in_sixteen_bit_float(helper.make_model(graph)) == {}
+    graph.value_info.pop()  # unannotated, it is taken to carry float16 (the tolerance errs wide)
+    assert computed_in_sixteen_bit_float(helper.make_model(graph)) == {"y": "float16"}
