@@ -31,7 +31,7 @@ SCHEMA_VERSION = 9  # 2: declines; 3: nchwc_block; 4: several models in one repo
 # 5: 16-bit float outputs weighed against float32 twins (status "rounding", the twins' errors);
 # 6: blamed and dropped rewrites say why (`failure`); 7: each output's largest expected magnitude;
 # 8: every model's wall-clock `seconds`; an input that could not be read is named, its sha256 null;
-# 9: a float32 output of a model computing in a 16-bit float says which (`computed_in`), whose tolerance it gets
+# 9: a float32 output computed through a 16-bit float says which (`computed_in`), whose tolerance it gets
 
 _OUTPUT_CHECK = {
     "type": "object",
