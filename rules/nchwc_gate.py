@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from fuser import Builder, Match, op, rule, var
-from fuser.rules._nchwc import EMITS, NCHWC, channels_of, nchwc, padded, reorder_output, require_block_size
+from fuser.rules._nchwc import EMITS, NCHWC, channels_of, guarded, nchwc, padded, reorder_output, require_block_size
 
 
 @rule(
@@ -51,5 +51,7 @@ def nchwc_gate(m: Match, b: Builder):
     if channels_padded > channels:
         # The padding channels of the result are zero: a later convolution's zero filter entries meet a finite value.
         filter_ = b.Concat(filter_, np.zeros((channels_padded - channels, 1, 1, 1), np.float32), axis=0)
+    # Its group count is the padded channel count, right only for this block size.
+    filter_ = guarded(b, filter_, block)
     blocked = b.op("Conv", m["x"], filter_, domain=NCHWC, group=channels_padded, kernel_shape=[1, 1])
     return reorder_output(b, blocked, channels)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import numpy_helper
 
 from fuser.rules._nchwc import padded
 from tests.rules.test_nchwc import (
@@ -19,8 +20,11 @@ from tests.rules.test_nchwc import (
     HALF,
     Net,
     declines,
+    guards,
     nchwc_nodes,
     optimize_and_compare,
+    random_feeds,
+    run,
     standard_nodes,
 )
 
@@ -70,6 +74,28 @@ def test_constant_per_channel_scale():
     after, report = optimize_and_compare(net.model([("x", [1, 2 * B, 5, 5])], ["y"]))
     assert report.counts["nchwc-gate"] == 1
     assert standard_nodes(after, "Mul") == []
+
+
+def test_a_gate_with_no_convolution_plants_the_guard():
+    """The gate's depthwise Conv groups the channels padded to this machine's block. A graph
+    whose only block-dependent rewrite it is (pooled plain inputs, no convolution) gets the
+    guard from it: on a machine with another block the model refuses to run."""
+    net = Net(43)
+    pooled = net.add("MaxPool", "x", kernel_shape=[2, 2])
+    gate = net.add("Sigmoid", net.add("GlobalAveragePool", pooled))
+    net.add("MaxPool", net.add("Mul", pooled, gate), kernel_shape=[2, 2], output="y")
+    model = net.model([("x", [1, HALF, 8, 8])], ["y"])
+    after, report = optimize_and_compare(model)
+    assert report.counts["nchwc-gate"] == 1
+    assert "nchwc-conv" not in report.counts and "nchwc-concat" not in report.counts
+    (guard,) = guards(after)
+    assert len(gate_convs(after)) == 1
+    feeds = random_feeds(model)
+    run(after, feeds)
+    (shape,) = [t for t in after.graph.initializer if t.name == guard.input[1]]
+    shape.CopyFrom(numpy_helper.from_array(np.array([B // 2], np.int64), shape.name))
+    with pytest.raises(Exception, match="(?i)reshape|shape"):
+        run(after, feeds)
 
 
 def test_gated_map_read_elsewhere_too():
