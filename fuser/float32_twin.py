@@ -54,19 +54,29 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     float16 all the same). A tensor is 16-bit when the graph states it so (an input, an
     initializer, an annotation, the type a node casts to or makes); a node reading one makes
     its float results so, not its integer or boolean ones (_NO_FLOAT_RESULTS, _INDEX_RESULTS, a
-    Cast to an integer). Nodes are in the graph's order, which onnx's check makes topological;
-    16-bit floats inside If/Loop/Scan bodies are not looked for (their outputs keep their own
-    dtype's tolerance, the stricter)."""
-    graph = model.graph
+    Cast to an integer). An If, Loop or Scan passes on what its bodies' outputs are, each body
+    seeing its own inputs and the tensors of the scopes around it. Nodes are in the graph's
+    order, which onnx's check makes topological."""
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
         return {}
-    reached: dict[str, str] = {}
-    not_float = set()  # annotated with another type (an index an operator not listed here makes)
+    graph = model.graph
+    reached = _reach(graph, {}, set())
+    computed = {}
+    for value in graph.output:
+        found = _sixteen_bit_type(value.type)
+        if found is not None or value.name in reached:
+            computed[value.name] = _NAMES[found] if found is not None else reached[value.name]
+    return computed
+
+
+def _reach(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> dict[str, str]:
+    """`reached` (the enclosing scopes' 16-bit tensors) with those of `graph` added."""
     for value in (*graph.input, *graph.value_info, *graph.output):
         found = _sixteen_bit_type(value.type)
         if found is not None:
             reached[value.name] = _NAMES[found]
         elif value.type.WhichOneof("value") == "tensor_type" and value.type.tensor_type.elem_type not in (0, *_FLOATS):
+            # Annotated with another type: an index an operator not listed here makes.
             not_float.add(value.name)
     for tensor in graph.initializer:
         if tensor.data_type in SIXTEEN_BIT_FLOATS:
@@ -79,18 +89,48 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
                 kind = made
             elif node.op_type == "Cast" and not _casts_to_float(node):
                 kind = None
+        from_bodies = _body_results(node, reached, not_float)
+        if from_bodies is not None:
+            for index, body_kind in from_bodies.items():
+                if index < len(node.output) and node.output[index] not in not_float:
+                    reached.setdefault(node.output[index], body_kind)
+            continue
         if kind is None or node.op_type in _NO_FLOAT_RESULTS:
             continue
         skipped = _INDEX_RESULTS.get(node.op_type, ())
         for index, name in enumerate(node.output):
             if index not in skipped and name not in not_float:
                 reached.setdefault(name, kind)
-    computed = {}
-    for value in graph.output:
-        found = _sixteen_bit_type(value.type)
-        if found is not None or value.name in reached:
-            computed[value.name] = _NAMES[found] if found is not None else reached[value.name]
-    return computed
+    return reached
+
+
+def _body_results(node: NodeProto, reached: dict[str, str], not_float: set[str]) -> dict[int, str] | None:
+    """For an If, Loop or Scan (any node with bodies): which of its outputs a 16-bit float
+    reaches, by index; None for a node without bodies. A body's inputs are its own tensors,
+    whatever the names around it: 16-bit when annotated so or, unannotated, when the node input
+    that feeds them is (a Loop's and a Scan's inputs feed the body's in order)."""
+    bodies = [
+        body
+        for attribute in node.attribute
+        for body in ([attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs)
+    ]
+    if not bodies:
+        return None
+    # A Loop's body outputs its condition first; the node's outputs are the rest.
+    skipped_outputs = 1 if node.op_type == "Loop" else 0
+    results: dict[int, str] = {}
+    for body in bodies:
+        scope = dict(reached)
+        for index, value in enumerate(body.input):
+            scope.pop(value.name, None)
+            if not value.type.HasField("value") and index < len(node.input) and node.input[index] in reached:
+                scope[value.name] = reached[node.input[index]]
+        body_not_float = not_float - {value.name for value in body.input}
+        _reach(body, scope, body_not_float)
+        for index, value in enumerate(body.output[skipped_outputs:]):
+            if value.name in scope:
+                results.setdefault(index, scope[value.name])
+    return results
 
 
 def _casts_to_float(node: NodeProto) -> bool:
@@ -108,10 +148,29 @@ def _made_type(node: NodeProto) -> str | None:
 
 
 def sixteen_bit_float_in(model: ModelProto) -> str | None:
-    """The 16-bit float ("float16" or "bfloat16") the main graph states first, if any: in an
-    output, an input, an initializer, an annotation or the type a node casts to or makes. A model
-    converted to float16 with its inputs and outputs kept float32 rounds in float16 all the same."""
-    graph = model.graph
+    """The 16-bit float ("float16" or "bfloat16") the model states first, if any: in an output,
+    an input, an initializer, an annotation or the type a node casts to or makes, in the main
+    graph or a body. A model converted to float16 with its inputs and outputs kept float32 rounds
+    in float16 all the same."""
+    return _stated_in(model.graph)
+
+
+def _made_in(graph: GraphProto) -> str | None:
+    """The 16-bit float a node of `graph` or of its bodies makes, or a body states."""
+    for node in graph.node:
+        if node.op_type in _TYPE_MAKERS:
+            made = _made_type(node)
+            if made is not None:
+                return made
+        for attribute in node.attribute:
+            for body in [attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs:
+                found = _stated_in(body)
+                if found is not None:
+                    return found
+    return None
+
+
+def _stated_in(graph: GraphProto) -> str | None:
     for value in (*graph.output, *graph.input, *graph.value_info):
         found = _sixteen_bit_type(value.type)
         if found is not None:
@@ -119,12 +178,7 @@ def sixteen_bit_float_in(model: ModelProto) -> str | None:
     for tensor in graph.initializer:
         if tensor.data_type in SIXTEEN_BIT_FLOATS:
             return _NAMES[tensor.data_type]
-    for node in graph.node:
-        if node.op_type in _TYPE_MAKERS:
-            made = _made_type(node)
-            if made is not None:
-                return made
-    return None
+    return _made_in(graph)
 
 
 def float32_twin(model: ModelProto, base_dir: str | os.PathLike | None = None) -> ModelProto:

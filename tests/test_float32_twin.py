@@ -462,3 +462,108 @@ def test_a_result_annotated_as_integers_stops_float16_whatever_makes_it():
     assert computed_in_sixteen_bit_float(helper.make_model(graph)) == {}
     graph.value_info.pop()  # unannotated, it is taken to carry float16 (the tolerance errs wide)
     assert computed_in_sixteen_bit_float(helper.make_model(graph)) == {"y": "float16"}
+
+
+def _through_half(prefix: str, source: str, target: str) -> list[onnx.NodeProto]:
+    """target = float32(Tanh(float16(source)))."""
+    return [
+        helper.make_node("Cast", [source], [f"{prefix}_h"], to=F16),
+        helper.make_node("Tanh", [f"{prefix}_h"], [f"{prefix}_t"]),
+        helper.make_node("Cast", [f"{prefix}_t"], [target], to=F32),
+    ]
+
+
+def _if_model(then_half: bool, else_half: bool) -> onnx.ModelProto:
+    def branch(name, half):
+        nodes = _through_half(name, "x", f"{name}_y") if half else [helper.make_node("Tanh", ["x"], [f"{name}_y"])]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", F32, [2])])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "If", ["cond"], ["y"], then_branch=branch("then", then_half), else_branch=branch("else", else_half)
+            ),
+            helper.make_node("Relu", ["x"], ["plain"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", F32, [2]), helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(n, F32, [2]) for n in ("y", "plain")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("then_half", "else_half"), [(True, False), (False, True), (False, False)])
+def test_float16_inside_a_branch_reaches_the_if_s_output(then_half, else_half):
+    """Either branch rounding in float16 makes the If's output so; a float32 output beside it and
+    an If of two float32 branches keep float32's tolerance."""
+    model = _if_model(then_half, else_half)
+    expected = {"y": "float16"} if then_half or else_half else {}
+    assert computed_in_sixteen_bit_float(model) == expected
+
+
+def _loop_model(shadowing: bool) -> onnx.ModelProto:
+    """A Loop carrying `a` through float16 and `b` in float32. With `shadowing`, the outer graph
+    has a float16 tensor named like the body's float32 input `b_in`."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            *_through_half("a", "a_in", "a_out"),
+            helper.make_node("Tanh", ["b_in"], ["b_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("a_in", F32, [2]),
+            helper.make_tensor_value_info("b_in", F32 if shadowing else 0, [2] if shadowing else None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("a_out", F32, [2]),
+            helper.make_tensor_value_info("b_out", F32, [2]),
+        ],
+    )
+    if not shadowing:
+        body.input[3].type.Clear()
+    nodes = [
+        helper.make_node("Constant", [], ["trips"], value=numpy_helper.from_array(np.array(2, np.int64))),
+        helper.make_node("Loop", ["trips", "", "x", "x"], ["a_final", "b_final"], body=body),
+    ]
+    if shadowing:
+        nodes.insert(0, helper.make_node("Cast", ["x"], ["b_in"], to=F16))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", F32, [2])],
+        [helper.make_tensor_value_info(n, F32, [2]) for n in ("a_final", "b_final")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("shadowing", [False, True], ids=["plain", "shadowing"])
+def test_float16_inside_a_loop_reaches_only_its_own_carried_value(shadowing):
+    """The Loop's body outputs its condition first: `a` (through float16) is the node's first
+    output, `b` (float32) its second. A float16 tensor outside with the name of the body's own
+    float32 input is another tensor."""
+    model = _loop_model(shadowing)
+    onnx.checker.check_model(model, full_check=True)
+    assert computed_in_sixteen_bit_float(model) == {"a_final": "float16"}
+
+
+def test_an_if_with_a_float16_branch_is_checked_at_float16_s_tolerance():
+    """A rewrite that moves the If's output by 0.3% passes at float16's tolerance, and the plain
+    output beside it still fails at float32's."""
+    model = _if_model(True, False)
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    (then,) = [a.g for a in moved.graph.node[0].attribute if a.name == "then_branch"]
+    then.node.append(helper.make_node("Mul", ["then_y", "scale"], ["then_scaled"]))
+    then.initializer.append(numpy_helper.from_array(np.array([1.003], np.float32), "scale"))
+    then.output[0].name = "then_scaled"
+    verdict = Checker(model).check(moved, exact=False)
+    statuses = {o.name: (o.computed_in, o.status) for o in verdict.outputs}
+    assert statuses == {"y": ("float16", "ok"), "plain": (None, "ok")}
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(moved)
+    wrong.graph.node[1].op_type = "Sigmoid"
+    assert [o.name for o in Checker(model).check(wrong, exact=False).failures()] == ["plain"]
