@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fuser.engine import Declined, EngineResult
+from fuser.graph import Graph
+from fuser.match import find_matches
 from fuser.rule import Rule
 
 
@@ -25,6 +27,8 @@ class RuleExplanation:
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first place's nodes
     skipped: str | None = None  # why the rule did not run at all
     advice: int = 0
+    # Places of the input the pattern matches that other rules rewrote first: rule -> places.
+    taken_by: Counter = field(default_factory=Counter)
 
     @property
     def matched(self) -> int:
@@ -39,6 +43,7 @@ class RuleExplanation:
             "declined": self.declined,
             "advised": self.advice,
             "skipped": self.skipped,
+            "taken_by": dict(self.taken_by.most_common()),
             "reasons": [
                 {"reason": reason, "count": count, "example": self.examples[reason]}
                 for reason, count in self.reasons.most_common()
@@ -88,6 +93,36 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
     return list(found.values())
 
 
+def note_taken_places(explanations: list[RuleExplanation], graph: Graph, result: EngineResult, rules: list[Rule]) -> None:
+    """For each rule that matched nothing, the places of the input (`graph`, the main graph as
+    it was loaded) its pattern matches and which rules rewrote them first: a rule of an earlier
+    phase (or visited first) can take a pattern another would have fused."""
+    rewriters: dict[str, Counter] = {}
+    for rewrite in result.rewrites:
+        if rewrite.scope == "main":
+            for label in rewrite.matched:
+                rewriters.setdefault(label, Counter())[rewrite.rule] += 1
+    by_name = {r.name: r for r in rules}
+    for entry in explanations:
+        rule = by_name.get(entry.rule)
+        if rule is None or entry.skipped or entry.matched:
+            continue
+        for pattern in rule.alternatives:
+            for op_type in pattern.op_types:
+                for root in graph.nodes_of_type(op_type, pattern.domain):
+                    try:
+                        bindings = next(find_matches(graph, pattern, root), None)
+                    except Exception:  # noqa: BLE001 - a predicate asking for what only a rewrite knows
+                        continue
+                    if bindings is None:
+                        continue
+                    takers = Counter()
+                    for node_id in bindings.nodes.values():
+                        takers.update(rewriters.get(graph.node(node_id).label, {}))
+                    if takers:
+                        entry.taken_by[takers.most_common(1)[0][0]] += 1
+
+
 def render(explanations: list[RuleExplanation]) -> list[str]:
     lines = []
     width = max((len(e.rule) for e in explanations), default=0)
@@ -97,7 +132,12 @@ def render(explanations: list[RuleExplanation]) -> list[str]:
             lines.append(f"{e.rule:<{width}}  skipped: {e.skipped}{where}")
             continue
         if not e.matched:
-            lines.append(f"{e.rule:<{width}}  no match{where}")
+            taken = ""
+            if e.taken_by:
+                places = sum(e.taken_by.values())
+                takers = ", ".join(f"{rule} ({count})" for rule, count in e.taken_by.most_common())
+                taken = f" (its pattern was at {places} place(s) of the input, rewritten first by {takers})"
+            lines.append(f"{e.rule:<{width}}  no match{taken}{where}")
             continue
         parts = [f"matched {e.matched}", f"applied {e.applied}", f"declined {e.declined}"]
         if e.advice:

@@ -196,3 +196,38 @@ def test_places_declined_for_one_reason_but_other_made_up_dims_count_together(tm
     assert entry["declined"] == sum(r["count"] for r in entry["reasons"]) >= 6
     assert not [r for r in entry["reasons"] if "unk__" in r["reason"]]
     assert max(r["count"] for r in entry["reasons"]) >= 6
+
+
+LATE_RULE = '''
+from fuser import op, rule, var
+
+
+@rule("late-softmax", pattern=op.Div(op.Exp(var("x")), op.ReduceSum(var("e"), var("axes"), keepdims=1)), phase=1)
+def late_softmax(m, b):
+    """The softmax softmax-decomposed (phase 0) rewrites first."""
+    m.require(False, "never applies")
+'''
+
+
+def test_a_rule_whose_pattern_an_earlier_rule_took_says_which(cli, model_path, tmp_path):
+    """late-softmax's pattern is in the input once, but softmax-decomposed runs in an earlier
+    phase and rewrites it: explain says so instead of a bare "no match"."""
+    (tmp_path / "late.py").write_text(LATE_RULE)
+    args = ("explain", model_path, "--rules", "late.py", "--rule", "late-softmax", *KEEP_EXPS)
+    result = cli(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert "no match (its pattern was at 1 place(s) of the input, rewritten first by softmax-decomposed (1))" in (
+        result.stdout
+    )
+    as_json = json.loads(cli(tmp_path, *args, "--format", "json").stdout)
+    (late,) = as_json["rules"]
+    assert late["matched"] == 0 and late["taken_by"] == {"softmax-decomposed": 1}
+    untouched = cli(tmp_path, "explain", model_path, "--rules", "late.py", "--disable", "softmax-decomposed", *KEEP_EXPS)
+    assert "late-softmax" in untouched.stdout and "matched 1, applied 0, declined 1" in untouched.stdout
+
+
+def test_a_rule_with_no_match_and_no_pattern_in_the_input_says_no_match_alone(cli, model_path, tmp_path):
+    result = cli(tmp_path, "explain", model_path, "--rule", "conv-bn-fold")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    assert line.split()[:3] == ["conv-bn-fold", "no", "match"] and "rewritten first" not in line
