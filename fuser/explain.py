@@ -93,7 +93,9 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
     return list(found.values())
 
 
-def note_taken_places(explanations: list[RuleExplanation], graph: Graph, result: EngineResult, rules: list[Rule]) -> None:
+def note_taken_places(
+    explanations: list[RuleExplanation], graph: Graph, result: EngineResult, rules: list[Rule]
+) -> None:
     """For each rule that matched nothing, the places of the input (`graph`, the main graph as
     it was loaded) its pattern matches and which rules rewrote them first: a rule of an earlier
     phase (or visited first) can take a pattern another would have fused."""
@@ -110,10 +112,7 @@ def note_taken_places(explanations: list[RuleExplanation], graph: Graph, result:
         for pattern in rule.alternatives:
             for op_type in pattern.op_types:
                 for root in graph.nodes_of_type(op_type, pattern.domain):
-                    try:
-                        bindings = next(find_matches(graph, pattern, root), None)
-                    except Exception:  # noqa: BLE001 - a predicate asking for what only a rewrite knows
-                        continue
+                    bindings = _first_match(graph, pattern, root)
                     if bindings is None:
                         continue
                     takers = Counter()
@@ -121,6 +120,13 @@ def note_taken_places(explanations: list[RuleExplanation], graph: Graph, result:
                         takers.update(rewriters.get(graph.node(node_id).label, {}))
                     if takers:
                         entry.taken_by[takers.most_common(1)[0][0]] += 1
+
+
+def _first_match(graph: Graph, pattern, root: int):
+    try:
+        return next(find_matches(graph, pattern, root), None)
+    except Exception:  # noqa: BLE001 - a rule's predicate crashing is the rewrite's to report, not explain's
+        return None
 
 
 def render(explanations: list[RuleExplanation]) -> list[str]:

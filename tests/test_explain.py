@@ -222,7 +222,9 @@ def test_a_rule_whose_pattern_an_earlier_rule_took_says_which(cli, model_path, t
     as_json = json.loads(cli(tmp_path, *args, "--format", "json").stdout)
     (late,) = as_json["rules"]
     assert late["matched"] == 0 and late["taken_by"] == {"softmax-decomposed": 1}
-    untouched = cli(tmp_path, "explain", model_path, "--rules", "late.py", "--disable", "softmax-decomposed", *KEEP_EXPS)
+    untouched = cli(
+        tmp_path, "explain", model_path, "--rules", "late.py", "--disable", "softmax-decomposed", *KEEP_EXPS
+    )
     assert "late-softmax" in untouched.stdout and "matched 1, applied 0, declined 1" in untouched.stdout
 
 
