@@ -43,7 +43,8 @@ def cast_chain(m: Match, b: Builder):
     m.require(source is not None and middle is not None, "the types are unknown")
     holds = {np.dtype(t) for t in _HOLDS.get(middle, ())}
     m.require(source in holds, f"{middle} does not hold every {source} value exactly")
-    attrs = {k: v for k, v in m.attrs("second").items() if k == "to"}
+    # saturate (opset 19) says what the last cast does with values out of a float8's range.
+    attrs = {k: v for k, v in m.attrs("second").items() if k in ("to", "saturate")}
     return b.Cast(m["x"], **attrs)
 
 

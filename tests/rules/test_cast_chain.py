@@ -53,3 +53,25 @@ def test_cast_to_another_type_is_kept():
         [("y", np.float32, [2, 3])],
     )
     assert_declined(model, cast_noop, "changes float16 to float32", check=False)
+
+
+def test_the_last_cast_s_saturate_survives():
+    """Cast(Cast(x, double), float8e4m3fn, saturate=0): values beyond the float8's range become
+    NaN, not +-448 as the default saturate=1 would make them."""
+    model = make_model(
+        [
+            helper.make_node("Cast", ["x"], ["d"], to=TensorProto.DOUBLE),
+            helper.make_node("Cast", ["d"], ["f8"], to=TensorProto.FLOAT8E4M3FN, saturate=0),
+            helper.make_node("Cast", ["f8"], ["y"], to=TensorProto.FLOAT),
+        ],
+        [("x", np.float32, [6])],
+        [("y", np.float32, [6])],
+        opset=19,
+    )
+    feeds = {"x": np.array([1.0, -2.5, 1000.0, -1e4, 448.0, 500.0], np.float32)}
+    after, _ = assert_rewritten(model, RULES, counts={"cast-chain": 1}, expected_ops=["Cast", "Cast"], feeds=feeds)
+    (fused, _) = after.graph.node
+    assert {a.name: helper.get_attribute_value(a) for a in fused.attribute} == {
+        "to": TensorProto.FLOAT8E4M3FN,
+        "saturate": 0,
+    }
