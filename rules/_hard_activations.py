@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuser.rules._common import require_no_broadcast
+from fuser.rules._common import require_float, require_no_broadcast
 
 from fuser import Match, const, op, var
 
@@ -37,8 +37,22 @@ def scalar(m: Match, name: str) -> float:
     return float(value.reshape(-1)[0])
 
 
-def close_to(value: float, expected: float) -> bool:
-    return abs(value - expected) <= 1e-3 * abs(expected)  # fp16 stores 1/6 to 3 digits
+# onnxruntime's CPU runs HardSigmoid and HardSwish in these only (not float64: its model would not load).
+RUNNABLE_DTYPES = ("float16", "float32")
+# How far from 1/6 or 6 a float32 constant may be: written to 6 digits (0.166667) it moves the
+# result by at most 2e-6 of it, far inside the check's float32 tolerance; 0.1667 moves it 2e-4.
+CLOSE = 1e-5
+
+
+def close_to(value: float, expected: float, dtype=np.float32) -> bool:
+    """Whether `value` is `expected` as nearly as CLOSE, or as nearly as `dtype` can hold it
+    (float16 stores 1/6 as 0.16663)."""
+    rtol = max(CLOSE, 2 * float(np.finfo(dtype).eps))
+    return abs(value - expected) <= rtol * abs(expected)
+
+
+def require_runnable_dtype(m: Match) -> None:
+    require_float(m, "x", RUNNABLE_DTYPES)
 
 
 def require_relu6_of_x_plus_3(m: Match) -> None:
@@ -51,10 +65,14 @@ def require_relu6_of_x_plus_3(m: Match) -> None:
     m.require(low == 0.0 and high == 6.0, f"the Clip is to [{low}, {high}], not [0, 6]")
 
 
-def require_hard_sigmoid_form(m: Match) -> None:
-    require_relu6_of_x_plus_3(m)
-    six = scalar(m, "six")
+def require_divided_by_6(m: Match, what: str) -> None:
+    """The constant "six" divides by 6 or multiplies by 1/6."""
+    six, dtype = scalar(m, "six"), m.value("six").dtype
     divides = m.node("scale").op_type == "Div"
-    m.require(
-        close_to(six, 6.0) if divides else close_to(six, 1 / 6), "the Clip is not divided by 6 (or multiplied by 1/6)"
-    )
+    m.require(close_to(six, 6.0, dtype) if divides else close_to(six, 1 / 6, dtype), f"{what} is not divided by 6")
+
+
+def require_hard_sigmoid_form(m: Match) -> None:
+    require_runnable_dtype(m)
+    require_relu6_of_x_plus_3(m)
+    require_divided_by_6(m, "the Clip")

@@ -10,7 +10,14 @@ nodes instead of four, which the onnxruntime target's NCHWc rules keep in the bl
 
 from __future__ import annotations
 
-from fuser.rules._hard_activations import RELU6_OF_X_PLUS_3, close_to, require_relu6_of_x_plus_3, scalar, x
+from fuser.rules._hard_activations import (
+    RELU6_OF_X_PLUS_3,
+    close_to,
+    require_divided_by_6,
+    require_relu6_of_x_plus_3,
+    require_runnable_dtype,
+    x,
+)
 from fuser.rules._simplify import SIMPLIFY_PHASE
 
 from fuser import Builder, Match, const, op, rule
@@ -24,6 +31,7 @@ from fuser import Builder, Match, const, op, rule
 )
 def hardswish_decomposed(m: Match, b: Builder):
     """x * HardSigmoid(x, alpha=1/6, beta=0.5)  =>  HardSwish(x)."""
+    require_runnable_dtype(m)
     alpha, beta = float(m.attr("hsig", "alpha", 0.2)), float(m.attr("hsig", "beta", 0.5))
     m.require(close_to(alpha, 1 / 6), f"HardSigmoid's alpha is {alpha:g}, not 1/6")
     m.require(beta == 0.5, f"HardSigmoid's beta is {beta:g}, not 0.5")
@@ -55,7 +63,6 @@ def hardswish_clip_regroup(m: Match, b: Builder):
 
 
 def _require_divided_by_6(m: Match) -> None:
+    require_runnable_dtype(m)
     require_relu6_of_x_plus_3(m)
-    six = scalar(m, "six")
-    divides = m.node("scale").op_type == "Div"
-    m.require(close_to(six, 6.0) if divides else close_to(six, 1 / 6), "the product is not divided by 6")
+    require_divided_by_6(m, "the product")

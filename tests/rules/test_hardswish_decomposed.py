@@ -129,3 +129,69 @@ def test_broadcasting_constant_declines():
     nodes += [helper.make_node("Div", ["c", "six"], ["h"]), helper.make_node("Mul", ["x", "h"], ["y"])]
     model = make_model(nodes, [("x", np.float32, [2, 8])], [("y", np.float32, [1, 2, 8])], inits)
     assert_declined(model, hardsigmoid_decomposed, "broadcast x", rules=RULES, check=False)
+
+
+@pytest.mark.parametrize(
+    ("model", "rule"),
+    [
+        (torch_hardswish(six=6.005), hardsigmoid_decomposed),
+        (torch_hardswish(scale_op="Mul", six=0.1667), hardsigmoid_decomposed),
+        (grouped_hardswish(six=6.005), hardswish_clip),
+        (grouped_hardswish(six=0.1667, scale_op="Mul", opset=13), hardswish_clip_regroup),
+    ],
+    ids=["div-6.005", "mul-0.1667", "grouped-div-6.005", "regroup-mul-0.1667"],
+)
+def test_a_constant_near_6_but_not_it_declines(model, rule):
+    """6.005 or 0.1667 would move every output by 1e-4 to 1e-3 of it: as much as float32's check allows."""
+    assert_declined(model, rule, "not divided by 6", rules=RULES, check=False)
+
+
+def test_hardsigmoid_whose_alpha_is_near_a_sixth_is_not_hardswish():
+    nodes = [helper.make_node("HardSigmoid", ["x"], ["h"], alpha=0.1665), helper.make_node("Mul", ["x", "h"], ["y"])]
+    model = make_model(nodes, [("x", np.float32, [2, 8])], [("y", np.float32, [2, 8])], opset=14)
+    assert_declined(model, hardswish_decomposed, "alpha is 0.1665", check=False)
+
+
+def test_a_sixth_written_to_six_digits_is_a_sixth():
+    assert_rewritten(
+        torch_hardswish(scale_op="Mul", six=0.166667),
+        RULES,
+        counts={"hardsigmoid-decomposed": 1, "hardswish-decomposed": 1},
+        expected_ops=["HardSwish"],
+        feeds=X,
+        **TOL,
+    )
+
+
+def _as(model, dtype):
+    """`model` with its input, output and constants in `dtype`."""
+    from onnx import numpy_helper
+
+    element = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = element
+    for tensor in model.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(dtype), tensor.name))
+    return model
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["torch", "grouped"])
+def test_float64_stays_decomposed(grouped):
+    """onnxruntime's CPU has no float64 HardSigmoid or HardSwish: the model would not load."""
+    model = _as(grouped_hardswish() if grouped else torch_hardswish(), np.float64)
+    rule = hardswish_clip if grouped else hardsigmoid_decomposed
+    assert_declined(model, rule, "the input is float64", rules=RULES, check=False)
+
+
+def test_float16_with_a_sixth_as_float16_holds_it_is_fused():
+    model = _as(torch_hardswish(scale_op="Mul", six=1 / 6), np.float16)
+    feeds = {"x": X["x"].astype(np.float16)}
+    assert_rewritten(
+        model,
+        RULES,
+        counts={"hardsigmoid-decomposed": 1, "hardswish-decomposed": 1},
+        expected_ops=["HardSwish"],
+        feeds=feeds,
+        rtol=1e-2,
+        atol=1e-2,
+    )
