@@ -20,6 +20,8 @@ def transpose_reshape(m: Match, b: Builder):
     """Transpose(x, perm) keeping the order of x's axes longer than 1  =>  Reshape(x)."""
     shape = m.shape("x")
     m.require(shape is not None and all(isinstance(d, int) for d in shape), "x's shape is not fixed")
+    # Reshape would read a 0 in the new shape as "keep that axis"; an empty x costs nothing to move.
+    m.require(0 not in shape, f"x is empty: {tuple(shape)}")
     perm = m.attr("transpose", "perm")
     perm = list(reversed(range(len(shape)))) if perm is None else [int(p) for p in perm]
     m.require(perm != list(range(len(shape))), "the Transpose keeps every axis in place")

@@ -54,3 +54,10 @@ def test_a_symbolic_shape_declines():
     model = lstm_head()
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "batch"
     assert_declined(model, transpose_reshape, "not fixed", check=False)
+
+
+def test_an_empty_tensor_declines():
+    """Transpose(x[0, 1]) as Reshape(x, [1, 0]) would keep x's first axis for the 0: [1, 1]."""
+    nodes = [helper.make_node("Transpose", ["x"], ["y"], perm=[1, 0])]
+    model = make_model(nodes, [("x", np.float32, [0, 1])], [("y", np.float32, [1, 0])])
+    assert_declined(model, transpose_reshape, "x is empty", check=False)
