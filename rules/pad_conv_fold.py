@@ -78,5 +78,10 @@ def pad_pool_fold(m: Match, b: Builder):
         "the pool has pads of its own that it does not count",
     )
     attrs = _merged(m, "pool", rank)
+    kernel = list(attrs.get("kernel_shape", []))
+    m.require(
+        len(attrs["pads"]) == 2 * len(kernel) and all(p < k for p, k in zip(attrs["pads"], kernel + kernel)),
+        f"the pads {attrs['pads']} would not all be smaller than the kernel {kernel} (onnxruntime refuses such a pool)",
+    )
     attrs["count_include_pad"] = 1
     return b.AveragePool(m["x"], **attrs)

@@ -102,3 +102,15 @@ def test_padded_tensor_used_elsewhere_declines():
     model = padded_model([0, 0, 1, 1, 0, 0, 1, 1])
     model.graph.output.append(helper.make_tensor_value_info("p", 1, None))
     assert_declined(model, pad_conv_fold, "graph output", check=False)
+
+
+def test_pool_pads_as_large_as_the_kernel_decline():
+    """A Pad of 3 before a 3x3 AveragePool: the merged pool would pad by its whole kernel, which
+    onnxruntime refuses to load; the Pad and the pool ran."""
+    model = padded_model([0, 0, 3, 0, 0, 0, 0, 0], consumer="AveragePool")
+    assert_declined(model, pad_pool_fold, "not all be smaller than the kernel", check=False)
+
+
+def test_pool_pads_one_less_than_the_kernel_fold():
+    model = padded_model([0, 0, 2, 2, 0, 0, 2, 2], consumer="AveragePool")
+    assert_rewritten(model, [pad_pool_fold], counts={"pad-pool-fold": 1}, feeds={"x": X}, **TOL)
