@@ -121,7 +121,8 @@ def _duplicated_halves(m: Match, tensor: str, function: str) -> str:
         if node.op_type == "Cast" or (
             node.op_type in ("Mul", "Div") and any(graph.constant_value(i) is not None for i in node.inputs)
         ):
-            scalars = [graph.constant_value(i) for i in node.inputs[1:]]
+            # A constant on either side: s * cos(...) as well as cos(...) * s, and c / cos(...).
+            scalars = [graph.constant_value(i) for i in node.inputs]
             m.require(all(s is None or s.size == 1 for s in scalars), f"{function.lower()} is scaled per element")
             current = (
                 next(i for i in node.inputs if graph.constant_value(i) is None)
@@ -150,8 +151,24 @@ def _checked_caches(m: Match) -> tuple[list[str], int]:
     caches = []
     for name, function in (("cos", "Cos"), ("sin", "Sin")):
         m.require(m.dtype(name) == dtype, "%s is %s, x is %s", name, m.dtype(name), dtype)
-        caches.append(_duplicated_halves(m, m[name], function))
+        cache = _duplicated_halves(m, m[name], function)
+        _require_cache_shape(m, name, m.shape_of(cache), shape)
+        caches.append(cache)
     return caches, head_size
+
+
+def _require_cache_shape(m: Match, name: str, cache: tuple | None, heads: tuple) -> None:
+    """The cache [B or 1, S or 1, H] unsqueezed to [., 1, ., H] meets x [B, N, S, H] position by
+    position: of rank 3, no batch or sequence of its own that would broadcast x to a larger one.
+    (A [S, H/2] table unsqueezed would rotate x along the heads axis.)"""
+    m.require(cache is not None and len(cache) == 3, f"{name} is computed as {cache}, not [batch, positions, H]")
+    m.require(cache[2] == heads[3], f"{name} is computed as {cache}, not of x's head size {heads[3]}")
+    for axis, what in ((0, "batch"), (1, "sequence")):
+        own, of_x = cache[axis], heads[axis + (1 if axis else 0)]
+        m.require(
+            not (isinstance(own, int) and own != 1 and own != of_x),
+            f"{name}'s {what} of {own} is not x's {of_x}: the original broadcasts x to it",
+        )
 
 
 def _first_halves(b: Builder, caches: list[str], head_size: int, rule_name: str) -> list[str]:
@@ -171,12 +188,20 @@ def _first_halves(b: Builder, caches: list[str], head_size: int, rule_name: str)
 def rotary_embedding(m: Match, b: Builder):
     """x * cos + rotate_half(x) * sin (heads [B, N, S, H])  =>  RotaryEmbedding."""
     caches, head_size = _checked_caches(m)
-    batch = m.shape("x")[0]
-    full_batch = all(shape is not None and shape[0] == batch for shape in map(m.shape_of, caches))
+    batch, sequence = m.shape("x")[0], m.shape("x")[2]
+    shapes = [m.shape_of(cache) for cache in caches]
+    full_batch = batch not in (None, "?") and all(shape[0] == batch for shape in shapes)
+    full_sequence = sequence not in (None, "?") and all(shape[1] == sequence for shape in shapes)
     halves = _first_halves(b, caches, head_size, "rotary-embedding")
-    if not (full_batch and batch not in (None, "?")):
-        # onnxruntime wants the caches' batch dimension in full: [1, S, H/2] -> [B, S, H/2].
-        target = b.Concat(b.Shape(m["x"], start=0, end=1), np.array([1, 1], np.int64), axis=0)
+    if not (full_batch and full_sequence):
+        # onnxruntime wants the caches [B, S, H/2] in full, where the original may broadcast a
+        # batch of 1 ([1, S, H/2], as Hugging Face builds them) or one position.
+        target = b.Concat(
+            b.Shape(m["x"], start=0, end=1) if not full_batch else np.array([1], np.int64),
+            b.Shape(m["x"], start=2, end=3) if not full_sequence else np.array([1], np.int64),
+            np.array([1], np.int64),
+            axis=0,
+        )
         halves = [b.Expand(half, target) for half in halves]
     return b.RotaryEmbedding(m["x"], halves[0], halves[1])
 
@@ -188,7 +213,7 @@ def rotary_embedding_ort(m: Match, b: Builder):
     shapes = [m.shape_of(cache) for cache in caches]
     for name, shape in zip(("cos", "sin"), shapes):
         m.require(
-            shape is not None and len(shape) == 3 and shape[0] == 1,
+            shape[0] == 1,
             f"{name} is computed as {shape}, not [1, positions, H]: the fused op reads one row of positions "
             "for the whole batch",
         )

@@ -38,6 +38,9 @@ def rotary_model(
     batch_positions=False,
     sin_batch_positions=False,
     tensor_names=False,
+    cos_scale=None,
+    flat_positions=False,
+    x_batch=B,
 ):
     """x [B, N, S, H], position_ids [1, S] -> x * cos + rotate_half(x) * sin; (model, feeds).
 
@@ -49,6 +52,9 @@ def rotary_model(
     sin_batch_positions: sin from positions of its own, [B, S]; cos from position_ids [1, S].
     tensor_names: the [1, S, H] caches named "cos" and "sin" (as the dynamo exporter names
     them), which are also names in the rules' pattern (bound to the [1, 1, S, H] Unsqueezes).
+    cos_scale: an [H] constant that multiplies Cos(...) from the left, Mul(cos_scale, Cos(...)).
+    flat_positions: position_ids [positions], so that the caches are [positions, H].
+    x_batch: x's batch, when it is not position_ids' (with batch_positions).
     """
     rng = np.random.default_rng(0)
     batch, seq = ("batch", "seq") if symbolic else (B, S)
@@ -88,8 +94,12 @@ def rotary_model(
             ]
         for function, name in (("Cos", "cos"), ("Sin", "sin")):
             emb = "sin_emb" if sin_batch_positions and name == "sin" else "emb"
+            if cos_scale is not None and name == "cos":
+                inits["cos_scale"] = np.asarray(cos_scale, np.float32)
+                nodes.append(helper.make_node(function, [emb], ["cos_unscaled"]))
+                function, emb = "Mul", "cos_unscaled"
             nodes += [
-                helper.make_node(function, [emb], [f"{name}_3d"]),
+                helper.make_node(function, ["cos_scale", emb] if function == "Mul" else [emb], [f"{name}_3d"]),
                 helper.make_node("Cast", [f"{name}_3d"], [name if tensor_names else f"{name}_typed"], to=to),
                 helper.make_node(
                     "Unsqueeze",
@@ -106,18 +116,22 @@ def rotary_model(
         helper.make_node("Mul", ["x_rotated", "sin_heads" if tensor_names else "sin"], ["x_sin"]),
         helper.make_node("Add", ["x_cos", "x_sin"], ["y"], name="sum"),
     ]
-    inputs = [("x", dtype, [batch, N, seq, H])]
-    feeds = {"x": rng.standard_normal((B, N, S, H)).astype(dtype)}
+    x_rows = batch if x_batch == B else x_batch
+    inputs = [("x", dtype, [x_rows, N, seq, H])]
+    feeds = {"x": rng.standard_normal((x_batch, N, S, H)).astype(dtype)}
     if not constant_cos:
         rows, length = (batch, seq) if batch_positions else (1, seq if positions is None else positions)
-        inputs.append(("position_ids", np.int64, [rows, length]))
+        inputs.append(("position_ids", np.int64, [length] if flat_positions else [rows, length]))
         feeds["position_ids"] = np.arange(S if positions is None else positions, dtype=np.int64)[None]
         if batch_positions:
             feeds["position_ids"] = np.tile(feeds["position_ids"], (B, 1)) + np.arange(B)[:, None]
+        if flat_positions:
+            feeds["position_ids"] = feeds["position_ids"][0]
         if sin_batch_positions:
             inputs.append(("sin_position_ids", np.int64, [batch, seq]))
             feeds["sin_position_ids"] = np.arange(S, dtype=np.int64)[None] + np.arange(B)[:, None]
-    model = make_model(nodes, inputs, [("y", dtype, [batch, N, seq, H])], inits, opset=opset, ir_version=10)
+    rows_out = x_rows if x_batch == B or not batch_positions else batch
+    model = make_model(nodes, inputs, [("y", dtype, [rows_out, N, seq, H])], inits, opset=opset, ir_version=10)
     return model, feeds
 
 
@@ -279,3 +293,41 @@ def test_llama_exports_on_the_onnxruntime_target(name):
     else:
         assert not nodes_of(after, "Softmax")
         assert len(nodes_of(after, "MultiHeadAttention")) == 2  # attention takes the rotated heads
+
+
+@pytest.mark.parametrize("rule", [rotary_embedding, rotary_embedding_ort])
+def test_a_per_element_scale_written_first_is_declined(rule):
+    """Mul(s, Cos(Concat(f, f))) with s of H values: the halves differ, whichever side s is on."""
+    model, _ = rotary_model(cos_scale=np.arange(1, H + 1), opset=23 if rule is rotary_embedding else 18)
+    target = "onnx" if rule is rotary_embedding else "onnxruntime"
+    assert_declined(model, rule, "cos is scaled per element", target=target)
+
+
+def test_a_scalar_written_first_is_fused():
+    model, feeds = rotary_model(cos_scale=np.float32(1.5), opset=18)
+    fuse_ort(model, feeds)
+
+
+@pytest.mark.parametrize("rule", [rotary_embedding, rotary_embedding_ort])
+def test_a_table_of_positions_unsqueezed_onto_the_heads_axis_is_declined(rule):
+    """position_ids [N] make [N, H] caches, unsqueezed to [N, 1, H]: the original rotates x
+    [B, N, S, H] along its heads axis, which the fused op cannot."""
+    model, feeds = rotary_model(flat_positions=True, positions=N, opset=23 if rule is rotary_embedding else 18)
+    run(model, feeds)  # the original runs
+    target = "onnx" if rule is rotary_embedding else "onnxruntime"
+    assert_declined(model, rule, "not [batch, positions, H]", target=target)
+
+
+def test_caches_with_a_batch_larger_than_x_s_are_declined():
+    """Caches of batch 2 broadcast x of batch 1 to 2 rows: the fused op would give one."""
+    model, feeds = rotary_model(batch_positions=True, x_batch=1)
+    assert run(model, feeds)[0].shape[0] == B
+    assert_declined(model, rotary_embedding, "the original broadcasts x to it")
+
+
+def test_one_position_for_the_whole_sequence_is_expanded_for_the_standard_op():
+    """cos [1, 1, 1, H] broadcast over S positions: onnxruntime's RotaryEmbedding wants [B, S, H/2]."""
+    model, feeds = rotary_model(positions=1)
+    after, report = fuser.optimize(model, rules=[rotary_embedding], inputs=feeds)
+    assert report.counts == {RULE: 1} and report.verdict.passed
+    np.testing.assert_allclose(run(after, feeds)[0], run(model, feeds)[0], rtol=1e-5, atol=1e-5)
