@@ -745,6 +745,8 @@ def shape_candidates(
             for d, size in zip(spec.shape or [], shapes[spec.name]):
                 if isinstance(d, str) and d and not _expression_names(d):
                     dims.setdefault(d, int(size))
+    for key, size in dims_read_by_weights(model).items():
+        dims.setdefault(key, size)
     specs = [spec for spec in sess.get_inputs() if spec.name not in shapes]
     kinds: dict[str, str] = {}  # symbol -> "batch" | "image" | "sequence"
     unnamed: list[str] = []
@@ -807,6 +809,77 @@ def shape_candidates(
             if candidate not in candidates:
                 candidates.append(candidate)
     return candidates
+
+
+# Operators whose result keeps their first input's axes in place (with a constant of at most
+# its rank, for the binary ones): a weight that reads the result fixes the input's size there.
+_AXES_KEPT = {
+    "Cast", "Identity", "Relu", "Clip", "Sigmoid", "Tanh", "LeakyRelu", "Neg", "Abs", "Sqrt", "Exp",
+    "Add", "Sub", "Mul", "Div", "Pow",
+}  # fmt: skip
+
+
+def dims_read_by_weights(model: onnx.ModelProto) -> dict[str, int]:
+    """Free dims of the main graph's inputs that a stored weight fixes, by symbol: the channels a
+    Conv's filter reads (axis 1; transformers' vision exports name it `num_channels` and leave it
+    free), the features a MatMul's or Gemm's weight contracts (the last axis), the channels a
+    BatchNormalization scales. Followed through operators that keep the axes in place
+    (normalizing an image: Sub, Div)."""
+    graph = model.graph
+    shapes = {t.name: tuple(t.dims) for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            shapes[node.output[0]] = tuple(node.attribute[0].t.dims)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input[:]:
+            consumers.setdefault(name, []).append(node)
+    fixed: dict[str, int] = {}
+    for value in graph.input:
+        if value.name in shapes or not value.type.HasField("tensor_type"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        free = {
+            axis: _symbol(value.name, axis, d.dim_param) for axis, d in enumerate(dims) if not d.HasField("dim_value")
+        }
+        if not free:
+            continue
+        rank, frontier, seen = len(dims), [value.name], {value.name}
+        while frontier:
+            tensor = frontier.pop()
+            for node in consumers.get(tensor, []):
+                read = _size_a_weight_reads(node, tensor, shapes, rank)
+                if read is not None and read[0] in free and read[1] > 0:
+                    fixed.setdefault(free[read[0]], read[1])
+                elif (
+                    node.op_type in _AXES_KEPT
+                    and node.input[0] == tensor
+                    and all(len(shapes.get(i, (0,) * (rank + 1))) <= rank for i in node.input[1:] if i)
+                    and node.output[0] not in seen
+                ):
+                    seen.add(node.output[0])
+                    frontier.append(node.output[0])
+    return fixed
+
+
+def _size_a_weight_reads(node: onnx.NodeProto, tensor: str, shapes: dict, rank: int) -> tuple[int, int] | None:
+    """(axis of `tensor`, size) that `node`'s stored weight fixes, if it does."""
+    inputs = node.input[:]
+    weight = shapes.get(inputs[1]) if len(inputs) > 1 else None
+    if not inputs or inputs[0] != tensor or weight is None:
+        return None
+    attributes = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    if node.op_type == "Conv" and rank >= 3 and len(weight) == rank:
+        return 1, weight[1] * attributes.get("group", 1)
+    if node.op_type == "ConvTranspose" and rank >= 3 and len(weight) == rank:
+        return 1, weight[0]
+    if node.op_type == "MatMul" and rank >= 2 and len(weight) == 2:
+        return rank - 1, weight[0]
+    if node.op_type == "Gemm" and rank == 2 and len(weight) == 2 and not attributes.get("transA", 0):
+        return 1, weight[1] if attributes.get("transB", 0) else weight[0]
+    if node.op_type in ("BatchNormalization", "InstanceNormalization") and rank >= 2 and len(weight) == 1:
+        return 1, weight[0]
+    return None
 
 
 # A lone dim takes sums of other sizes up to this (two image sizes of 640, say).

@@ -17,7 +17,15 @@ import onnx
 import pytest
 from onnx import helper
 
-from fuser.verify import Checker, CheckOptions, index_ranges, session, shape_candidates, synthesize_inputs
+from fuser.verify import (
+    Checker,
+    CheckOptions,
+    dims_read_by_weights,
+    index_ranges,
+    session,
+    shape_candidates,
+    synthesize_inputs,
+)
 from tests.helpers import in_process_cli, make_model
 
 EXPORTS = Path(__file__).parent / "data" / "transformers"
@@ -226,6 +234,37 @@ def test_symbolic_image_dims_get_a_size_the_detector_runs_on():
     with pytest.raises(Exception, match="Concat|concat"):
         Checker(model, CheckOptions(shapes={"images": (1, 3, 1, 1)}))  # what fuser used to try
     assert Checker(model).input_shapes == {"images": (1, 3, 224, 224)}
+
+
+def test_a_free_channel_axis_takes_the_channels_the_first_convolution_reads():
+    """transformers' vision exports leave axis 1 free (`num_channels`); normalized (Sub, Div)
+    and read by a Conv of 3 input channels, it is 3, not a sequence length."""
+    rng = np.random.default_rng(2)
+    model = make_model(
+        [
+            helper.make_node("Sub", ["pixel_values", "mean"], ["centred"]),
+            helper.make_node("Div", ["centred", "std"], ["normalized"]),
+            helper.make_node("Conv", ["normalized", "w"], ["features"], strides=[4, 4]),
+            helper.make_node("MatMul", ["tokens", "proj"], ["projected"]),
+        ],
+        [
+            ("pixel_values", np.float32, ["batch", "num_channels", "height", "width"]),
+            ("tokens", np.float32, ["batch", "sequence", None]),
+        ],
+        [("features", np.float32, None), ("projected", np.float32, None)],
+        {
+            "mean": np.full((1, 3, 1, 1), 0.5, np.float32),
+            "std": np.full((1, 3, 1, 1), 0.25, np.float32),
+            "w": rng.standard_normal((8, 3, 4, 4)).astype(np.float32),
+            "proj": rng.standard_normal((12, 5)).astype(np.float32),
+        },
+        check=False,
+    )
+    assert dims_read_by_weights(model) == {"num_channels": 3, "tokens:2": 12}
+    assert Checker(model).input_shapes == {"pixel_values": (1, 3, 224, 224), "tokens": (1, 128, 12)}
+    assert Checker(model, CheckOptions(dims={"num_channels": 3, "height": 32, "width": 32})).input_shapes[
+        "pixel_values"
+    ] == (1, 3, 32, 32)
 
 
 def test_an_image_size_in_the_metadata_comes_first():
