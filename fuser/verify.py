@@ -662,28 +662,61 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
                 rows[(index, node.output[0])] = list(node.attribute[0].t.dims)
             elif node.op_type in _SAME_SHAPE and node.input and key(index, node.input[0]) in rows and node.output:
                 rows[(index, node.output[0])] = rows[key(index, node.input[0])]
+    offsets = _integer_constants(scopes)
     result = {}
     for name in indices:
         bounds = []
         start = key(0, name)
-        seen, frontier = {start}, [start]
+        # With the largest constant added on the way: a codebook's codes + k * size index one table.
+        seen, frontier = {start}, [(start, 0)]
         while frontier:
-            tensor = frontier.pop()
+            tensor, offset = frontier.pop()
             for index, node in consumers.get(tensor, []):
                 if node.op_type == "Gather" and len(node.input) > 1 and key(index, node.input[1]) == tensor:
                     table = rows.get(key(index, node.input[0]))
                     axis = next((a.i for a in node.attribute[:] if a.name == "axis"), 0)
-                    if table and -len(table) <= axis < len(table) and table[axis] > 0:
-                        bounds.append(table[axis])
+                    if table and -len(table) <= axis < len(table) and table[axis] - offset > 0:
+                        bounds.append(table[axis] - offset)
                         continue
                 if node.op_type in _INDEX_PASSTHROUGH:
+                    added = _added(node, tensor[1], lambda name, index=index: offsets.get(key(index, name)))
                     for output in node.output[:]:
                         if output and (index, output) not in seen:
                             seen.add((index, output))
-                            frontier.append((index, output))
+                            frontier.append(((index, output), offset + added))
         if bounds:
             result[name] = (0, min(bounds))
     return result
+
+
+def _integer_constants(scopes) -> dict[tuple, np.ndarray]:
+    """The small integer initializers and Constants of every scope, by (scope, name)."""
+    found = {}
+    for index, (scope, _) in enumerate(scopes):
+        tensors = [(t.name, t) for t in scope.initializer]
+        tensors += [
+            (n.output[0], n.attribute[0].t)
+            for n in scope.node
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+        ]
+        for name, tensor in tensors:
+            small = tensor.data_location != onnx.TensorProto.EXTERNAL and np.prod(tensor.dims, dtype=np.int64) <= 4096
+            if small and tensor.data_type in _INTEGER_TYPES:
+                found[(index, name)] = onnx.numpy_helper.to_array(tensor)
+    return found
+
+
+def _added(node: onnx.NodeProto, tensor: str, constant) -> int:
+    """The most an Add or Sub of a constant adds to `tensor`'s values on the way to its output."""
+    if node.op_type not in ("Add", "Sub") or len(node.input) != 2:
+        return 0
+    other = node.input[1] if node.input[0] == tensor else node.input[0]
+    value = constant(other)
+    if value is None or not value.size:
+        return 0
+    if node.op_type == "Add":
+        return max(int(value.max()), 0)
+    return max(-int(value.min()), 0) if node.input[0] == tensor else 0
 
 
 def _scopes(graph: onnx.GraphProto) -> list[tuple[onnx.GraphProto, int | None]]:

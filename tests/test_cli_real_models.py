@@ -132,6 +132,30 @@ def test_an_index_reaching_two_tables_is_bounded_by_the_smaller():
     assert index_ranges(model) == {"ids": (0, 3)}
 
 
+def test_codes_offset_into_one_shared_table_stay_inside_it():
+    """Audio codebooks (and recommenders) share one table: book k's codes are offset by k * 64
+    before the lookup, so the codes themselves go up to 64 of its 256 rows."""
+    model = make_model(
+        [
+            helper.make_node("Add", ["codes", "offsets"], ["shifted"]),
+            helper.make_node("Gather", ["table", "shifted"], ["embedded"]),
+            helper.make_node("Sub", ["codes", "minus_one"], ["plus_one"]),
+            helper.make_node("Gather", ["small", "plus_one"], ["other"]),
+        ],
+        [("codes", np.int64, [1, 4, "frames"])],
+        [("embedded", np.float32, None), ("other", np.float32, None)],
+        {
+            "offsets": (np.arange(4, dtype=np.int64) * 64).reshape(1, 4, 1),
+            "table": np.zeros((256, 2), np.float32),
+            "minus_one": np.array(-1, np.int64),
+            "small": np.zeros((300, 2), np.float32),
+        },
+        check=False,
+    )
+    assert index_ranges(model) == {"codes": (0, 64)}
+    assert Checker(model).input_shapes == {"codes": (1, 4, 128)}
+
+
 def embedding_in_a_branch() -> onnx.ModelProto:
     """token ids read by an If's branches by name, each gathering from a table of 2 rows (kept in
     the main graph, and in the branch's own initializers)."""
