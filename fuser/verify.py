@@ -536,11 +536,14 @@ def synthesize_inputs(
     dims: dict[str, int] | None = None,
     shapes: dict[str, tuple] | None = None,
     ranges: dict[str, tuple[float, float]] | None = None,
+    positive: bool = False,
 ) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input.
 
     Floats are standard normal, integers in `ranges` (default [0, 10)), bools random;
     integer and bool inputs named like an attention mask are all ones, as real masks mostly are.
+    positive: floats not given a range are the normal values' magnitudes, and integers not given
+    one are drawn from [1, 10) (for a model that takes the log of a power, or a count).
     """
     dims = dims or {}
     shapes = shapes or {}
@@ -561,7 +564,7 @@ def synthesize_inputs(
                 "--inputs: run with --no-check, and check the result on your own inputs"
             )
         try:
-            feeds[spec.name] = _synthesize(rng, spec.name, shape, dtype, ranges.get(spec.name))
+            feeds[spec.name] = _synthesize(rng, spec.name, shape, dtype, ranges.get(spec.name), positive)
         except (MemoryError, ValueError) as error:
             raise InputError(
                 f"cannot make a check input '{spec.name}' of shape {_shape_text(shape)}: {_first_line(error)}; "
@@ -570,20 +573,21 @@ def synthesize_inputs(
     return feeds
 
 
-def _synthesize(rng, name: str, shape: tuple, dtype, value_range) -> np.ndarray:
+def _synthesize(rng, name: str, shape: tuple, dtype, value_range, positive: bool = False) -> np.ndarray:
     integral = dtype == np.bool_ or np.issubdtype(dtype, np.integer)
     if integral and value_range is None and is_mask_name(name):
         return np.ones(shape, dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
     if np.issubdtype(dtype, np.integer):
-        low, high = value_range or INT_RANGE
+        low, high = value_range or ((1, INT_RANGE[1]) if positive else INT_RANGE)
         if int(high) <= int(low):
             raise InputError(f"input range {low},{high} of '{name}' holds no integer")
         return rng.integers(int(low), int(high), size=shape, endpoint=False).astype(dtype)
     if value_range is not None:
         return rng.uniform(value_range[0], value_range[1], size=shape).astype(dtype)
-    return rng.standard_normal(size=shape).astype(dtype)
+    values = rng.standard_normal(size=shape)
+    return (np.abs(values) if positive else values).astype(dtype)
 
 
 def is_mask_name(name: str) -> bool:
@@ -791,7 +795,7 @@ def shape_candidates(
             key = _symbol(spec.name, axis, d)
             if key in dims or _expression_names(key):
                 continue
-            if axis == 0 and len(shape) >= 2 or "batch" in key.lower():
+            if _is_batch(key, axis, len(shape)):
                 kind = "batch"
             elif len(shape) == 4 and axis >= 2:
                 kind = "image"
@@ -913,6 +917,37 @@ def _size_a_weight_reads(node: onnx.NodeProto, tensor: str, shapes: dict, rank: 
     if node.op_type in ("BatchNormalization", "InstanceNormalization") and rank >= 2 and len(weight) == 1:
         return 1, weight[0]
     return None
+
+
+# Names of a first axis that is a sequence, not a batch (nn.LSTM's and nn.Transformer's
+# default layout, ONNX LSTM's own: [time, batch, features]).
+_SEQUENCE_NAMES = ("seq", "time", "len", "frame", "step")
+
+
+def _is_batch(symbol: str, axis: int, rank: int) -> bool:
+    """Whether a free dim is taken for a batch (size 1 in every candidate): named so, or the
+    first of several axes unless it is named like a sequence."""
+    name = symbol.lower()
+    if "batch" in name:
+        return True
+    return axis == 0 and rank >= 2 and not any(word in name for word in _SEQUENCE_NAMES)
+
+
+def sizes_all_one(sess, candidate: dict[str, tuple], dims: dict[str, int], shapes: dict[str, tuple]) -> bool:
+    """Whether `candidate` sets every free dim but the batch to 1 (where no typical size fits)
+    although the model has such dims: dims neither given nor read by a weight."""
+    free = []
+    for spec in sess.get_inputs():
+        if spec.name in shapes:
+            continue
+        shape = list(spec.shape or [])
+        for axis, d in enumerate(shape):
+            key = _symbol(spec.name, axis, d)
+            if isinstance(d, int) and d >= 0 or key in dims or _expression_names(key):
+                continue
+            if not _is_batch(key, axis, len(shape)):
+                free.append(candidate[spec.name][axis])
+    return bool(free) and all(size == 1 for size in free)
 
 
 # A lone dim takes sums of other sizes up to this (two image sizes of 640, say).
@@ -1200,6 +1235,14 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
         raise InputError(f"{path}: not a .npz file of arrays ({error})") from error
 
 
+def _something_to_compare(outputs: dict[str, np.ndarray]) -> bool:
+    """Whether some output has an element to compare: not empty, and for floats finite."""
+    return any(
+        value.size and (not _is_float(value) or np.isfinite(value.astype(np.float64)).any())
+        for value in outputs.values()
+    )
+
+
 @dataclass
 class OriginalRuns:
     """What the original model gave a check: the input sets, its outputs for each, its graph
@@ -1310,6 +1353,7 @@ class Checker:
     def _original_runs(self, original: onnx.ModelProto, options: CheckOptions) -> OriginalRuns:
         seed, runs, inputs = options.seed, options.runs, options.inputs
         ranges = options.ranges
+        self._early_warnings: list[str] = []
         if inputs is not None:
             self.feeds = [self._named(inputs)]
             self.expected = [self._run_original(self.feeds[0])]
@@ -1318,7 +1362,9 @@ class Checker:
             ranges = {**index_ranges(original), **(ranges or {})}
             self.feeds, self.expected = self._synthesize(original, seed, runs, options.dims, options.shapes, ranges)
         self.input_shapes = {name: tuple(value.shape) for name, value in self.feeds[0].items()}
-        self.warnings = self._meaningless_outputs(seed + runs, ranges if inputs is None else None)
+        self.warnings = self._early_warnings + self._meaningless_outputs(
+            seed + runs, ranges if inputs is None else None
+        )
         self.padded_masks: list[str] = []
         if inputs is None:
             self._add_padded_masks(ranges)
@@ -1348,24 +1394,46 @@ class Checker:
         self.padded_masks = names
 
     def _synthesize(self, original, seed, runs, dims, shapes, ranges):
-        """Feeds of the first candidate shapes the original runs on, and its outputs for them."""
+        """Feeds of the first candidate shapes the original runs on and computes something to
+        compare on, and its outputs for them. Where every output is empty or inf/NaN (the log of
+        a power given negative values, a TopK given k = 0), the same shapes are tried again with
+        positive values (synthesize_inputs), then the next shapes; where none helps, the first
+        inputs the original ran on are kept, and the outputs that tell nothing are warned of."""
         candidates = shape_candidates(self.session, original, dims, shapes)
+        given = {**dims_read_by_weights(original), **(dims or {})}
+        nothing_to_compare = None  # the first inputs the original ran on, to nothing comparable
         for number, candidate in enumerate(candidates):
-            try:
-                feeds = [
-                    synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges) for i in range(runs)
-                ]
-                return feeds, [self._run_original(f) for f in feeds]
-            except InputError as error:
-                if number < len(candidates) - 1:
-                    continue
-                if number == 0:  # the shapes were given: nothing else was tried
-                    raise
-                raise InputError(
-                    f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
-                    "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
-                ) from error
-        raise AssertionError("shape_candidates always gives at least one candidate")
+            for positive in (False, True):
+                try:
+                    feeds = [
+                        synthesize_inputs(
+                            self.session, seed=seed + i, shapes=candidate, ranges=ranges, positive=positive
+                        )
+                        for i in range(runs)
+                    ]
+                    expected = [self._run_original(f) for f in feeds]
+                except InputError as error:
+                    if positive or number < len(candidates) - 1:
+                        break
+                    if nothing_to_compare is not None:
+                        return nothing_to_compare  # warned of (_meaningless_outputs)
+                    if number == 0:  # the shapes were given: nothing else was tried
+                        raise
+                    raise InputError(
+                        f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
+                        "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
+                    ) from error
+                if _something_to_compare(expected[0]):
+                    if sizes_all_one(self.session, candidate, given, shapes or {}):
+                        self._early_warnings.append(
+                            "every free size but the batch is 1 on the check inputs (no typical size fits "
+                            "the model): a check at size 1 tells little; give the sizes it takes with "
+                            "--dim NAME=SIZE, or real inputs with --inputs"
+                        )
+                    return feeds, expected
+                if nothing_to_compare is None:
+                    nothing_to_compare = (feeds, expected)
+        return nothing_to_compare  # warned of (_meaningless_outputs)
 
     def _run_original(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:

@@ -519,3 +519,54 @@ def test_outputs_blind_to_the_inputs_and_non_finite_outputs_are_warned_about(cli
     assert f"  warning: output 'size' {blind}" in result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["numerics"]["warnings"] == warnings
+
+
+def test_a_model_that_computes_nothing_on_normal_values_is_checked_on_positive_ones():
+    """The log of a power spectrogram is NaN for every negative input: on standard-normal values
+    every output is NaN and a wrong rewrite would compare equal. Positive values are tried next."""
+    model = make_model(
+        [helper.make_node("Log", ["power"], ["logged"]), helper.make_node("ReduceSum", ["logged"], ["y"])],
+        [("power", np.float32, [1, 64])],
+        [("y", np.float32, [1, 1])],
+    )
+    checker = Checker(model)
+    assert checker.warnings == []
+    assert (checker.feeds[0]["power"] >= 0).all() and np.isfinite(checker.expected[0]["y"]).all()
+
+
+def test_a_count_of_zero_that_empties_every_output_is_tried_from_1():
+    """TopK's k drawn from [0, 10) may be 0, which leaves both outputs empty."""
+    model = make_model(
+        [helper.make_node("TopK", ["x", "k"], ["values", "indices"])],
+        [("x", np.float32, [1, 32]), ("k", np.int64, [1])],
+        [("values", np.float32, [1, None]), ("indices", np.int64, [1, None])],
+    )
+    for seed in range(4):
+        checker = Checker(model, CheckOptions(seed=seed))
+        assert checker.expected[0]["values"].size and checker.warnings == [], seed
+
+
+def test_a_model_no_typical_size_fits_is_checked_at_size_1_with_a_warning():
+    """A positional table of exactly 3 rows: none of the sizes tried fits, size 1 broadcasts."""
+    model = make_model(
+        [helper.make_node("Add", ["frames", "positions"], ["y"])],
+        [("frames", np.float32, ["batch", "length", 4])],
+        [("y", np.float32, ["batch", 3, 4])],
+        {"positions": np.zeros((3, 4), np.float32)},
+    )
+    checker = Checker(model)
+    assert checker.input_shapes == {"frames": (1, 1, 4)}
+    assert checker.warnings[0].startswith("every free size but the batch is 1 on the check inputs")
+    assert Checker(model, CheckOptions(dims={"length": 3})).warnings == []
+
+
+def test_a_first_axis_named_like_a_sequence_is_not_a_batch():
+    """nn.LSTM's default layout is [time, batch, features]: time is a sequence, checked at length."""
+    model = make_model(
+        [helper.make_node("ReduceSum", ["features", "axes"], ["y"], keepdims=0)],
+        [("features", np.float32, ["time", "batch", 16])],
+        [("y", np.float32, None)],
+        {"axes": np.array([0], np.int64)},
+        check=False,
+    )
+    assert Checker(model).input_shapes == {"features": (128, 1, 16)}
