@@ -55,8 +55,7 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     initializer, an annotation, the type a node casts to or makes); a node reading one makes
     its float results so, not its integer or boolean ones (_NO_FLOAT_RESULTS, _INDEX_RESULTS, a
     Cast to an integer). An If, Loop or Scan passes on what its bodies' outputs are, each body
-    seeing its own inputs and the tensors of the scopes around it. Nodes are in the graph's
-    order, which onnx's check makes topological."""
+    seeing its own inputs and the tensors of the scopes around it."""
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
         return {}
     graph = model.graph
@@ -81,6 +80,16 @@ def _reach(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> d
     for tensor in graph.initializer:
         if tensor.data_type in SIXTEEN_BIT_FLOATS:
             reached[tensor.name] = _NAMES[tensor.data_type]
+    # Again until nothing new is reached: a graph's nodes may be out of order (onnxruntime's
+    # float16 converter appends the casts of its kept float32 inputs at the end).
+    while _reach_nodes(graph, reached, not_float):
+        pass
+    return reached
+
+
+def _reach_nodes(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> bool:
+    """One pass over `graph`'s nodes, in their order; whether it reached a tensor not reached before."""
+    before = len(reached)
     for node in graph.node:
         kind = next((reached[name] for name in node.input if name in reached), None)
         if node.op_type in _TYPE_MAKERS:
@@ -101,7 +110,7 @@ def _reach(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> d
         for index, name in enumerate(node.output):
             if index not in skipped and name not in not_float:
                 reached.setdefault(name, kind)
-    return reached
+    return len(reached) > before
 
 
 def _body_results(node: NodeProto, reached: dict[str, str], not_float: set[str]) -> dict[int, str] | None:

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 
 from fuser import report, validation
 from fuser.errors import InputError
+from fuser.float32_twin import computed_in_sixteen_bit_float
 from fuser.graph import LONG_VECTOR, valueless_long_vectors, weightless_model
 from fuser.match import TypeInfo
 from fuser.model import Model
@@ -422,3 +423,47 @@ def test_a_thread_that_only_waits_does_not_keep_the_check_from_forking():
             release.set()
             thread.join()
             release.clear()
+
+
+def unsorted_model() -> onnx.ModelProto:
+    """x (float32) -> Cast to float16 -> Relu -> Cast back: the first Cast written last, as
+    onnxruntime's float16 converter (keep_io_types) appends the casts of the inputs it keeps."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x_half"], ["r"], name="relu"),
+            helper.make_node("Cast", ["r"], ["y"], to=TensorProto.FLOAT, name="out_cast"),
+            helper.make_node("Cast", ["x"], ["x_half"], to=TensorProto.FLOAT16, name="in_cast"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("in_a_child", [True, False])
+def test_nodes_out_of_order_are_taken_and_written_in_order(cli, monkeypatch, tmp_path, in_a_child):
+    if in_a_child:
+        monkeypatch.setattr(validation, "CHILD_NODES", 0)
+        monkeypatch.setattr(validation, "CORES", 2)
+    model = unsorted_model()
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", "m.onnx", "-o", "out.onnx", "--report", "r.json")
+    assert result.returncode == 0, result.stderr
+    written = onnx.load(tmp_path / "out.onnx")
+    onnx.checker.check_model(written, full_check=True)
+    assert [n.name for n in written.graph.node] == ["in_cast", "relu", "out_cast"]
+    # float16 reaches the output whatever the order: the check would compare it at float16's tolerance
+    assert computed_in_sixteen_bit_float(model) == {"y": "float16"}
+
+
+def test_a_node_reading_what_no_node_makes_is_refused_with_the_node_named(cli, tmp_path):
+    model = unsorted_model()
+    model.graph.node[2].output[0] = "elsewhere"
+    onnx.save(model, tmp_path / "m.onnx")
+    result = cli(tmp_path, "optimize", "m.onnx")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "topologically sorted" in line and "name: relu OpType: Relu" in line, line
