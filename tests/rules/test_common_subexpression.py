@@ -173,3 +173,20 @@ def test_a_merge_that_leaves_one_reader_lets_that_reader_fuse_in_the_same_pass()
         atol=1e-6,
     )
     assert_declined(after, conv_add_bias, None, rules=[common_subexpression, conv_add_bias], check=False)
+
+
+def test_dedicated_quantize_dequantize_pairs_are_never_merged():
+    """A quantizer's pair per consumer (DedicatedQDQPair; a zero bias shared by two Adds) stays
+    one pair per consumer: runtimes fuse each DequantizeLinear into its one reader."""
+    nodes = [
+        helper.make_node("QuantizeLinear", ["bias", "scale", "zero"], ["q1"]),
+        helper.make_node("QuantizeLinear", ["bias", "scale", "zero"], ["q2"]),
+        helper.make_node("DequantizeLinear", ["q1", "scale", "zero"], ["d1"]),
+        helper.make_node("DequantizeLinear", ["q2", "scale", "zero"], ["d2"]),
+        helper.make_node("Add", ["x", "d1"], ["a"]),
+        helper.make_node("Add", ["x", "d2"], ["b"]),
+        helper.make_node("Mul", ["a", "b"], ["y"]),
+    ]
+    inits = {"bias": np.zeros(3, np.float32), "scale": np.array(0.1, np.float32), "zero": np.array(0, np.int8)}
+    model = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], inits)
+    assert_declined(model, common_subexpression, None, check=False)
