@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import fuser
 from fuser import Builder, Match, op, rule, var
@@ -583,3 +583,16 @@ def test_a_network_quantized_by_onnxruntime_keeps_every_quantized_group(tmp_path
         assert op_types(after).count(op_type) == op_types(model).count(op_type), op_type
     assert not any(n.domain.startswith("com.microsoft") for n in after.graph.node)
     np.testing.assert_array_equal(run(model, X)[0], run(after, X)[0])
+
+
+def test_a_gelu_whose_result_reaches_a_dynamic_quantizer_through_arithmetic_is_left_decomposed():
+    """GELU -> Mul by a scale -> DynamicQuantizeLinear: the quantizer's scale is the values'
+    largest magnitude, so a GELU rounded differently moves every element it quantizes."""
+    model = gelu_then("dynamic")
+    quantizer = next(n for n in model.graph.node if n.op_type == "DynamicQuantizeLinear")
+    quantizer.input[0] = "g_scaled"
+    model.graph.node.insert(5, helper.make_node("Mul", ["g", "layer_scale"], ["g_scaled"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.full(8, 1.5, np.float32), "layer_scale"))
+    assert_declined(
+        model, "gelu-ort", "feeds a DynamicQuantizeLinear by way of the operators after it", target="onnxruntime"
+    )
