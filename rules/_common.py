@@ -130,4 +130,13 @@ def written_out_norm(m: Match, reductions: dict[str, str]) -> tuple[np.dtype, in
     require_no_broadcast(m, "eps", "x", "epsilon")
     epsilon = float(np.asarray(epsilon, np.float64).reshape(()))
     m.require(0 <= epsilon < 1, f"epsilon {epsilon:g} is not a small non-negative number")
+    # Added to a variance, an epsilon float32 rounds by 1e-12 or less (1e-5 by 2.5e-14) moves a
+    # float64 norm by less than float64's check tolerance; 0.1 (by 1.5e-9) moved it by 3e-9.
+    require_float_attribute(m, epsilon, "epsilon", atol=1e-12)
     return dtype, axis, dims, epsilon
+
+
+def require_float_attribute(m: Match, value: float, what: str, atol: float = 0.0) -> None:
+    """Decline unless `value` is exact (within `atol`) as a float attribute, a float32: the
+    fused op of a float64 model would compute with another value."""
+    m.require(abs(float(np.float32(value)) - value) <= atol, f"{what} {value!r} is not exact as a float32 attribute")

@@ -15,7 +15,7 @@ ran 1.33x slower). `--enable silu` for a runtime where Swish pays.
 from __future__ import annotations
 
 import numpy as np
-from fuser.rules._common import require_float, require_no_broadcast, scalar
+from fuser.rules._common import require_float, require_float_attribute, require_no_broadcast, scalar
 
 from fuser import Builder, Match, const, op, rule, var
 
@@ -32,7 +32,7 @@ def _alpha(m: Match) -> float:
     alpha = scalar(m, "alpha")
     m.require(alpha is not None, "the sigmoid's scale is not a single constant")
     require_no_broadcast(m, "alpha", "x", "the sigmoid's scale")
-    m.require(float(np.float32(alpha)) == alpha, f"the scale {alpha!r} is not exact as a float32 attribute")
+    require_float_attribute(m, alpha, "the scale")
     return alpha
 
 
