@@ -19,9 +19,12 @@ from __future__ import annotations
 import functools
 import operator
 
+import numpy as np
+from fuser.rules._common import is_float
 from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, may_be_constant, used
 
 from fuser import Builder, Match, const, op, rule
+from fuser.float32_twin import is_sixteen_bit_float
 from fuser.graph import SUBGRAPH_SLOT
 from fuser.tensors import nbytes
 
@@ -149,6 +152,15 @@ def maybe_constant(graph) -> set[int]:
     return may_be_constant(graph)[0]
 
 
+def _overflows(value: np.ndarray, inputs: list[tuple[str, np.ndarray]]) -> bool:
+    """Whether a 16-bit float result has inf or NaN though every float constant it comes from is
+    finite: onnxruntime sums and averages 16-bit floats in float32, the reference evaluator in
+    the 16-bit type."""
+    if not is_sixteen_bit_float(value) or not inputs or np.isfinite(value.astype(np.float64)).all():
+        return False
+    return all(not is_float(v.dtype) or np.isfinite(v.astype(np.float64)).all() for _, v in inputs)
+
+
 @rule(
     "constant-fold",
     pattern=FOLDABLE(*[const(f"input{i}", optional=True) for i in range(MAX_INPUTS)], name="node"),
@@ -177,6 +189,11 @@ def constant_fold(m: Match, b: Builder):
                 f"constant inputs ({given}) and {FOLD_BYTES}: it stays a computation",
             )
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
+        m.require(
+            not _overflows(value, inputs),
+            "the result is inf or NaN where the constants are finite: onnxruntime may compute it in a "
+            "wider type (a float16 mean of 60000s is 60000 there)",
+        )
         if limit is not None and value.nbytes > COPY_BYTES:
             # A constant another node still reads stays beside the result: only what the fold frees pays for it.
             if freeing is None:

@@ -545,3 +545,30 @@ def test_every_change_to_a_graph_counts_in_its_revision():
     changed()
     graph.remove_node(graph.nodes_of_type("Abs")[0])
     changed()
+
+
+def test_a_float16_mean_the_reference_evaluator_overflows_stays_a_computation():
+    """onnxruntime averages float16 in float32 (60000, 60000 -> 60000); onnx's reference
+    evaluator sums them in float16 (inf)."""
+    nodes = [
+        helper.make_node("ReduceMean", ["big"], ["mean"], keepdims=0),
+        helper.make_node("Add", ["x", "mean"], ["y"]),
+    ]
+    model = make_model(
+        nodes, [("x", np.float16, [2])], [("y", np.float16, [2])], {"big": np.array([6e4, 6e4], np.float16)}
+    )
+    assert_declined(model, constant_fold, "inf or NaN where the constants are finite", check=False)
+    x = {"x": np.zeros(2, np.float16)}
+    assert np.isfinite(run(model, x)[0]).all()
+
+
+def test_a_float16_constant_of_inf_still_folds():
+    """An inf the constants hold (a mask's -inf) is no overflow."""
+    nodes = [
+        helper.make_node("Neg", ["inf"], ["minus"]),
+        helper.make_node("Add", ["x", "minus"], ["y"]),
+    ]
+    model = make_model(
+        nodes, [("x", np.float16, [2])], [("y", np.float16, [2])], {"inf": np.full(2, np.inf, np.float16)}
+    )
+    assert_rewritten(model, [constant_fold], counts={"constant-fold": 1}, check=False)
