@@ -530,6 +530,10 @@ def _run_error(error: BaseException) -> str:
     return "; ".join([_first_line(error), *details])
 
 
+class UnmadeInputError(InputError):
+    """An input of a type no check input is made of (strings, sequences): no size helps."""
+
+
 def synthesize_inputs(
     sess,
     seed: int = 0,
@@ -559,9 +563,10 @@ def synthesize_inputs(
             )
         dtype = _numpy_dtype(spec.type)
         if dtype is None:
-            raise InputError(
-                f"input '{spec.name}' has type {spec.type}, which fuser can neither make up nor read from "
-                "--inputs: run with --no-check, and check the result on your own inputs"
+            real = "give real inputs with --inputs, or " if str(spec.type).startswith("tensor(") else ""
+            raise UnmadeInputError(
+                f"input '{spec.name}' has type {spec.type}, which fuser cannot make up: {real}run with "
+                "--no-check and check the result on your own inputs"
             )
         try:
             feeds[spec.name] = _synthesize(rng, spec.name, shape, dtype, ranges.get(spec.name), positive)
@@ -574,11 +579,12 @@ def synthesize_inputs(
 
 
 def _synthesize(rng, name: str, shape: tuple, dtype, value_range, positive: bool = False) -> np.ndarray:
-    integral = dtype == np.bool_ or np.issubdtype(dtype, np.integer)
-    if integral and value_range is None and is_mask_name(name):
+    if value_range is None and is_attention_mask(name, shape, dtype):
         return np.ones(shape, dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if dtype == np.uint8 and value_range is None and len(shape) >= 3:
+        value_range = (0, 256)  # an image's pixels, not the few darkest of them
     if np.issubdtype(dtype, np.integer):
         low, high = value_range or ((1, INT_RANGE[1]) if positive else INT_RANGE)
         if int(high) <= int(low):
@@ -594,14 +600,26 @@ def is_mask_name(name: str) -> bool:
     return "mask" in name.lower()
 
 
+def is_attention_mask(name: str, shape: tuple, dtype) -> bool:
+    """An input named like a mask, of integers or bools, or of floats [batch, sequence] (a float
+    attention mask of ones and zeros: not an image's mask)."""
+    if not is_mask_name(name):
+        return False
+    integral = dtype == np.bool_ or np.issubdtype(dtype, np.integer)
+    return integral or len(shape) == 2
+
+
 def padded_masks(feeds: dict[str, np.ndarray], ranges: dict | None) -> tuple[dict[str, np.ndarray], list[str]]:
-    """`feeds` with the last row of every synthesized integer or bool attention mask padded (its
-    second half zero, as a shorter sequence in a right-padded batch has it), and the names of
-    those masks."""
+    """`feeds` with the last row of every synthesized attention mask padded (its second half
+    zero, as a shorter sequence in a right-padded batch has it), and the names of those masks."""
     padded, names = dict(feeds), []
     for name, value in feeds.items():
-        integral = value.dtype == np.bool_ or np.issubdtype(value.dtype, np.integer)
-        if not integral or not is_mask_name(name) or name in (ranges or {}) or value.ndim < 2 or value.shape[-1] < 2:
+        if (
+            not is_attention_mask(name, value.shape, value.dtype)
+            or name in (ranges or {})
+            or value.ndim < 2
+            or value.shape[-1] < 2
+        ):
             continue
         mask = value.copy()
         mask[(-1, Ellipsis, slice(value.shape[-1] // 2, None))] = 0
@@ -1412,6 +1430,8 @@ class Checker:
                         for i in range(runs)
                     ]
                     expected = [self._run_original(f) for f in feeds]
+                except UnmadeInputError:
+                    raise
                 except InputError as error:
                     if positive or number < len(candidates) - 1:
                         break

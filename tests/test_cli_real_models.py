@@ -570,3 +570,39 @@ def test_a_first_axis_named_like_a_sequence_is_not_a_batch():
         check=False,
     )
     assert Checker(model).input_shapes == {"features": (128, 1, 16)}
+
+
+def test_a_float_attention_mask_is_ones_and_then_padded_and_a_uint8_image_spans_its_pixels():
+    model = make_model(
+        [
+            helper.make_node("Mul", ["hidden", "attention_mask"], ["masked"]),
+            helper.make_node("Cast", ["image"], ["pixels"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("ReduceMax", ["pixels"], ["brightest"], keepdims=0),
+        ],
+        [
+            ("hidden", np.float32, [1, 16]),
+            ("attention_mask", np.float32, [1, 16]),
+            ("image", np.uint8, [1, 3, 32, 32]),
+        ],
+        [("masked", np.float32, [1, 16]), ("brightest", np.float32, [])],
+    )
+    checker = Checker(model)
+    assert (checker.feeds[0]["attention_mask"] == 1).all() and checker.padded_masks == ["attention_mask"]
+    assert checker.feeds[1]["attention_mask"][0, 8:].max() == 0
+    assert checker.feeds[0]["image"].max() > 200
+
+
+def test_an_input_of_a_type_no_input_is_made_of_is_said_to_be_so_at_once():
+    model = make_model(
+        [helper.make_node("SequenceLength", ["pieces"], ["count"])],
+        [],
+        [("count", np.int64, [])],
+        check=False,
+    )
+    model.graph.input.append(helper.make_tensor_sequence_value_info("pieces", onnx.TensorProto.FLOAT, ["n", 4]))
+    with pytest.raises(
+        Exception,
+        match=r"^input 'pieces' has type seq\(tensor\(float\)\), which fuser cannot make up: run with --no-check",
+    ) as refused:
+        Checker(model)
+    assert "input shapes fuser tried" not in str(refused.value)
