@@ -580,7 +580,8 @@ def synthesize_inputs(
 
 def _synthesize(rng, name: str, shape: tuple, dtype, value_range, positive: bool = False) -> np.ndarray:
     if value_range is None and is_attention_mask(name, shape, dtype):
-        return np.ones(shape, dtype)
+        # torch's key_padding_mask says True where a position is padding: none, at first.
+        return (np.zeros if is_padding_mask(name) else np.ones)(shape, dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
     if dtype == np.uint8 and value_range is None and len(shape) >= 3:
@@ -600,6 +601,10 @@ def is_mask_name(name: str) -> bool:
     return "mask" in name.lower()
 
 
+def is_padding_mask(name: str) -> bool:
+    return "padding_mask" in name.lower()
+
+
 def is_attention_mask(name: str, shape: tuple, dtype) -> bool:
     """An input named like a mask, of integers or bools, or of floats [batch, sequence] (a float
     attention mask of ones and zeros: not an image's mask)."""
@@ -611,7 +616,8 @@ def is_attention_mask(name: str, shape: tuple, dtype) -> bool:
 
 def padded_masks(feeds: dict[str, np.ndarray], ranges: dict | None) -> tuple[dict[str, np.ndarray], list[str]]:
     """`feeds` with the last row of every synthesized attention mask padded (its second half
-    zero, as a shorter sequence in a right-padded batch has it), and the names of those masks."""
+    zero, as a shorter sequence in a right-padded batch has it; one in a key_padding_mask, which
+    marks the padding), and the names of those masks."""
     padded, names = dict(feeds), []
     for name, value in feeds.items():
         if (
@@ -622,7 +628,7 @@ def padded_masks(feeds: dict[str, np.ndarray], ranges: dict | None) -> tuple[dic
         ):
             continue
         mask = value.copy()
-        mask[(-1, Ellipsis, slice(value.shape[-1] // 2, None))] = 0
+        mask[(-1, Ellipsis, slice(value.shape[-1] // 2, None))] = 1 if is_padding_mask(name) else 0
         padded[name] = mask
         names.append(name)
     return padded, names

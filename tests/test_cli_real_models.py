@@ -606,3 +606,19 @@ def test_an_input_of_a_type_no_input_is_made_of_is_said_to_be_so_at_once():
     ) as refused:
         Checker(model)
     assert "input shapes fuser tried" not in str(refused.value)
+
+
+def test_a_key_padding_mask_marks_no_padding_and_then_the_last_row_s_second_half():
+    """torch's key_padding_mask is True where a position is padding (nn.TransformerEncoder):
+    all True would mask every key and leave the attention NaN."""
+    model = make_model(
+        [
+            helper.make_node("Cast", ["src_key_padding_mask"], ["padding"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Add", ["scores", "padding"], ["y"]),
+        ],
+        [("scores", np.float32, [2, 8]), ("src_key_padding_mask", np.bool_, [2, 8])],
+        [("y", np.float32, [2, 8])],
+    )
+    checker = Checker(model)
+    first, padded = (feeds["src_key_padding_mask"] for feeds in checker.feeds)
+    assert not first.any() and padded[-1, 4:].all() and not padded[-1, :4].any() and not padded[0].any()
