@@ -596,3 +596,40 @@ def test_a_gelu_whose_result_reaches_a_dynamic_quantizer_through_arithmetic_is_l
     assert_declined(
         model, "gelu-ort", "feeds a DynamicQuantizeLinear by way of the operators after it", target="onnxruntime"
     )
+
+
+def test_a_shape_computed_for_a_reshape_before_a_dynamic_quantizer_still_folds():
+    """A Reshape reads its shape input for the shape, not as values: folding the shape's constant
+    Concat moves nothing the quantizer rounds."""
+    model = make_model(
+        [
+            helper.make_node("Concat", ["rows", "columns"], ["shape"], axis=0),
+            helper.make_node("Reshape", ["x", "shape"], ["flat"]),
+            helper.make_node("DynamicQuantizeLinear", ["flat"], ["q", "scale", "zero"]),
+            helper.make_node("MatMulInteger", ["q", "w_q", "zero"], ["y"]),
+        ],
+        [("x", np.float32, [4, 8])],
+        [("y", np.int32, [4, 8])],
+        {
+            "rows": np.array([4], np.int64),
+            "columns": np.array([8], np.int64),
+            "w_q": RNG.integers(0, 255, size=(8, 8)).astype(np.uint8),
+        },
+        opset=13,
+    )
+    assert_rewritten(model, "constant-fold", counts={"constant-fold": 1}, check=False)
+
+
+def test_a_dynamic_quantizer_far_beyond_the_rewrite_does_not_hold_it_back():
+    """Only a quantizer among the next QUANTIZER_REACH tensors counts: a model quantized at its
+    end alone keeps its fusions, and the search stays short on a large graph."""
+    from fuser.qdq import QUANTIZER_REACH
+
+    model = gelu_then("dynamic")
+    quantizer = next(n for n in model.graph.node if n.op_type == "DynamicQuantizeLinear")
+    previous = "g"
+    for index in range(QUANTIZER_REACH + 8):
+        model.graph.node.insert(5 + index, helper.make_node("Relu", [previous], [f"r{index}"]))
+        previous = f"r{index}"
+    quantizer.input[0] = previous
+    assert_rewritten(model, "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime", check=False)
