@@ -1418,48 +1418,49 @@ class Checker:
         self.padded_masks = names
 
     def _synthesize(self, original, seed, runs, dims, shapes, ranges):
-        """Feeds of the first candidate shapes the original runs on and computes something to
-        compare on, and its outputs for them. Where every output is empty or inf/NaN (the log of
-        a power given negative values, a TopK given k = 0), the same shapes are tried again with
-        positive values (synthesize_inputs), then the next shapes; where none helps, the first
-        inputs the original ran on are kept, and the outputs that tell nothing are warned of."""
+        """Feeds of the first candidate shapes the original runs on, and its outputs for them.
+        Where every output is empty or inf/NaN on them (the log of a power given negative values,
+        a TopK given k = 0), positive values (synthesize_inputs) of the same shapes are taken if
+        they give something to compare; else the first, and the outputs that tell nothing are
+        warned of (_meaningless_outputs)."""
         candidates = shape_candidates(self.session, original, dims, shapes)
-        given = {**dims_read_by_weights(original), **(dims or {})}
-        nothing_to_compare = None  # the first inputs the original ran on, to nothing comparable
         for number, candidate in enumerate(candidates):
-            for positive in (False, True):
-                try:
-                    feeds = [
-                        synthesize_inputs(
-                            self.session, seed=seed + i, shapes=candidate, ranges=ranges, positive=positive
-                        )
-                        for i in range(runs)
-                    ]
-                    expected = [self._run_original(f) for f in feeds]
-                except UnmadeInputError:
+            try:
+                feeds, expected = self._run_on(candidate, seed, runs, ranges, positive=False)
+            except UnmadeInputError:
+                raise
+            except InputError as error:
+                if number < len(candidates) - 1:
+                    continue
+                if number == 0:  # the shapes were given: nothing else was tried
                     raise
-                except InputError as error:
-                    if positive or number < len(candidates) - 1:
-                        break
-                    if nothing_to_compare is not None:
-                        return nothing_to_compare  # warned of (_meaningless_outputs)
-                    if number == 0:  # the shapes were given: nothing else was tried
-                        raise
-                    raise InputError(
-                        f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
-                        "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
-                    ) from error
-                if _something_to_compare(expected[0]):
-                    if sizes_all_one(self.session, candidate, given, shapes or {}):
-                        self._early_warnings.append(
-                            "every free size but the batch is 1 on the check inputs (no typical size fits "
-                            "the model): a check at size 1 tells little; give the sizes it takes with "
-                            "--dim NAME=SIZE, or real inputs with --inputs"
-                        )
-                    return feeds, expected
-                if nothing_to_compare is None:
-                    nothing_to_compare = (feeds, expected)
-        return nothing_to_compare  # warned of (_meaningless_outputs)
+                raise InputError(
+                    f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
+                    "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
+                ) from error
+            if not _something_to_compare(expected[0]):
+                try:
+                    positive = self._run_on(candidate, seed, runs, ranges, positive=True)
+                except InputError:
+                    positive = None
+                if positive is not None and _something_to_compare(positive[1][0]):
+                    feeds, expected = positive
+            given = {**dims_read_by_weights(original), **(dims or {})}
+            if sizes_all_one(self.session, candidate, given, shapes or {}):
+                self._early_warnings.append(
+                    "every free size but the batch is 1 on the check inputs (no typical size fits the "
+                    "model): a check at size 1 tells little; give the sizes it takes with --dim NAME=SIZE, "
+                    "or real inputs with --inputs"
+                )
+            return feeds, expected
+        raise AssertionError("shape_candidates always gives at least one candidate")
+
+    def _run_on(self, candidate, seed, runs, ranges, positive: bool):
+        feeds = [
+            synthesize_inputs(self.session, seed=seed + i, shapes=candidate, ranges=ranges, positive=positive)
+            for i in range(runs)
+        ]
+        return feeds, [self._run_original(f) for f in feeds]
 
     def _run_original(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
