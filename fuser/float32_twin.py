@@ -18,11 +18,13 @@ every one that takes a 16-bit float also takes float32.
 from __future__ import annotations
 
 import os
+from collections import ChainMap
 from pathlib import Path
 
 import numpy as np
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, numpy_helper
 
+from fuser.graph import topological_positions
 from fuser.tensors import TensorStore, uses_external_data
 
 SIXTEEN_BIT_FLOATS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -59,39 +61,39 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
         return {}
     graph = model.graph
-    reached = _reach(graph, {}, set())
+    reached: dict = {}
+    _reach(graph, reached, {})
     computed = {}
     for value in graph.output:
         found = _sixteen_bit_type(value.type)
-        if found is not None or value.name in reached:
-            computed[value.name] = _NAMES[found] if found is not None else reached[value.name]
+        kind = _NAMES[found] if found is not None else reached.get(value.name)
+        if kind is not None:
+            computed[value.name] = kind
     return computed
 
 
-def _reach(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> dict[str, str]:
-    """`reached` (the enclosing scopes' 16-bit tensors) with those of `graph` added."""
+# A graph's names: a dict for the main graph, a ChainMap over the enclosing scopes' for a body.
+Scope = dict | ChainMap
+
+
+def _reach(graph: GraphProto, reached: Scope, not_float: Scope) -> None:
+    """Add `graph`'s 16-bit tensors to `reached` (name -> float name; None where a body's own
+    input hides an outer tensor of its name), and its tensors annotated with another type to
+    `not_float`. Nodes are taken in topological order: a graph's may be out of order
+    (onnxruntime's float16 converter appends the casts of its kept float32 inputs at the end)."""
     for value in (*graph.input, *graph.value_info, *graph.output):
         found = _sixteen_bit_type(value.type)
         if found is not None:
             reached[value.name] = _NAMES[found]
         elif value.type.WhichOneof("value") == "tensor_type" and value.type.tensor_type.elem_type not in (0, *_FLOATS):
-            # Annotated with another type: an index an operator not listed here makes.
-            not_float.add(value.name)
+            not_float[value.name] = True  # an index an operator not listed here makes
     for tensor in graph.initializer:
         if tensor.data_type in SIXTEEN_BIT_FLOATS:
             reached[tensor.name] = _NAMES[tensor.data_type]
-    # Again until nothing new is reached: a graph's nodes may be out of order (onnxruntime's
-    # float16 converter appends the casts of its kept float32 inputs at the end).
-    while _reach_nodes(graph, reached, not_float):
-        pass
-    return reached
-
-
-def _reach_nodes(graph: GraphProto, reached: dict[str, str], not_float: set[str]) -> bool:
-    """One pass over `graph`'s nodes, in their order; whether it reached a tensor not reached before."""
-    before = len(reached)
-    for node in graph.node:
-        kind = next((reached[name] for name in node.input if name in reached), None)
+    nodes = graph.node
+    for position in topological_positions(graph) or range(len(nodes)):
+        node = nodes[position]
+        kind = next(filter(None, map(reached.get, node.input)), None)
         if node.op_type in _TYPE_MAKERS:
             made = _made_type(node)
             if made is not None:
@@ -101,19 +103,23 @@ def _reach_nodes(graph: GraphProto, reached: dict[str, str], not_float: set[str]
         from_bodies = _body_results(node, reached, not_float)
         if from_bodies is not None:
             for index, body_kind in from_bodies.items():
-                if index < len(node.output) and node.output[index] not in not_float:
-                    reached.setdefault(node.output[index], body_kind)
+                if index < len(node.output):
+                    _mark(node.output[index], body_kind, reached, not_float)
             continue
         if kind is None or node.op_type in _NO_FLOAT_RESULTS:
             continue
         skipped = _INDEX_RESULTS.get(node.op_type, ())
         for index, name in enumerate(node.output):
-            if index not in skipped and name not in not_float:
-                reached.setdefault(name, kind)
-    return len(reached) > before
+            if index not in skipped:
+                _mark(name, kind, reached, not_float)
 
 
-def _body_results(node: NodeProto, reached: dict[str, str], not_float: set[str]) -> dict[int, str] | None:
+def _mark(name: str, kind: str, reached: Scope, not_float: Scope) -> None:
+    if name and not not_float.get(name) and reached.get(name) is None:
+        reached[name] = kind
+
+
+def _body_results(node: NodeProto, reached: Scope, not_float: Scope) -> dict[int, str] | None:
     """For an If, Loop or Scan (any node with bodies): which of its outputs a 16-bit float
     reaches, by index; None for a node without bodies. A body's inputs are its own tensors,
     whatever the names around it: 16-bit when annotated so or, unannotated, when the node input
@@ -129,16 +135,17 @@ def _body_results(node: NodeProto, reached: dict[str, str], not_float: set[str])
     skipped_outputs = 1 if node.op_type == "Loop" else 0
     results: dict[int, str] = {}
     for body in bodies:
-        scope = dict(reached)
+        scope, body_not_float = ChainMap({}, reached), ChainMap({}, not_float)
         for index, value in enumerate(body.input):
-            scope.pop(value.name, None)
-            if not value.type.HasField("value") and index < len(node.input) and node.input[index] in reached:
-                scope[value.name] = reached[node.input[index]]
-        body_not_float = not_float - {value.name for value in body.input}
+            fed = node.input[index] if index < len(node.input) else ""
+            unannotated = not value.type.HasField("value")
+            scope[value.name] = reached.get(fed) if unannotated and fed else None
+            body_not_float[value.name] = False
         _reach(body, scope, body_not_float)
         for index, value in enumerate(body.output[skipped_outputs:]):
-            if value.name in scope:
-                results.setdefault(index, scope[value.name])
+            kind = scope.get(value.name)
+            if kind is not None:
+                results.setdefault(index, kind)
     return results
 
 

@@ -1000,6 +1000,43 @@ def opset_versions(model: ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
+def topological_positions(graph: GraphProto) -> list[int] | None:
+    """The positions of `graph`'s nodes in an order where each comes after the nodes making its
+    inputs (ties kept in their order); None when no such order exists. Tensors no node of this
+    graph makes (inputs, initializers, an enclosing graph's) are there from the start."""
+    made_by = {output: index for index, node in enumerate(graph.node) for output in node.output if output}
+    waiting = [0] * len(graph.node)
+    readers: dict[int, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        producers = {made_by[name] for name in _read_names(node) if name in made_by}
+        producers.discard(index)
+        waiting[index] = len(producers)
+        for producer in producers:
+            readers.setdefault(producer, []).append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for reader in readers.get(index, []):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, reader)
+    return order if len(order) == len(graph.node) else None
+
+
+def _read_names(node: NodeProto) -> list[str]:
+    """The tensors `node` reads: its inputs and what its bodies read from outside them."""
+    names = [name for name in node.input if name]
+    for attribute in node.attribute:
+        for body in [attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs:
+            inner = {v.name for v in body.input} | {t.name for t in body.initializer}
+            inner |= {o for n in body.node for o in n.output}
+            names += [name for n in body.node for name in _read_names(n) if name not in inner]
+    return names
+
+
 def all_graph_protos(graph: GraphProto) -> Iterator[GraphProto]:
     """A GraphProto and every If/Loop/Scan body nested in it, outermost first."""
     yield graph

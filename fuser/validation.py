@@ -20,7 +20,6 @@ stack, 0.55 GB for a million nodes). Anywhere else the check runs here, first.
 
 from __future__ import annotations
 
-import heapq
 import os
 import pickle
 import signal
@@ -33,7 +32,7 @@ import onnx
 from onnx import ModelProto
 
 from fuser.errors import InputError
-from fuser.graph import all_graph_protos, valueless_long_vectors, weightless_model
+from fuser.graph import all_graph_protos, topological_positions, valueless_long_vectors, weightless_model
 from fuser.match import InferredTypes, inferred_types
 from fuser.skim import infer_serialized
 
@@ -186,43 +185,6 @@ def valid_once_sorted(model: ModelProto, error: Exception) -> bool:
     except _FAILURES:
         return False
     return True
-
-
-def topological_positions(graph) -> list[int] | None:
-    """The positions of `graph`'s nodes in an order where each comes after the nodes making its
-    inputs (ties kept in their order); None when no such order exists. Tensors no node of this
-    graph makes (inputs, initializers, an enclosing graph's) are there from the start."""
-    made_by = {output: index for index, node in enumerate(graph.node) for output in node.output if output}
-    waiting = [0] * len(graph.node)
-    readers: dict[int, list[int]] = {}
-    for index, node in enumerate(graph.node):
-        producers = {made_by[name] for name in _read_names(node) if name in made_by}
-        producers.discard(index)
-        waiting[index] = len(producers)
-        for producer in producers:
-            readers.setdefault(producer, []).append(index)
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        index = heapq.heappop(ready)
-        order.append(index)
-        for reader in readers.get(index, []):
-            waiting[reader] -= 1
-            if waiting[reader] == 0:
-                heapq.heappush(ready, reader)
-    return order if len(order) == len(graph.node) else None
-
-
-def _read_names(node) -> list[str]:
-    """The tensors `node` reads: its inputs and what its bodies read from outside them."""
-    names = [name for name in node.input if name]
-    for attribute in node.attribute:
-        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-            inner = {v.name for v in body.input} | {t.name for t in body.initializer}
-            inner |= {o for n in body.node for o in n.output}
-            names += [name for n in body.node for name in _read_names(n) if name not in inner]
-    return names
 
 
 def _nodes(model: ModelProto) -> int:
