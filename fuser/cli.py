@@ -1277,9 +1277,18 @@ def explain_rules(ctx: Context, model, target, opset, rule_files, enable, disabl
         explained = explain.explain(result.engine, chosen)
         if only:
             explained = [e for e in explained if any(fnmatch.fnmatchcase(e.rule, name) for name in only)]
-        if opset is None and any(not e.matched and not e.skipped for e in explained):
-            # The rewrite changed the loaded graph: the input's patterns are looked for in a new load.
-            explain.note_taken_places(explained, Model.load(Path(model)).graph, result.engine, chosen)
+        unmatched = [r for r in chosen if any(e.rule == r.name and not e.matched and not e.skipped for e in explained)]
+        if unmatched:
+            # Where each would have rewritten the input on its own: another rule may have been first.
+            alone = api.find_opportunities(
+                Path(model),
+                rules=unmatched,
+                target=target,
+                enable=[r.name for r in unmatched],
+                opset=opset,
+                nchwc_block=nchwc_block,
+            )
+            explain.note_taken_places(explained, alone.opportunities, result.engine)
         if fmt == "json":
             _out(
                 json.dumps({"model": str(model), "target": target, "rules": [e.to_dict() for e in explained]}, indent=2)

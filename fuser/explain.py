@@ -11,9 +11,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fuser.engine import Declined, EngineResult
-from fuser.graph import Graph
-from fuser.match import find_matches
+from fuser.engine import Declined, EngineResult, Opportunity
 from fuser.rule import Rule
 
 
@@ -94,39 +92,26 @@ def explain(result: EngineResult, rules: list[Rule]) -> list[RuleExplanation]:
 
 
 def note_taken_places(
-    explanations: list[RuleExplanation], graph: Graph, result: EngineResult, rules: list[Rule]
+    explanations: list[RuleExplanation], opportunities: list[Opportunity], result: EngineResult
 ) -> None:
-    """For each rule that matched nothing, the places of the input (`graph`, the main graph as
-    it was loaded) its pattern matches and which rules rewrote them first: a rule of an earlier
-    phase (or visited first) can take a pattern another would have fused."""
-    rewriters: dict[str, Counter] = {}
+    """For each rule that matched nothing, the places of the input it would have rewritten
+    (`opportunities`: find_opportunities of the input, with that rule) and which rules rewrote
+    them first: a rule of an earlier phase (or visited first) can take a pattern another would
+    have fused."""
+    rewriters: dict[tuple[str, str], Counter] = {}
     for rewrite in result.rewrites:
-        if rewrite.scope == "main":
-            for label in rewrite.matched:
-                rewriters.setdefault(label, Counter())[rewrite.rule] += 1
-    by_name = {r.name: r for r in rules}
-    for entry in explanations:
-        rule = by_name.get(entry.rule)
-        if rule is None or entry.skipped or entry.matched:
+        for label in rewrite.matched:
+            rewriters.setdefault((rewrite.scope, label), Counter())[rewrite.rule] += 1
+    by_rule = {entry.rule: entry for entry in explanations if not entry.matched and not entry.skipped}
+    for place in opportunities:
+        entry = by_rule.get(place.rule)
+        if entry is None:
             continue
-        for pattern in rule.alternatives:
-            for op_type in pattern.op_types:
-                for root in graph.nodes_of_type(op_type, pattern.domain):
-                    bindings = _first_match(graph, pattern, root)
-                    if bindings is None:
-                        continue
-                    takers = Counter()
-                    for node_id in bindings.nodes.values():
-                        takers.update(rewriters.get(graph.node(node_id).label, {}))
-                    if takers:
-                        entry.taken_by[takers.most_common(1)[0][0]] += 1
-
-
-def _first_match(graph: Graph, pattern, root: int):
-    try:
-        return next(find_matches(graph, pattern, root), None)
-    except Exception:  # noqa: BLE001 - a rule's predicate crashing is the rewrite's to report, not explain's
-        return None
+        takers = Counter()
+        for label in place.nodes:
+            takers.update(rewriters.get((place.scope, label), {}))
+        if takers:
+            entry.taken_by[takers.most_common(1)[0][0]] += 1
 
 
 def render(explanations: list[RuleExplanation]) -> list[str]:
@@ -142,7 +127,7 @@ def render(explanations: list[RuleExplanation]) -> list[str]:
             if e.taken_by:
                 places = sum(e.taken_by.values())
                 takers = ", ".join(f"{rule} ({count})" for rule, count in e.taken_by.most_common())
-                taken = f" (its pattern was at {places} place(s) of the input, rewritten first by {takers})"
+                taken = f" (it would have rewritten {places} place(s) of the input, which {takers} rewrote first)"
             lines.append(f"{e.rule:<{width}}  no match{taken}{where}")
             continue
         parts = [f"matched {e.matched}", f"applied {e.applied}", f"declined {e.declined}"]

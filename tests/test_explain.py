@@ -202,21 +202,39 @@ LATE_RULE = '''
 from fuser import op, rule, var
 
 
-@rule("late-softmax", pattern=op.Div(op.Exp(var("x")), op.ReduceSum(var("e"), var("axes"), keepdims=1)), phase=1)
+@rule(
+    "late-softmax",
+    pattern=op.Div(
+        op.Exp(var("x"), name="exp"),
+        op.ReduceSum(op.Exp(var("x"), name="exp"), var("axes"), keepdims=1),
+    ),
+    phase=1,
+    opsets=(13, None),
+)
 def late_softmax(m, b):
     """The softmax softmax-decomposed (phase 0) rewrites first."""
+    return b.Softmax(m["x"], axis=0)
+'''
+
+DECLINING_RULE = '''
+from fuser import op, rule, var
+
+
+@rule("late-decliner", pattern=op.Div(op.Exp(var("x")), var("s")), phase=1)
+def late_decliner(m, b):
+    """Matches every softmax's Div, rewrites none of them."""
     m.require(False, "never applies")
 '''
 
 
 def test_a_rule_whose_pattern_an_earlier_rule_took_says_which(cli, model_path, tmp_path):
-    """late-softmax's pattern is in the input once, but softmax-decomposed runs in an earlier
-    phase and rewrites it: explain says so instead of a bare "no match"."""
+    """late-softmax would rewrite the input's one keepdims softmax, but softmax-decomposed runs
+    in an earlier phase and rewrites it: explain says so instead of a bare "no match"."""
     (tmp_path / "late.py").write_text(LATE_RULE)
     args = ("explain", model_path, "--rules", "late.py", "--rule", "late-softmax", *KEEP_EXPS)
     result = cli(tmp_path, *args)
     assert result.returncode == 0, result.stderr
-    assert "no match (its pattern was at 1 place(s) of the input, rewritten first by softmax-decomposed (1))" in (
+    assert "no match (it would have rewritten 1 place(s) of the input, which softmax-decomposed (1) rewrote first)" in (
         result.stdout
     )
     as_json = json.loads(cli(tmp_path, *args, "--format", "json").stdout)
@@ -225,7 +243,16 @@ def test_a_rule_whose_pattern_an_earlier_rule_took_says_which(cli, model_path, t
     untouched = cli(
         tmp_path, "explain", model_path, "--rules", "late.py", "--disable", "softmax-decomposed", *KEEP_EXPS
     )
-    assert "late-softmax" in untouched.stdout and "matched 1, applied 0, declined 1" in untouched.stdout
+    assert "late-softmax" in untouched.stdout and "matched 1, applied 1, declined 0" in untouched.stdout
+
+
+def test_a_rule_that_would_decline_where_another_rewrote_is_not_said_to_be_taken(cli, model_path, tmp_path):
+    """Its pattern is at the rewritten softmax too, but it would not have rewritten it."""
+    (tmp_path / "decliner.py").write_text(DECLINING_RULE)
+    args = ("explain", model_path, "--rules", "decliner.py", "--rule", "late-decliner", *KEEP_EXPS)
+    result = cli(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert "rewrote first" not in result.stdout and "declined 2" in result.stdout
 
 
 def test_a_rule_with_no_match_and_no_pattern_in_the_input_says_no_match_alone(cli, model_path, tmp_path):
