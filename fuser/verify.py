@@ -819,7 +819,7 @@ def shape_candidates(
             key = _symbol(spec.name, axis, d)
             if key in dims or _expression_names(key):
                 continue
-            if _is_batch(key, axis, len(shape)):
+            if _is_batch(key, axis, len(shape), isinstance(d, str) and bool(d)):
                 kind = "batch"
             elif len(shape) == 4 and axis >= 2:
                 kind = "image"
@@ -948,13 +948,15 @@ def _size_a_weight_reads(node: onnx.NodeProto, tensor: str, shapes: dict, rank: 
 _SEQUENCE_NAMES = ("seq", "time", "len", "frame", "step")
 
 
-def _is_batch(symbol: str, axis: int, rank: int) -> bool:
+def _is_batch(symbol: str, axis: int, rank: int, named: bool) -> bool:
     """Whether a free dim is taken for a batch (size 1 in every candidate): named so, or the
-    first of several axes unless it is named like a sequence."""
+    first of several axes unless it is named like a sequence (its own name: an unnamed dim's
+    symbol holds its input's, `time_ids:0`)."""
     name = symbol.lower()
     if "batch" in name:
         return True
-    return axis == 0 and rank >= 2 and not any(word in name for word in _SEQUENCE_NAMES)
+    sequence = named and any(word in name for word in _SEQUENCE_NAMES)
+    return axis == 0 and rank >= 2 and not sequence
 
 
 def sizes_all_one(sess, candidate: dict[str, tuple], dims: dict[str, int], shapes: dict[str, tuple]) -> bool:
@@ -969,7 +971,7 @@ def sizes_all_one(sess, candidate: dict[str, tuple], dims: dict[str, int], shape
             key = _symbol(spec.name, axis, d)
             if isinstance(d, int) and d >= 0 or key in dims or _expression_names(key):
                 continue
-            if not _is_batch(key, axis, len(shape)):
+            if not _is_batch(key, axis, len(shape), isinstance(d, str) and bool(d)):
                 free.append(candidate[spec.name][axis])
     return bool(free) and all(size == 1 for size in free)
 

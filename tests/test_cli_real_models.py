@@ -622,3 +622,14 @@ def test_a_key_padding_mask_marks_no_padding_and_then_the_last_row_s_second_half
     checker = Checker(model)
     first, padded = (feeds["src_key_padding_mask"] for feeds in checker.feeds)
     assert not first.any() and padded[-1, 4:].all() and not padded[-1, :4].any() and not padded[0].any()
+
+
+def test_an_unnamed_first_axis_of_an_input_named_like_time_is_a_batch():
+    """SDXL's `time_ids` [unnamed, 6]: the input's name says nothing of its first axis."""
+    model = make_model(
+        [helper.make_node("Relu", ["time_ids"], ["y"])],
+        [("time_ids", np.float32, [None, 6])],
+        [("y", np.float32, [None, 6])],
+    )
+    checker = Checker(model)
+    assert checker.input_shapes == {"time_ids": (1, 6)} and checker.warnings == []

@@ -353,11 +353,11 @@ def test_different_x_in_mean_and_sub_is_no_match():
     assert_declined(model, layer_norm, None)
 
 
-@pytest.mark.parametrize(("eps", "fused"), [(0.1, False), (1e-5, True), (0.5, True)])
+@pytest.mark.parametrize(("eps", "fused"), [(0.1, False), (1e-3, False), (1e-4, True), (1e-5, True), (0.5, True)])
 def test_a_float64_epsilon_is_fused_only_where_float32_holds_it_closely(eps, fused):
     """The fused op's epsilon is a float32 attribute: 0.1 would move a float64 norm by 3e-9."""
     model = ln_model(dtype=np.float64, eps=eps)
     if fused:
         rewrite_onnx(model, feeds=feeds_for(FEED_SHAPE, np.float64), **TOL[np.float64])
     else:
-        assert_declined(model, layer_norm, "epsilon 0.1 is not exact as a float32 attribute", check=False)
+        assert_declined(model, layer_norm, f"epsilon {eps!r} is not exact as a float32 attribute", check=False)
