@@ -21,6 +21,7 @@ import operator
 
 import numpy as np
 from fuser.rules._common import is_float
+from onnx import AttributeProto, numpy_helper
 from fuser.rules._simplify import FOLD_BYTES, SIMPLIFY_PHASE, foldable_op_types, may_be_constant, used
 
 from fuser import Builder, Match, const, op, rule
@@ -152,13 +153,15 @@ def maybe_constant(graph) -> set[int]:
     return may_be_constant(graph)[0]
 
 
-def _overflows(value: np.ndarray, inputs: list[tuple[str, np.ndarray]]) -> bool:
-    """Whether a 16-bit float result has inf or NaN though every float constant it comes from is
-    finite: onnxruntime sums and averages 16-bit floats in float32, the reference evaluator in
-    the 16-bit type."""
-    if not is_sixteen_bit_float(value) or not inputs or np.isfinite(value.astype(np.float64)).all():
+def _overflows(value: np.ndarray, inputs: list[tuple[str, np.ndarray]], node) -> bool:
+    """Whether a 16-bit float result has inf or NaN though every float constant it comes from
+    (its inputs, and a value it holds: ConstantOfShape's) is finite: onnxruntime sums and
+    averages 16-bit floats in float32, the reference evaluator in the 16-bit type."""
+    if not is_sixteen_bit_float(value) or np.isfinite(value.astype(np.float64)).all():
         return False
-    return all(not is_float(v.dtype) or np.isfinite(v.astype(np.float64)).all() for _, v in inputs)
+    held = [numpy_helper.to_array(a.t) for a in node.proto.attribute if a.type == AttributeProto.TENSOR]
+    sources = [v for _, v in inputs] + held
+    return bool(sources) and all(not is_float(v.dtype) or np.isfinite(v.astype(np.float64)).all() for v in sources)
 
 
 @rule(
@@ -190,7 +193,7 @@ def constant_fold(m: Match, b: Builder):
             )
         m.require(value is not None, f"onnx's reference evaluator cannot compute {node.op_type} here")
         m.require(
-            not _overflows(value, inputs),
+            not _overflows(value, inputs, node),
             "the result is inf or NaN where the constants are finite: onnxruntime may compute it in a "
             "wider type (a float16 mean of 60000s is 60000 there)",
         )

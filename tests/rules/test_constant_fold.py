@@ -572,3 +572,15 @@ def test_a_float16_constant_of_inf_still_folds():
         nodes, [("x", np.float16, [2])], [("y", np.float16, [2])], {"inf": np.full(2, np.inf, np.float16)}
     )
     assert_rewritten(model, [constant_fold], counts={"constant-fold": 1}, check=False)
+
+
+def test_a_float16_constant_of_shape_of_minus_inf_still_folds():
+    """The -inf is ConstantOfShape's own value, not an overflow of its (integer) shape."""
+    nodes = [
+        helper.make_node(
+            "ConstantOfShape", ["shape"], ["filled"], value=numpy_helper.from_array(np.array([-np.inf], np.float16))
+        ),
+        helper.make_node("Add", ["x", "filled"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", np.float16, [2])], [("y", np.float16, [2])], {"shape": np.array([2], np.int64)})
+    assert_rewritten(model, [constant_fold], counts={"constant-fold": 1}, check=False)
