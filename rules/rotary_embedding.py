@@ -191,17 +191,18 @@ def rotary_embedding(m: Match, b: Builder):
     batch, sequence = m.shape("x")[0], m.shape("x")[2]
     shapes = [m.shape_of(cache) for cache in caches]
     full_batch = batch not in (None, "?") and all(shape[0] == batch for shape in shapes)
-    full_sequence = sequence not in (None, "?") and all(shape[1] == sequence for shape in shapes)
+    # A cache of one position broadcast over x's sequence; a symbolic length is taken for x's (it
+    # is, in every export seen: an Expand for it cost each rotation a Shape).
+    full_sequence = not any(shape[1] == 1 and sequence != 1 for shape in shapes)
     halves = _first_halves(b, caches, head_size, "rotary-embedding")
     if not (full_batch and full_sequence):
         # onnxruntime wants the caches [B, S, H/2] in full, where the original may broadcast a
         # batch of 1 ([1, S, H/2], as Hugging Face builds them) or one position.
-        target = b.Concat(
-            b.Shape(m["x"], start=0, end=1) if not full_batch else np.array([1], np.int64),
-            b.Shape(m["x"], start=2, end=3) if not full_sequence else np.array([1], np.int64),
-            np.array([1], np.int64),
-            axis=0,
-        )
+        batch_part = b.Shape(m["x"], start=0, end=1) if not full_batch else np.array([1], np.int64)
+        if full_sequence:
+            target = b.Concat(batch_part, np.array([1, 1], np.int64), axis=0)
+        else:
+            target = b.Concat(batch_part, b.Shape(m["x"], start=2, end=3), np.array([1], np.int64), axis=0)
         halves = [b.Expand(half, target) for half in halves]
     return b.RotaryEmbedding(m["x"], halves[0], halves[1])
 
