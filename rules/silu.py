@@ -14,7 +14,6 @@ ran 1.33x slower). `--enable silu` for a runtime where Swish pays.
 
 from __future__ import annotations
 
-import numpy as np
 from fuser.rules._common import require_float, require_float_attribute, require_no_broadcast, scalar
 
 from fuser import Builder, Match, const, op, rule, var
