@@ -691,6 +691,7 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
             elif node.op_type in _SAME_SHAPE and node.input and key(index, node.input[0]) in rows and node.output:
                 rows[(index, node.output[0])] = rows[key(index, node.input[0])]
     offsets = _integer_constants(scopes)
+    computed = _Computed(model)
     result = {}
     for name in indices:
         bounds = []
@@ -700,9 +701,11 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
         while frontier:
             tensor, offset = frontier.pop()
             for index, node in consumers.get(tensor, []):
-                if node.op_type == "Gather" and len(node.input) > 1 and key(index, node.input[1]) == tensor:
-                    table = rows.get(key(index, node.input[0]))
+                if node.op_type in _GATHERS and len(node.input) > 1 and key(index, node.input[1]) == tensor:
                     axis = next((a.i for a in node.attribute[:] if a.name == "axis"), 0)
+                    table = rows.get(key(index, node.input[0]))
+                    if table is None and index == 0:
+                        table = computed.dims(node.input[0])  # a computed tensor: a label picked from logits
                     if table and -len(table) <= axis < len(table) and table[axis] - offset > 0:
                         bounds.append(table[axis] - offset)
                         continue
@@ -715,6 +718,34 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
         if bounds:
             result[name] = (0, min(bounds))
     return result
+
+
+# Operators whose input 1 indexes input 0 along `axis`.
+_GATHERS = ("Gather", "GatherElements")
+
+
+class _Computed:
+    """The main graph's tensors' dims as onnx's shape inference finds them, inferred on first ask
+    (of a model without its weights)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self._model = model
+        self._dims: dict[str, list] | None = None
+
+    def dims(self, name: str) -> list[int] | None:
+        if self._dims is None:
+            self._dims = {}
+            try:
+                from fuser.graph import weightless_model
+
+                inferred = onnx.shape_inference.infer_shapes(weightless_model(self._model))
+            except Exception:  # noqa: BLE001 - no bound then, as before
+                return None
+            for value in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
+                if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+                    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in value.type.tensor_type.shape.dim]
+                    self._dims[value.name] = dims
+        return self._dims.get(name)
 
 
 def _integer_constants(scopes) -> dict[tuple, np.ndarray]:

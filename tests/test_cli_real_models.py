@@ -633,3 +633,20 @@ def test_an_unnamed_first_axis_of_an_input_named_like_time_is_a_batch():
     )
     checker = Checker(model)
     assert checker.input_shapes == {"time_ids": (1, 6)} and checker.warnings == []
+
+
+def test_a_label_that_picks_from_computed_logits_stays_inside_them():
+    """A loss's GatherElements(logits, label): the logits are computed, 5 classes by inference."""
+    model = make_model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["logits"]),
+            helper.make_node("Unsqueeze", ["label", "axes"], ["picked_at"]),
+            helper.make_node("GatherElements", ["logits", "picked_at"], ["picked"], axis=1),
+        ],
+        [("x", np.float32, [1, 16]), ("label", np.int64, [1])],
+        [("picked", np.float32, [1, 1])],
+        {"w": np.ones((16, 5), np.float32), "axes": np.array([1], np.int64)},
+    )
+    assert index_ranges(model) == {"label": (0, 5)}
+    for seed in range(4):
+        assert Checker(model, CheckOptions(seed=seed, runs=3)).feeds[2]["label"].max() < 5
