@@ -20,8 +20,8 @@ whose RMSNorm (then a Cast and the norm's scale) and rotary embedding (then the 
 fused passed its check on one input set and failed on another, 0.015 to 0.034 off on 92 to 99%
 of the logits. A rewrite whose values reach a DynamicQuantizeLinear through float operators
 counts as feeding it (not through a shape, an index or a condition they only select with), when
-that quantizer is among the next QUANTIZER_REACH tensors: in a quantized layer the next one is a
-few dozen operators on; a search without that bound made a model quantized only at its end take
+that quantizer is at most QUANTIZER_REACH operators on: in a quantized layer the next one is a
+few operators away; a search without that bound made a model quantized only at its end take
 quadratic time (74 s instead of 0.5 s for 10k nodes).
 
 So a pattern rule may replace an operator whose result a QuantizeLinear or DynamicQuantizeLinear
@@ -50,8 +50,11 @@ DOMAINS = ("", "ai.onnx", "com.microsoft")
 SHAPE_READERS = ("Shape", "Size")
 # Operators that move values without changing them: a quantized group reaches through them.
 PASS_THROUGH = ("Identity", "Dropout", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
-# The tensors a search for a DynamicQuantizeLinear that values reach through float operators looks at.
-QUANTIZER_REACH = 64
+# How many float operators on a search for a DynamicQuantizeLinear the values reach looks (a
+# quantized layer's next one is a few on; a rotary embedding's, past the attention, about ten),
+# and at most how many tensors it visits on the way.
+QUANTIZER_REACH = 24
+QUANTIZER_SEARCH_TENSORS = 4096
 # Inputs an operator reads for their shape, as indices or as a condition, not as values it computes with.
 _NOT_VALUES = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Unsqueeze": (1,), "Squeeze": (1,),
@@ -153,11 +156,11 @@ def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | No
     after it`). None if none does. Nodes among `removed` are not looked at; the nearest
     quantizers are found first."""
     dynamic = _has_dynamic_quantizer(graph)
-    pending = deque([(graph, tensor, False)])  # (scope, tensor, reached through arithmetic)
+    pending = deque([(graph, tensor, 0)])  # (scope, tensor, float operators passed on the way)
     seen = set()
     while pending:
         scope, name, computed = pending.popleft()
-        if (id(scope), name) in seen or (computed and len(seen) >= QUANTIZER_REACH):
+        if (id(scope), name) in seen or computed > QUANTIZER_REACH or len(seen) >= QUANTIZER_SEARCH_TENSORS:
             continue
         seen.add((id(scope), name))
         for consumer, slot in scope.consumers(name):
@@ -175,7 +178,7 @@ def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | No
             elif reader.op_type in PASS_THROUGH and slot == 0:
                 pending.extend((scope, output, computed) for output in reader.outputs[:1] if output)
             elif dynamic and _computes_with(reader, slot):
-                pending.extend((scope, output, True) for output in reader.outputs if output)
+                pending.extend((scope, output, computed + 1) for output in reader.outputs if output)
         if scope.is_graph_output(name):
             pending.extend((outer, result, computed) for outer, result in _after_body(scope, name))
     return None
@@ -189,13 +192,21 @@ def _computes_with(reader: NodeInfo, slot: int) -> bool:
 
 
 def _has_dynamic_quantizer(graph: Graph) -> bool:
-    """Whether this scope or one enclosing it has a DynamicQuantizeLinear."""
+    """Whether this scope, one enclosing it or one nested in it has a DynamicQuantizeLinear."""
     scope = graph
     while scope is not None:
-        if scope.has_op(("DynamicQuantizeLinear",)) or scope.has_op(("DynamicQuantizeLinear",), "com.microsoft"):
+        if _quantizes_dynamically(scope):
             return True
         scope = scope.outer
-    return False
+    return any(_nested_dynamic(body) for body in _bodies(graph))
+
+
+def _quantizes_dynamically(graph: Graph) -> bool:
+    return graph.has_op(("DynamicQuantizeLinear",)) or graph.has_op(("DynamicQuantizeLinear",), "com.microsoft")
+
+
+def _nested_dynamic(graph: Graph) -> bool:
+    return _quantizes_dynamically(graph) or any(_nested_dynamic(body) for body in _bodies(graph))
 
 
 def _after_body(body: Graph, tensor: str) -> list[tuple[Graph, str]]:

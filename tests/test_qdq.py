@@ -633,3 +633,34 @@ def test_a_dynamic_quantizer_far_beyond_the_rewrite_does_not_hold_it_back():
         previous = f"r{index}"
     quantizer.input[0] = previous
     assert_rewritten(model, "gelu-ort", counts={"gelu-ort": 1}, target="onnxruntime", check=False)
+
+
+def test_a_dynamic_quantizer_near_a_rewrite_read_by_many_is_found():
+    """The GELU's result is read by 70 Adds; one of them goes on to a DynamicQuantizeLinear two
+    operators away. The search is bounded by operators on the way, not by the readers it meets."""
+    model = gelu_then("dynamic")
+    quantizer = next(n for n in model.graph.node if n.op_type == "DynamicQuantizeLinear")
+    readers = [helper.make_node("Add", ["g", "one"], [f"a{index}"]) for index in range(70)]
+    model.graph.node.extend(readers)
+    model.graph.node.append(helper.make_node("Relu", ["a69"], ["near"]))
+    quantizer.input[0] = "near"
+    for index in range(69):
+        model.graph.output.append(helper.make_tensor_value_info(f"a{index}", TensorProto.FLOAT, [4, 8]))
+    onnx.checker.check_model(onnx.shape_inference.infer_shapes(_sorted(model)))
+    assert_declined(
+        _sorted(model),
+        "gelu-ort",
+        "feeds a DynamicQuantizeLinear by way of the operators after it",
+        target="onnxruntime",
+    )
+
+
+def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    from fuser.graph import topological_positions
+
+    nodes = [model.graph.node[i] for i in topological_positions(model.graph)]
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    return copy
