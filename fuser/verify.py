@@ -981,12 +981,12 @@ _SEQUENCE_NAMES = ("seq", "time", "len", "frame", "step")
 
 def _is_batch(symbol: str, axis: int, rank: int, named: bool) -> bool:
     """Whether a free dim is taken for a batch (size 1 in every candidate): named so, or the
-    first of several axes unless it is named like a sequence (its own name: an unnamed dim's
-    symbol holds its input's, `time_ids:0`)."""
-    name = symbol.lower()
+    first of several axes unless it is named like a sequence. Only a dim's own name counts: an
+    unnamed dim's symbol holds its input's (`time_ids:0`, `batch_tokens:1`)."""
+    name = symbol.lower() if named else ""
     if "batch" in name:
         return True
-    sequence = named and any(word in name for word in _SEQUENCE_NAMES)
+    sequence = any(word in name for word in _SEQUENCE_NAMES)
     return axis == 0 and rank >= 2 and not sequence
 
 
@@ -1292,6 +1292,10 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
         raise InputError(f"{path}: not a .npz file of arrays ({error})") from error
 
 
+def _all_empty(outputs: dict[str, np.ndarray]) -> bool:
+    return all(not value.size for value in outputs.values())
+
+
 def _something_to_compare(outputs: dict[str, np.ndarray]) -> bool:
     """Whether some output has an element to compare: not empty, and for floats finite."""
     return any(
@@ -1454,39 +1458,50 @@ class Checker:
         """Feeds of the first candidate shapes the original runs on, and its outputs for them.
         Where every output is empty or inf/NaN on them (the log of a power given negative values,
         a TopK given k = 0), positive values (synthesize_inputs) of the same shapes are taken if
-        they give something to compare; else the first, and the outputs that tell nothing are
-        warned of (_meaningless_outputs)."""
+        they give something to compare; where inf or NaN remain (a sum that overflows at that
+        length), the next shapes are tried too. Else the first inputs are kept, and the outputs
+        that tell nothing are warned of (_meaningless_outputs). Empty outputs alone (a detector
+        finding nothing in noise) are not worth running the model at every other size."""
         candidates = shape_candidates(self.session, original, dims, shapes)
+        given = {**dims_read_by_weights(original), **(dims or {})}
+        first = None  # the first inputs the original ran on, and its outputs for them
         for number, candidate in enumerate(candidates):
             try:
-                feeds, expected = self._run_on(candidate, seed, runs, ranges, positive=False)
+                found = self._run_on(candidate, seed, runs, ranges, positive=False)
             except UnmadeInputError:
                 raise
             except InputError as error:
                 if number < len(candidates) - 1:
                     continue
+                if first is not None:
+                    break
                 if number == 0:  # the shapes were given: nothing else was tried
                     raise
                 raise InputError(
                     f"{error} (the last of {len(candidates)} input shapes fuser tried; give the sizes the "
                     "model takes with --dim NAME=SIZE or --input-shape NAME:D1,D2, or real inputs with --inputs)"
                 ) from error
-            if not _something_to_compare(expected[0]):
+            if first is None and not _something_to_compare(found[1][0]):
                 try:
                     positive = self._run_on(candidate, seed, runs, ranges, positive=True)
                 except InputError:
                     positive = None
                 if positive is not None and _something_to_compare(positive[1][0]):
-                    feeds, expected = positive
-            given = {**dims_read_by_weights(original), **(dims or {})}
-            if sizes_all_one(self.session, candidate, given, shapes or {}):
-                self._early_warnings.append(
-                    "every free size but the batch is 1 on the check inputs (no typical size fits the "
-                    "model): a check at size 1 tells little; give the sizes it takes with --dim NAME=SIZE, "
-                    "or real inputs with --inputs"
-                )
-            return feeds, expected
-        raise AssertionError("shape_candidates always gives at least one candidate")
+                    found = positive
+            if _something_to_compare(found[1][0]):
+                first = found
+                break
+            if first is None:
+                first = found
+            if _all_empty(found[1][0]):
+                break
+        if sizes_all_one(self.session, {n: tuple(v.shape) for n, v in first[0][0].items()}, given, shapes or {}):
+            self._early_warnings.append(
+                "every free size but the batch is 1 on the check inputs (no typical size fits the "
+                "model): a check at size 1 tells little; give the sizes it takes with --dim NAME=SIZE, "
+                "or real inputs with --inputs"
+            )
+        return first
 
     def _run_on(self, candidate, seed, runs, ranges, positive: bool):
         feeds = [

@@ -650,3 +650,28 @@ def test_a_label_that_picks_from_computed_logits_stays_inside_them():
     assert index_ranges(model) == {"label": (0, 5)}
     for seed in range(4):
         assert Checker(model, CheckOptions(seed=seed, runs=3)).feeds[2]["label"].max() < 5
+
+
+def test_a_length_at_which_every_output_overflows_gives_way_to_the_next():
+    """Exp of a sum over the sequence: inf at 128 tokens (|x| sums to about 100), finite at 64."""
+    model = make_model(
+        [
+            helper.make_node("Abs", ["x"], ["magnitude"]),
+            helper.make_node("ReduceSum", ["magnitude", "axes"], ["total"], keepdims=0),
+            helper.make_node("Exp", ["total"], ["y"]),
+        ],
+        [("x", np.float32, [1, "sequence"])],
+        [("y", np.float32, [1])],
+        {"axes": np.array([1], np.int64)},
+    )
+    checker = Checker(model)
+    assert checker.input_shapes == {"x": (1, 64)} and checker.warnings == []
+
+
+def test_an_unnamed_axis_of_an_input_named_like_a_batch_is_not_one():
+    model = make_model(
+        [helper.make_node("Relu", ["batch_tokens"], ["y"])],
+        [("batch_tokens", np.float32, [None, None])],
+        [("y", np.float32, [None, None])],
+    )
+    assert Checker(model).input_shapes == {"batch_tokens": (1, 128)}
