@@ -161,6 +161,9 @@ def test_symbolic_batch_and_sequence():
     after = fuse(model, feeds, {"rtol": 1e-5, "atol": 1e-5})
     longer = {"x": np.ones((3, N, 7, H), np.float32), "position_ids": np.arange(7, dtype=np.int64)[None]}
     np.testing.assert_allclose(run(after, longer)[0], run(model, longer)[0], rtol=1e-5, atol=1e-5)
+    # A symbolic length is taken for x's: the caches are expanded over the batch only.
+    (shape,) = nodes_of(after, "Shape")
+    assert {a.name: a.i for a in shape.attribute} == {"start": 0, "end": 1}
 
 
 def test_cos_with_different_halves_is_declined():
