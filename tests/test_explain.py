@@ -198,12 +198,15 @@ def test_places_declined_for_one_reason_but_other_made_up_dims_count_together(tm
     assert max(r["count"] for r in entry["reasons"]) >= 6
 
 
-LATE_RULE = '''
+def late_softmax_rule(name: str, body: str) -> str:
+    """A rule file: a rule of phase 1 matching the keepdims softmax softmax-decomposed (phase 0)
+    rewrites first, whose function is `body`."""
+    return f"""
 from fuser import op, rule, var
 
 
 @rule(
-    "late-softmax",
+    "{name}",
     pattern=op.Div(
         op.Exp(var("x"), name="exp"),
         op.ReduceSum(op.Exp(var("x"), name="exp"), var("axes"), keepdims=1),
@@ -211,27 +214,14 @@ from fuser import op, rule, var
     phase=1,
     opsets=(13, None),
 )
-def late_softmax(m, b):
-    """The softmax softmax-decomposed (phase 0) rewrites first."""
-    return b.Softmax(m["x"], axis=0)
-'''
-
-DECLINING_RULE = """
-from fuser import op, rule, var
-
-
-@rule(
-    "late-decliner",
-    pattern=op.Div(
-        op.Exp(var("x"), name="exp"),
-        op.ReduceSum(op.Exp(var("x"), name="exp"), var("axes"), keepdims=1),
-    ),
-    phase=1,
-)
-def late_decliner(m, b):
-    \"\"\"The pattern softmax-decomposed takes first, which this rule would decline anyway.\"\"\"
-    m.require(False, "never applies")
+def late(m, b):
+    """Matches the softmax an earlier phase rewrites."""
+    {body}
 """
+
+
+LATE_RULE = late_softmax_rule("late-softmax", 'return b.Softmax(m["x"], axis=0)')
+DECLINING_RULE = late_softmax_rule("late-decliner", 'm.require(False, "never applies")')
 
 
 def test_a_rule_whose_pattern_an_earlier_rule_took_says_which(cli, model_path, tmp_path):
