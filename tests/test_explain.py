@@ -215,7 +215,7 @@ from fuser import op, rule, var
     opsets=(13, None),
 )
 def late(m, b):
-    """Matches the softmax an earlier phase rewrites."""
+    '''Matches the softmax an earlier phase rewrites.'''
     {body}
 """
 
