@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, numpy_helper
 
-from fuser.graph import topological_positions
+from fuser.graph import node_bodies, topological_positions
 from fuser.tensors import TensorStore, uses_external_data
 
 SIXTEEN_BIT_FLOATS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -40,7 +40,7 @@ _TYPE_MAKERS = frozenset({"Cast", "Constant", "ConstantOfShape", "EyeLike", "Ran
 
 # Operators whose results are no floats whatever they read (a float16 tensor's shape, a
 # comparison of float16 values): 16-bit rounding does not reach past them.
-_NO_FLOAT_RESULTS = frozenset(
+NO_FLOAT_RESULTS = frozenset(
     {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"}
     | {"IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero"}
 )
@@ -55,7 +55,7 @@ def computed_in_sixteen_bit_float(model: ModelProto) -> dict[str, str]:
     reaches (a model converted to float16 with its inputs and outputs kept float32 rounds in
     float16 all the same). A tensor is 16-bit when the graph states it so (an input, an
     initializer, an annotation, the type a node casts to or makes); a node reading one makes
-    its float results so, not its integer or boolean ones (_NO_FLOAT_RESULTS, _INDEX_RESULTS, a
+    its float results so, not its integer or boolean ones (NO_FLOAT_RESULTS, _INDEX_RESULTS, a
     Cast to an integer). An If, Loop or Scan passes on what its bodies' outputs are, each body
     seeing its own inputs and the tensors of the scopes around it."""
     if sixteen_bit_float_in(model) is None:  # most models: no walk over their nodes
@@ -106,7 +106,7 @@ def _reach(graph: GraphProto, reached: Scope, not_float: Scope) -> None:
                 if index < len(node.output):
                     _mark(node.output[index], body_kind, reached, not_float)
             continue
-        if kind is None or node.op_type in _NO_FLOAT_RESULTS:
+        if kind is None or node.op_type in NO_FLOAT_RESULTS:
             continue
         skipped = _INDEX_RESULTS.get(node.op_type, ())
         for index, name in enumerate(node.output):
@@ -124,11 +124,7 @@ def _body_results(node: NodeProto, reached: Scope, not_float: Scope) -> dict[int
     reaches, by index; None for a node without bodies. A body's inputs are its own tensors,
     whatever the names around it: 16-bit when annotated so or, unannotated, when the node input
     that feeds them is (a Loop's and a Scan's inputs feed the body's in order)."""
-    bodies = [
-        body
-        for attribute in node.attribute
-        for body in ([attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs)
-    ]
+    bodies = list(node_bodies(node))
     if not bodies:
         return None
     # A Loop's body outputs its condition first; the node's outputs are the rest.
@@ -178,11 +174,10 @@ def _made_in(graph: GraphProto) -> str | None:
             made = _made_type(node)
             if made is not None:
                 return made
-        for attribute in node.attribute:
-            for body in [attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs:
-                found = _stated_in(body)
-                if found is not None:
-                    return found
+        for body in node_bodies(node):
+            found = _stated_in(body)
+            if found is not None:
+                return found
     return None
 
 

@@ -1029,11 +1029,10 @@ def topological_positions(graph: GraphProto) -> list[int] | None:
 def _read_names(node: NodeProto) -> list[str]:
     """The tensors `node` reads: its inputs and what its bodies read from outside them."""
     names = [name for name in node.input if name]
-    for attribute in node.attribute:
-        for body in [attribute.g] if attribute.type == AttributeProto.GRAPH else attribute.graphs:
-            inner = {v.name for v in body.input} | {t.name for t in body.initializer}
-            inner |= {o for n in body.node for o in n.output}
-            names += [name for n in body.node for name in _read_names(n) if name not in inner]
+    for body in node_bodies(node):
+        inner = {v.name for v in body.input} | {t.name for t in body.initializer}
+        inner |= {o for n in body.node for o in n.output}
+        names += [name for n in body.node for name in _read_names(n) if name not in inner]
     return names
 
 

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 
 from onnx import NodeProto
 
+from fuser.float32_twin import NO_FLOAT_RESULTS
 from fuser.graph import SUBGRAPH_SLOT, Graph, NodeInfo
 
 DEQUANTIZE = "DequantizeLinear"
@@ -64,11 +65,6 @@ _NOT_VALUES = {
     "ReduceMean": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
     "ReduceL2": (1,), "ReduceL1": (1,), "ReduceSumSquare": (1,), "ReduceLogSumExp": (1,),
 }  # fmt: skip
-# Operators whose results are no float values whatever they read.
-_NO_VALUES = frozenset(
-    {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"}
-    | {"IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero"}
-)
 
 
 def quantizes(graph: Graph) -> bool:
@@ -186,7 +182,7 @@ def _quantizer_reading(graph: Graph, tensor: str, removed: set[int]) -> str | No
 
 def _computes_with(reader: NodeInfo, slot: int) -> bool:
     """Whether `reader` computes float values with what it reads at `slot`."""
-    if reader.op_type in _NO_VALUES or _is_qdq(reader):
+    if reader.op_type in NO_FLOAT_RESULTS or _is_qdq(reader):
         return False
     return slot not in _NOT_VALUES.get(reader.op_type, ())
 
